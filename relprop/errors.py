@@ -1,0 +1,63 @@
+"""Exceptions raised by relprop.
+
+Every error says what was wrong and what to do about it, so that a user never has to read a torch
+traceback to find out that, say, a target index was out of range.
+"""
+from __future__ import annotations
+
+
+class RelpropError(Exception):
+    """Base class of every error relprop raises on purpose."""
+
+
+class UnsupportedOperation(RelpropError):
+    """An op on the relevance path has no rule in the active preset.
+
+    The message names the op, the module path it came from (from the captured graph's
+    ``nn_module_stack``) and the decorator call that would register a rule for it.
+    """
+
+    def __init__(self, op, module_path: str, module_type: str, preset: str, detail: str = ""):
+        self.op = op
+        self.module_path = module_path
+        self.preset = preset
+        name = op_name(op)
+        where = f"module '{module_path}' ({module_type})" if module_path else "the model's top level"
+        msg = (
+            f"no relevance rule for {name} (called in {where}) in preset '{preset}'."
+            + (f" {detail}" if detail else "")
+            + "\nRegister one before calling explain():\n\n"
+            f"    @relprop.rule(torch.ops.{name}, preset='{preset}')\n"
+            f"    def my_rule(ctx, relevance):\n"
+            f"        # return one relevance tensor (or None) per positional argument of the op\n"
+            f"        ...\n\n"
+            "or pass unsupported='z_rule' to explain() to apply the generic gradient-times-input rule "
+            "to such ops (not conservative in general)."
+        )
+        super().__init__(msg)
+
+
+class CaptureError(RelpropError):
+    """torch.export could not capture the model's graph."""
+
+
+class TargetError(RelpropError, ValueError):
+    """The ``target`` argument does not fit the model's output."""
+
+
+class InputError(RelpropError, ValueError):
+    """The ``inputs`` argument is not something the model's forward can take."""
+
+
+class MethodError(RelpropError, ValueError):
+    """An unknown method, or a method that does not apply to this model."""
+
+
+def op_name(op) -> str:
+    """``aten.linear.default`` style name of an OpOverload (or ``repr`` of anything else)."""
+    name = getattr(op, "_name", None)  # "aten::linear"
+    overload = getattr(op, "_overloadname", None)
+    if name and overload is not None:
+        ns, base = name.split("::")
+        return f"{ns}.{base}.{overload}"
+    return getattr(op, "__name__", repr(op))

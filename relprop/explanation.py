@@ -1,0 +1,61 @@
+"""The result of :func:`relprop.explain`."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, List, Optional
+
+import torch
+
+from .graph.interpreter import BlockRecord, Conservation
+
+
+@dataclasses.dataclass
+class Explanation:
+    """Which input positions drove the target score.
+
+    Attributes
+    ----------
+    method : the method's name.
+    scores : [batch, positions]. Text: one score per input id (padding positions are 0 and
+        ``mask`` is False there). Images: one score per patch, in row-major patch-grid order (the
+        class/distillation tokens are excluded). Sign: non-negative for the rollout-style methods;
+        signed methods keep their sign (positive = supports the target).
+    map : [batch, H, W] for images: ``scores`` on the patch grid, upsampled bilinearly to the input
+        resolution. None for text.
+    mask : [batch, positions] bool, True where ``scores`` is meaningful (text: non-padding).
+    matrix : [batch, tokens, tokens] aggregated token-to-token matrix (rollout-style methods;
+        special tokens included) or None.
+    blocks : per attention block, A, dA, R_A, h, dh (:class:`relprop.graph.interpreter.BlockRecord`).
+    target : [batch] class indices explained (None for a callable target).
+    target_scores : [batch] the explained scores (logits of the target class).
+    conservation : relevance put in, reaching the input, absorbed by constants, and per block,
+        per sample (None for methods that do not propagate relevance).
+    input_relevance : relevance at the input (pixels [batch, C, H, W]; tokens [batch, positions],
+        the token embeddings' relevance summed over the embedding size).
+    logits : [batch, classes] the model's output scores (if it has them).
+    """
+
+    method: str
+    scores: torch.Tensor
+    map: Optional[torch.Tensor]
+    mask: Optional[torch.Tensor]
+    matrix: Optional[torch.Tensor]
+    blocks: List[BlockRecord]
+    target: Optional[torch.Tensor]
+    target_scores: torch.Tensor
+    conservation: Optional[Conservation]
+    input_relevance: Optional[torch.Tensor]
+    logits: Optional[torch.Tensor]
+    preset: str
+    modality: str
+    grid: Optional[tuple] = None
+    prefix_tokens: int = 0
+    outputs: Any = None
+
+    def __len__(self) -> int:
+        return self.scores.shape[0]
+
+    def __repr__(self) -> str:
+        return (f"Explanation(method='{self.method}', preset='{self.preset}', scores={tuple(self.scores.shape)}, "
+                f"map={None if self.map is None else tuple(self.map.shape)}, blocks={len(self.blocks)}, "
+                f"target={None if self.target is None else self.target.tolist()})")

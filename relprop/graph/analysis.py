@@ -1,0 +1,247 @@
+"""What relprop needs to know about a captured graph before interpreting it.
+
+* **sources** — where relevance stops: the pixel input (a float user input), or the embedding
+  lookups that read the token ids directly (word embeddings; position and token-type embeddings
+  read other indices, so they are constants that absorb relevance).
+* **live** nodes — floating-point values that depend on a source; only they carry relevance.
+  Everything else (parameters, mask-building code, shapes) is a constant.
+* **relevant** nodes — live nodes on a path to the output: the ones that need a rule.
+* **batch_dim** — which dimension of each node indexes samples (from the symbolic batch size of a
+  dynamic-batch capture), so that per-sample statistics never cross samples.
+* **blocks** — attention blocks, found structurally: a softmax whose output (possibly through a
+  ``where`` that zeroes fully masked rows, a dropout or a copy) is the left operand of a matmul
+  with the values. Ordered input → output and named by ``nn_module_stack``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import operator
+import re
+from typing import Dict, List, Optional, Set, Tuple
+
+import torch
+import torch.fx
+
+from ..rules.context import module_path, module_paths
+
+aten = torch.ops.aten
+
+SOFTMAX_OPS = {aten.softmax.int, aten._softmax.default, aten._safe_softmax.default}
+MATMUL_OPS = {aten.matmul.default, aten.bmm.default}
+#: ops between a softmax and the product with V that do not change what "the attention" is
+TRANSPARENT_OPS = {aten.where.self, aten.clone.default, aten._to_copy.default, aten.dropout.default,
+                   aten.alias.default, aten.detach.default, aten.contiguous.default, aten.view.default,
+                   aten.reshape.default, aten.expand.default, aten._unsafe_view.default}
+#: ops that produce a constant even from live inputs (they only read the input's shape/dtype)
+CONSTANT_PRODUCING = {
+    aten.full_like.default, aten.zeros_like.default, aten.ones_like.default, aten.empty_like.default,
+    aten.new_zeros.default, aten.new_ones.default, aten.new_full.default, aten.new_empty.default,
+    aten.rand_like.default, aten.randn_like.default, aten.scalar_tensor.default, aten.full.default,
+    aten.zeros.default, aten.ones.default, aten.arange.default, aten.arange.start,
+    aten.arange.start_step, aten.empty.memory_format, aten.sym_size.int,
+}
+#: ops that follow a token-id input to its embedding lookup
+INDEX_ROUTING = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.expand.default,
+                 aten.unsqueeze.default, aten.clone.default, aten._to_copy.default, aten.contiguous.default,
+                 aten.alias.default, aten.slice.Tensor, aten.squeeze.dim, aten.flatten.using_ints}
+
+
+@dataclasses.dataclass
+class BlockInfo:
+    """One attention block of the captured graph (numbered 0..B-1 from input to output)."""
+
+    index: int
+    name: str  # module path of the attention, e.g. "blocks.3.attn"
+    layer: str  # module path of the enclosing transformer layer, e.g. "blocks.3"
+    softmax: torch.fx.Node
+    attention: torch.fx.Node  # A: the tensor multiplied with the values
+    product: torch.fx.Node  # A @ V
+    hidden: Optional[torch.fx.Node]  # h: hidden states entering the layer
+    output: Optional[torch.fx.Node]  # hidden states leaving the layer
+
+
+@dataclasses.dataclass
+class GraphAnalysis:
+    primary: torch.fx.Node
+    modality: str  # "vision" | "text" | "embeddings"
+    sources: List[torch.fx.Node]
+    live: Set[torch.fx.Node]
+    relevant: Set[torch.fx.Node]
+    batch_dim: Dict[torch.fx.Node, Optional[int]]
+    pixel_convs: Dict[str, bool]
+    blocks: List[BlockInfo]
+    grid: Optional[Tuple[int, int]]
+    outputs: List[torch.fx.Node]
+
+    def nodes_in(self, layer: str) -> List[torch.fx.Node]:
+        return [n for n in self.relevant if layer in module_paths(n)]
+
+
+def _val(node):
+    return node.meta.get("val")
+
+
+def _is_float(v) -> bool:
+    if isinstance(v, (list, tuple)):
+        return any(_is_float(x) for x in v)
+    return isinstance(v, torch.Tensor) and v.is_floating_point()
+
+
+def _input_nodes(node) -> List[torch.fx.Node]:
+    return list(node.all_input_nodes)
+
+
+def analyze(program, graph: torch.fx.Graph, bindings, primary_name: str, static_batch: Optional[int]) -> GraphAnalysis:
+    placeholders = {n: (kind, tgt) for n, kind, tgt in bindings}
+    primary = next(n for n, (kind, tgt) in placeholders.items() if kind == "user" and tgt == primary_name)
+    primary_val = _val(primary)
+    sources: List[torch.fx.Node] = []
+    pixel_convs: Dict[str, bool] = {}
+
+    def traces_to_primary(n) -> bool:
+        seen = 0
+        while n is not primary:
+            if not isinstance(n, torch.fx.Node) or n.op != "call_function" or n.target not in INDEX_ROUTING or seen > 16:
+                return False
+            n = n.args[0]
+            seen += 1
+        return True
+
+    if primary_val.is_floating_point():
+        sources.append(primary)
+        modality = "vision" if primary_val.dim() == 4 else "embeddings"
+    else:
+        modality = "text"
+        for n in graph.nodes:
+            if n.op == "call_function" and n.target is aten.embedding.default and traces_to_primary(n.args[1]):
+                sources.append(n)
+
+    live: Set[torch.fx.Node] = set(sources)
+    for n in graph.nodes:
+        if n in live or n.op != "call_function":
+            continue
+        if n.target in CONSTANT_PRODUCING:
+            continue
+        v = _val(n)
+        if n.target is operator.getitem:
+            src = n.args[0]
+            if src in live and _is_float(v):
+                live.add(n)
+            continue
+        if _is_float(v) and any(m in live for m in _input_nodes(n)):
+            live.add(n)
+
+    output_node = next(n for n in graph.nodes if n.op == "output")
+    outputs = [a for a in torch.fx.node.map_arg(output_node.args[0], lambda x: x).__iter__()] \
+        if isinstance(output_node.args[0], (list, tuple)) else [output_node.args[0]]
+    outputs = [o for o in outputs if isinstance(o, torch.fx.Node)]
+
+    relevant: Set[torch.fx.Node] = set()
+    stack = [o for o in outputs if o in live]
+    while stack:
+        n = stack.pop()
+        if n in relevant:
+            continue
+        relevant.add(n)
+        if n in sources:
+            continue
+        stack.extend(m for m in _input_nodes(n) if m in live)
+
+    # batch dimension of every node
+    batch_dim: Dict[torch.fx.Node, Optional[int]] = {}
+    bsym = primary_val.shape[0] if primary_val.dim() > 0 else None
+    sym = isinstance(bsym, torch.SymInt)
+    for n in graph.nodes:
+        v = _val(n)
+        if not isinstance(v, torch.Tensor):
+            batch_dim[n] = None
+            continue
+        d = None
+        for i, s in enumerate(v.shape):
+            if sym:
+                if isinstance(s, torch.SymInt) and s.node.expr == bsym.node.expr:
+                    d = i
+                    break
+            elif i == 0 and static_batch is not None and s == static_batch:
+                d = 0
+                break
+        batch_dim[n] = d
+
+    # convolutions reading the pixels (z^B rule)
+    if modality == "vision":
+        for n in graph.nodes:
+            if n.op == "call_function" and n.target is aten.convolution.default:
+                x = n.args[0]
+                hops = 0
+                while x is not primary and isinstance(x, torch.fx.Node) and x.op == "call_function" \
+                        and x.target in INDEX_ROUTING and hops < 8:
+                    x, hops = x.args[0], hops + 1
+                pixel_convs[n.name] = x is primary
+
+    blocks = _find_blocks(graph, live, relevant)
+    grid = None
+    for n in graph.nodes:
+        if pixel_convs.get(n.name):
+            shape = _val(n).shape
+            if len(shape) == 4:
+                grid = (int(shape[2]), int(shape[3]))
+            break
+    return GraphAnalysis(primary, modality, sources, live, relevant, batch_dim, pixel_convs, blocks, grid, outputs)
+
+
+_LAYER = re.compile(r"\.\d+$")
+
+
+def _layer_path(node) -> str:
+    paths = module_paths(node)
+    for p in reversed(paths):
+        if _LAYER.search(p):
+            return p
+    return paths[-1] if paths else ""
+
+
+def _find_blocks(graph, live, relevant) -> List[BlockInfo]:
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    found = []
+    for sm in graph.nodes:
+        if sm.op != "call_function" or sm.target not in SOFTMAX_OPS or sm not in live:
+            continue
+        frontier, product, attn = [sm], None, None
+        for _ in range(6):
+            nxt = []
+            for cur in frontier:
+                for u in cur.users:
+                    if u.op != "call_function":
+                        continue
+                    if u.target in MATMUL_OPS and u.args[0] is cur and u.args[1] in live:
+                        product, attn = u, cur
+                        break
+                    if u.target in TRANSPARENT_OPS and u in live:
+                        nxt.append(u)
+                if product is not None:
+                    break
+            if product is not None or not nxt:
+                break
+            frontier = nxt
+        if product is None:
+            continue
+        found.append((sm, attn, product))
+    found.sort(key=lambda t: order[t[0]])
+    blocks = []
+    for i, (sm, attn, product) in enumerate(found):
+        layer = _layer_path(attn)
+        in_scope = [n for n in graph.nodes if layer and layer in module_paths(n)]
+        scope = set(in_scope)
+        hidden = output = None
+        for n in in_scope:
+            for m in n.all_input_nodes:
+                if m in live and m not in scope and isinstance(_val(m), torch.Tensor) and _val(m).dim() >= 3:
+                    hidden = m
+                    break
+            if hidden is not None:
+                break
+        for n in in_scope:
+            if n in live and any(u not in scope for u in n.users):
+                output = n
+        blocks.append(BlockInfo(i, module_path(attn), layer, sm, attn, product, hidden, output))
+    return blocks

@@ -1,0 +1,162 @@
+"""Capture the compute graph of an unmodified model with ``torch.export`` (DESIGN §2).
+
+* ``torch.export.export(model, (), kwargs, strict=False)`` of the model in eval mode (the flags are
+  restored afterwards, see :mod:`relprop.graph.state`); nothing of the model is patched.
+* ``run_decompositions`` with torch's default table *minus* the ops we have rules for as a whole
+  (linear, layer_norm, softmax, gelu, silu, matmul, dropout): fused scaled-dot-product attention
+  becomes matmul → scale → mask → softmax → matmul, so the attention probabilities are a node of
+  the graph. Masks built by HuggingFace are large finite negatives, never ``-inf``; where a model
+  does use ``-inf``, the rules give zero relevance there instead of ``-inf · 0 = NaN``.
+* The batch dimension is exported as dynamic when the model allows it (an input of batch 1 is
+  exported as a batch of 2 copies, because torch specializes sizes 0 and 1), so one captured
+  program serves every batch size; otherwise the capture is static and keyed by the exact shapes.
+* Captured programs are cached per model (weakly: the cache dies with the model) and input
+  signature, as an LRU of :data:`CACHE_SIZE` entries per model.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import threading
+import weakref
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+import torch.fx
+from torch.export import Dim
+from torch.export.graph_signature import InputKind
+
+from ..errors import CaptureError
+from .analysis import GraphAnalysis, analyze
+from .inputs import batch_size_of, primary_input, signature
+from .state import eval_mode
+
+aten = torch.ops.aten
+
+#: ops kept whole by the decomposition because the rules treat them as units
+KEEP_WHOLE = [
+    aten.linear.default, aten.layer_norm.default, aten.softmax.int, aten._softmax.default,
+    aten.gelu.default, aten.silu.default, aten.matmul.default, aten.dropout.default,
+    aten.rms_norm.default, aten.tanh.default,
+]
+
+#: captured programs kept per model (least recently used dropped first)
+CACHE_SIZE = 8
+
+
+@dataclasses.dataclass
+class Captured:
+    """A decomposed exported program and what relprop learned about it."""
+
+    program: torch.export.ExportedProgram
+    graph: torch.fx.Graph
+    bindings: List[Tuple[torch.fx.Node, str, Any]]  # (placeholder, kind, target or kwarg name)
+    kwarg_names: List[str]
+    batch_dynamic: bool
+    analysis: GraphAnalysis
+    primary: str
+
+    @property
+    def out_spec(self):
+        return self.program.call_spec.out_spec
+
+
+class CaptureCache:
+    """Per-model LRU of captured programs, safe to use from several threads."""
+
+    def __init__(self, size: int = CACHE_SIZE):
+        self.size = size
+        self._by_model: "weakref.WeakKeyDictionary[torch.nn.Module, collections.OrderedDict]" = weakref.WeakKeyDictionary()
+        self._lock = threading.RLock()
+        self.traces = 0  # number of exports performed (tests read it)
+
+    def get(self, model: torch.nn.Module, kwargs: Dict[str, Any]) -> Captured:
+        with self._lock:
+            per_model = self._by_model.setdefault(model, collections.OrderedDict())
+            for dynamic in (True, False):
+                key = signature(kwargs, dynamic)
+                hit = per_model.get(key)
+                if hit is not None and hit.batch_dynamic == dynamic:
+                    per_model.move_to_end(key)
+                    return hit
+            captured = capture(model, kwargs)
+            self.traces += 1
+            per_model[signature(kwargs, captured.batch_dynamic)] = captured
+            while len(per_model) > self.size:
+                per_model.popitem(last=False)
+            return captured
+
+    def clear(self, model: Optional[torch.nn.Module] = None) -> None:
+        with self._lock:
+            if model is None:
+                self._by_model.clear()
+            else:
+                self._by_model.pop(model, None)
+
+
+CACHE = CaptureCache()
+
+
+def clear_cache(model: Optional[torch.nn.Module] = None) -> None:
+    """Forget captured programs (of ``model``, or of every model). Needed only if a model's
+    structure (not its weights) was changed after it was explained."""
+    CACHE.clear(model)
+
+
+def _export(model, kwargs, dynamic: bool):
+    b = batch_size_of(kwargs)
+    tensors = {k: v for k, v in kwargs.items() if v is not None}
+    shapes = None
+    if dynamic:
+        if b == 1:  # torch specializes size-1 dims: export on two copies
+            tensors = {k: (torch.cat([v, v]) if torch.is_tensor(v) and v.dim() > 0 and v.shape[0] == 1 else v)
+                       for k, v in tensors.items()}
+            b = 2
+        batch = Dim("batch", min=1, max=1 << 20)
+        shapes = {k: ({0: batch} if torch.is_tensor(v) and v.dim() > 0 and v.shape[0] == b else None)
+                  for k, v in tensors.items()}
+    return torch.export.export(model, (), tensors, strict=False, dynamic_shapes=shapes), list(tensors)
+
+
+def capture(model: torch.nn.Module, kwargs: Dict[str, Any]) -> Captured:
+    """Export ``model`` called with ``kwargs`` and decompose it so attention probabilities are nodes."""
+    errors = []
+    ep = names = None
+    dynamic = False
+    with eval_mode(model), torch.no_grad():
+        for dynamic in (True, False):
+            try:
+                ep, names = _export(model, kwargs, dynamic)
+                break
+            except Exception as e:  # noqa: BLE001 - torch raises many kinds; we report them all
+                errors.append(f"{'dynamic' if dynamic else 'static'} batch: {type(e).__name__}: {str(e)[:800]}")
+    if ep is None:
+        raise CaptureError(
+            f"torch.export could not capture {type(model).__name__}:\n  " + "\n  ".join(errors)
+            + "\nrelprop needs a model that torch.export.export(model, (), inputs, strict=False) can trace."
+        )
+    table = torch.export.default_decompositions()
+    for op in KEEP_WHOLE:
+        table.pop(op, None)
+    ep = ep.run_decompositions(table)
+    graph = ep.graph
+    specs = {s.arg.name: s for s in ep.graph_signature.input_specs}
+    user_names = iter(names)
+    bindings = []
+    for node in graph.nodes:
+        if node.op != "placeholder":
+            continue
+        spec = specs[node.name]
+        if spec.kind == InputKind.PARAMETER:
+            bindings.append((node, "param", spec.target))
+        elif spec.kind == InputKind.BUFFER:
+            bindings.append((node, "buffer", spec.target))
+        elif spec.kind == InputKind.CONSTANT_TENSOR:
+            bindings.append((node, "constant", spec.target))
+        elif spec.kind == InputKind.USER_INPUT:
+            bindings.append((node, "user", next(user_names)))
+        else:
+            raise CaptureError(f"unsupported graph input {node.name} of kind {spec.kind}")
+    primary = primary_input(kwargs)
+    analysis = analyze(ep, graph, bindings, primary, batch_size_of(kwargs) if not dynamic else None)
+    return Captured(ep, graph, bindings, names, dynamic, analysis, primary)

@@ -1,0 +1,89 @@
+"""Turn what the user passed as ``inputs`` into keyword arguments of the model's forward."""
+from __future__ import annotations
+
+import inspect
+from collections.abc import Mapping
+from typing import Any, Dict, Tuple
+
+import torch
+
+from ..errors import InputError
+
+#: names under which HuggingFace and timm models take their main input, in order of preference
+PRIMARY_INPUT_NAMES = ("input_ids", "pixel_values", "inputs_embeds", "x", "input", "inputs", "images")
+
+
+def bind_inputs(model: torch.nn.Module, inputs: Any) -> Dict[str, Any]:
+    """Map ``inputs`` (a tensor, a tuple of positional arguments, or a dict) onto the names of
+    ``model.forward``'s parameters, so that the model can be exported with keyword arguments only.
+    """
+    if isinstance(inputs, Mapping):
+        args, kwargs = (), dict(inputs)
+    elif torch.is_tensor(inputs):
+        args, kwargs = (inputs,), {}
+    elif isinstance(inputs, (tuple, list)):
+        args, kwargs = tuple(inputs), {}
+    else:
+        raise InputError(
+            f"inputs must be a tensor, a tuple of tensors or a dict of tensors (e.g. a tokenizer's output), "
+            f"not {type(inputs).__name__}"
+        )
+    try:
+        sig = inspect.signature(model.forward)
+        bound = sig.bind_partial(*args, **kwargs)
+    except TypeError as e:
+        raise InputError(f"inputs do not fit {type(model).__name__}.forward{_sig(model)}: {e}") from None
+    out = {}
+    for name, value in bound.arguments.items():
+        param = sig.parameters[name]
+        if param.kind is inspect.Parameter.VAR_KEYWORD:
+            out.update(value)
+        elif param.kind is inspect.Parameter.VAR_POSITIONAL:
+            raise InputError(f"{type(model).__name__}.forward takes *args; pass inputs as a dict instead")
+        else:
+            out[name] = value
+    tensors = {k: v for k, v in out.items() if torch.is_tensor(v)}
+    if not tensors:
+        raise InputError("inputs contain no tensor: pass pixel values, input ids or a tokenizer's output")
+    return out
+
+
+def primary_input(kwargs: Dict[str, Any]) -> str:
+    """Name of the input that relevance is explained onto (pixels, token ids or embeddings)."""
+    for name in PRIMARY_INPUT_NAMES:
+        if torch.is_tensor(kwargs.get(name)):
+            return name
+    for name, v in kwargs.items():
+        if torch.is_tensor(v) and v.is_floating_point():
+            return name
+    return next(k for k, v in kwargs.items() if torch.is_tensor(v))
+
+
+def batch_size_of(kwargs: Dict[str, Any]) -> int:
+    t = kwargs[primary_input(kwargs)]
+    if t.dim() == 0:
+        raise InputError(f"input '{primary_input(kwargs)}' is a scalar; it needs a batch dimension first")
+    return t.shape[0]
+
+
+def signature(kwargs: Dict[str, Any], batch_dynamic: bool) -> Tuple:
+    """Hashable description of the inputs: names, dtypes, devices and shapes (batch as -1 when the
+    captured graph takes any batch size)."""
+    b = batch_size_of(kwargs)
+    sig = []
+    for name in sorted(kwargs):
+        v = kwargs[name]
+        if torch.is_tensor(v):
+            shape = tuple(-1 if (batch_dynamic and i == 0 and v.dim() > 0 and s == b) else s
+                          for i, s in enumerate(v.shape))
+            sig.append((name, str(v.dtype), v.device.type, shape))
+        else:
+            sig.append((name, type(v).__name__, repr(v) if isinstance(v, (int, float, bool, str, type(None))) else id(v)))
+    return tuple(sig)
+
+
+def _sig(model) -> str:
+    try:
+        return str(inspect.signature(model.forward))
+    except (TypeError, ValueError):
+        return "(...)"

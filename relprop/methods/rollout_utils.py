@@ -1,0 +1,31 @@
+"""Shared pieces of the rollout-style methods (CVPR 2021, Eq. 13–16)."""
+from __future__ import annotations
+
+from typing import List
+
+import torch
+
+
+def head_mean(t: torch.Tensor) -> torch.Tensor:
+    """E_h: mean over the heads of a [batch, heads, tokens, tokens] map."""
+    if t.dim() == 3:
+        return t
+    return t.mean(1)
+
+
+def chain(matrices: List[torch.Tensor], normalize_rows: bool = False) -> torch.Tensor:
+    """``I + M_b`` for every block (input → output order), multiplied output-side first::
+
+        C = (I + M_{B-1}) · ... · (I + M_0)
+
+    which is the paper's C = Ā_1 · ... · Ā_B with its blocks numbered from the output (Eq. 14).
+    ``normalize_rows`` divides each ``I + M_b`` by its row sums first (the authors' BERT code).
+    """
+    eye = torch.eye(matrices[0].shape[-1], dtype=matrices[0].dtype, device=matrices[0].device)
+    joint = None
+    for m in matrices:
+        a = m + eye
+        if normalize_rows:
+            a = a / a.sum(-1, keepdim=True)
+        joint = a if joint is None else a @ joint
+    return joint

@@ -1,0 +1,33 @@
+"""The paper's method: Transformer Attribution (Chefer, Gur & Wolf, CVPR 2021, Eq. 13–14)."""
+from __future__ import annotations
+
+from ..errors import MethodError
+from .registry import method
+from .rollout_utils import chain, head_mean
+
+
+@method("transformer_attribution",
+        description="relevance x gradient of each attention map, positive part, averaged over heads, "
+                    "rolled out over the blocks",
+        class_specific=True, signed=False, reference="Chefer et al., CVPR 2021, Eq. 13-14",
+        needs_relevance=True)
+def transformer_attribution(trace, start_block: int = 0, normalize_rows: bool = False):
+    """Ā_b = I + E_h[(∇A_b ⊙ R_A,b)⁺] (Eq. 13); C = Ā_1 · … · Ā_B (Eq. 14, blocks numbered from the
+    output); scores = the classification token's row of C.
+
+    Parameters
+    ----------
+    start_block : first block (counted from the input, 0-based) included in the product. The
+        paper's Eq. 14 and its ViT code use every block (0). The authors' BERT code starts at the
+        last block (``start_layer=11`` for BERT-base), which is what their text benchmark used.
+    normalize_rows : divide each I + Ā_b by its row sums (the authors' BERT code); off by default,
+        as in their ViT code and the paper's text.
+    """
+    blocks = trace.blocks
+    if not blocks:
+        raise MethodError("transformer_attribution needs attention blocks, and none were found in the graph")
+    if not 0 <= start_block < len(blocks):
+        raise MethodError(f"start_block={start_block} out of range: the model has blocks 0..{len(blocks) - 1}")
+    maps = [head_mean((b.gradient * b.relevance).clamp(min=0)) for b in blocks[start_block:]]
+    joint = chain(maps, normalize_rows=normalize_rows)
+    return {"tokens": joint[:, 0, :], "matrix": joint}

@@ -1,0 +1,16 @@
+"""Relevance rules, one module per op family, and the registry that groups them in presets.
+
+==================  ======================================================================
+module              ops
+==================  ======================================================================
+``routing``         shape-only ops (view, permute, slice, select, cat, expand, ...)
+``passthrough``     GELU, softmax, LayerNorm, tanh, scaling by constants, where, masks
+``linear``          ``aten.linear``, ``aten.addmm``, products with a constant matrix
+``products``        attention matmuls and element-wise products of two live tensors
+``residual``        add / sub (residual connections, position embeddings, masks)
+``convolution``     the patch embedding (z^B on pixels)
+==================  ======================================================================
+"""
+from .registry import define_preset, describe, get_preset, lookup, presets, rule  # noqa: F401
+from .context import RuleContext  # noqa: F401
+from . import routing, passthrough, linear, products, residual, convolution  # noqa: F401,E402

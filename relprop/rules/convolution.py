@@ -1,0 +1,68 @@
+"""Convolutions: the patch embedding of vision transformers.
+
+The first layer sees pixels, which are bounded, so the authors' code (``layers_ours.Conv2d`` when
+the input has 3 channels) uses the z^B ("box") rule of Montavon et al. (2017), as in the CVPR 2021
+supplementary §B, with per-sample bounds l = min(x), h = max(x)::
+
+    z_j = Σ_i x_i w_ji − l w⁺_ji − h w⁻_ji        (bias ignored, z_j ≥ 0)
+    R_i = Σ_j (x_i w_ji − l w⁺_ji − h w⁻_ji) / z_j · R_j
+
+We apply z^B whenever the convolution reads the model's pixel input directly (whatever the number
+of channels). Any other convolution gets the preset's linear rule (alpha1-beta0 for chefer2021,
+the separate-denominator rule of ``layers_lrp.Conv2d`` for lrp). Both presets share z^B.
+"""
+from __future__ import annotations
+
+import torch
+
+from .registry import rule
+from .stabilize import safe_divide
+
+aten = torch.ops.aten
+
+
+def _conv(x, w, p):
+    return aten.convolution.default(x, w, None, *p)
+
+
+def _conv_t(s, w, x_shape, p):
+    """Adjoint of the convolution w.r.t. its input (the gradient with ``s`` as output gradient)."""
+    stride, padding, dilation, transposed, output_padding, groups = p
+    x = torch.empty(x_shape, dtype=s.dtype, device=s.device)
+    return aten.convolution_backward.default(s, x, w, None, stride, padding, dilation, transposed,
+                                             output_padding, groups, [True, False, False])[0]
+
+
+def z_box(x, w, p, relevance, eps, low, high):
+    """z^B rule with per-sample lower/upper bounds ``low``, ``high`` (broadcastable to x)."""
+    wp, wn = w.clamp(min=0), w.clamp(max=0)
+    lo = low.expand_as(x)
+    hi = high.expand_as(x)
+    z = _conv(x, w, p) - _conv(lo, wp, p) - _conv(hi, wn, p)
+    s = safe_divide(relevance, z, eps)
+    return x * _conv_t(s, w, x.shape, p) - lo * _conv_t(s, wp, x.shape, p) - hi * _conv_t(s, wn, x.shape, p)
+
+
+def conv_alpha1_beta0(x, w, p, relevance, eps, joint=True):
+    """alpha1-beta0 for a convolution; ``joint=False`` gives the LRP baseline's separate denominators."""
+    xp, xn = x.clamp(min=0), x.clamp(max=0)
+    wp, wn = w.clamp(min=0), w.clamp(max=0)
+    z1, z2 = _conv(xp, wp, p), _conv(xn, wn, p)
+    s1 = safe_divide(relevance, z1 + z2 if joint else z1, eps)
+    s2 = safe_divide(relevance, z1 + z2 if joint else z2, eps)
+    return xp * _conv_t(s1, wp, x.shape, p) + xn * _conv_t(s2, wn, x.shape, p)
+
+
+@rule(aten.convolution.default, preset=("chefer2021", "lrp"))
+def convolution(ctx, relevance):
+    """Patch embedding: z^B on pixels (supplementary §B); otherwise the preset's linear rule."""
+    x, w = ctx.args[0].float(), ctx.args[1].float()
+    p = tuple(ctx.args[3:9])
+    if ctx.options.get("reads_pixels", {}).get(ctx.node.name, False):
+        dims = list(range(1, x.dim()))
+        low = x.amin(dim=dims, keepdim=True)
+        high = x.amax(dim=dims, keepdim=True)
+        rx = z_box(x, w, p, relevance, ctx.eps, low, high)
+    else:
+        rx = conv_alpha1_beta0(x, w, p, relevance, ctx.eps, joint=(ctx.preset != "lrp"))
+    return (rx,) + (None,) * (len(ctx.args) - 1)

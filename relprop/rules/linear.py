@@ -1,0 +1,98 @@
+"""Linear layers: ``aten.linear``, ``aten.addmm``, ``aten.mm`` and products with a constant matrix.
+
+``"chefer2021"`` — LRP-alpha-beta with alpha=1, beta=0 (CVPR 2021, Eq. 5, as the authors'
+``modules/layers_ours.py`` computes it): with x⁺ = max(x, 0), x⁻ = min(x, 0), W⁺ = max(W, 0),
+W⁻ = min(W, 0), one joint denominator per output, bias ignored::
+
+    z_j   = Σ_i x⁺_i W⁺_ji + x⁻_i W⁻_ji
+    R_i   = Σ_j (x⁺_i W⁺_ji + x⁻_i W⁻_ji) / z_j · R_j
+
+Every term is non-negative, so Σ_i R_i = Σ_j R_j wherever z_j ≠ 0: the rule conserves relevance.
+
+``"lrp"`` — the linear rule of the authors' LRP *baseline* (``modules/layers_lrp.py``), kept as the
+code has it because the paper's LRP and partial-LRP numbers come from it: the x⁺W⁺ part is divided
+by the joint denominator z⁺ + z⁻ (z⁺ = x⁺W⁺, z⁻ = x⁻W⁻) but the x⁻W⁻ part by 2·z⁻. Its total is
+Σ_j R_j (z⁺_j / (z⁺_j + z⁻_j) + 1/2): NOT conservative. (DESIGN.md describes this as "separate
+denominators"; the code's denominator for the second part is ``Z2 + Z2``. We follow the code.)
+"""
+from __future__ import annotations
+
+import torch
+
+from ..errors import UnsupportedOperation
+from .context import module_type
+from .registry import rule
+from .stabilize import safe_divide
+
+aten = torch.ops.aten
+
+
+def alpha1_beta0(x: torch.Tensor, w: torch.Tensor, relevance: torch.Tensor, eps: float) -> torch.Tensor:
+    """Relevance of ``x`` for ``z = x @ w`` under LRP-alpha1beta0 with a joint denominator (Eq. 5).
+
+    ``w`` is [in, out] (or batched [..., in, out]); ``x`` is [..., in]; ``relevance`` is [..., out].
+    """
+    xp, xn = x.clamp(min=0), x.clamp(max=0)
+    wp, wn = w.clamp(min=0), w.clamp(max=0)
+    z = xp @ wp + xn @ wn
+    s = safe_divide(relevance, z, eps)
+    return xp * (s @ wp.transpose(-1, -2)) + xn * (s @ wn.transpose(-1, -2))
+
+
+def lrp_baseline(x: torch.Tensor, w: torch.Tensor, relevance: torch.Tensor, eps: float) -> torch.Tensor:
+    """Relevance of ``x`` for ``z = x @ w`` under the authors' LRP-baseline linear rule (not conservative)."""
+    xp, xn = x.clamp(min=0), x.clamp(max=0)
+    wp, wn = w.clamp(min=0), w.clamp(max=0)
+    z1 = xp @ wp
+    z2 = xn @ wn
+    s1 = safe_divide(relevance, z1 + z2, eps)
+    s2 = safe_divide(relevance, z2 + z2, eps)
+    return xp * (s1 @ wp.transpose(-1, -2)) + xn * (s2 @ wn.transpose(-1, -2))
+
+
+_LINEAR_RULES = {"chefer2021": alpha1_beta0, "lrp": lrp_baseline}
+
+
+def _rule_for(ctx):
+    return _LINEAR_RULES.get(ctx.preset, alpha1_beta0) if ctx.preset in _LINEAR_RULES else alpha1_beta0
+
+
+def _require_constant_weight(ctx, weight_pos):
+    if ctx.live[weight_pos] is True:
+        raise UnsupportedOperation(ctx.node.target, ctx.module_path, module_type(ctx.node), ctx.preset,
+                                   detail="Its weight depends on the input, so it is not a linear layer.")
+
+
+@rule(aten.linear.default, preset=("chefer2021", "lrp"))
+def linear(ctx, relevance):
+    """``y = x Wᵀ + b``: alpha1-beta0 (chefer2021, Eq. 5) or the LRP baseline (lrp); bias ignored."""
+    _require_constant_weight(ctx, 1)
+    x, w = ctx.args[0].float(), ctx.args[1].float()
+    rx = _rule_for(ctx)(x, w.t(), relevance, ctx.eps)
+    return (rx,) + (None,) * (len(ctx.args) - 1)
+
+
+@rule(aten.addmm.default, preset=("chefer2021", "lrp"))
+def addmm(ctx, relevance):
+    """``y = b + x @ W`` (GPT-2's Conv1D): same rule as :func:`linear`, bias ignored."""
+    _require_constant_weight(ctx, 2)
+    x, w = ctx.args[1].float(), ctx.args[2].float()
+    return (None, _rule_for(ctx)(x, w, relevance, ctx.eps), None)
+
+
+def constant_matrix_product(ctx, relevance):
+    """``x @ W`` or ``W @ x`` with one constant operand: the linear rule on the live operand."""
+    a, b = ctx.args[0], ctx.args[1]
+    fn = _rule_for(ctx)
+    if ctx.live[0] is True and ctx.live[1] is not True:
+        if b.dim() == 1:
+            return (fn(a.float(), b.float().unsqueeze(-1), relevance.unsqueeze(-1), ctx.eps), None)
+        return (fn(a.float(), b.float(), relevance, ctx.eps), None)
+    if ctx.live[1] is True and ctx.live[0] is not True:
+        if a.dim() == 1:
+            r = fn(b.float().transpose(-1, -2), a.float().unsqueeze(-1), relevance.unsqueeze(-1), ctx.eps)
+            return (None, r.transpose(-1, -2))
+        # (W x)^T = x^T W^T
+        r = fn(b.float().transpose(-1, -2), a.float().transpose(-1, -2), relevance.transpose(-1, -2), ctx.eps)
+        return (None, r.transpose(-1, -2))
+    return (None, None)

@@ -1,0 +1,92 @@
+"""Ops whose relevance passes through unchanged, and masks that route it.
+
+Chefer et al. (CVPR 2021, §3.2 and supplementary §B) propagate relevance through the non-linear
+element-wise and normalization layers of a transformer unchanged: their code gives GELU, softmax,
+LayerNorm, dropout and tanh the identity rule (``RelProp.relprop`` returns ``R``). Multiplication
+or division by a constant (the attention scale 1/sqrt(d), a LayerNorm gain) is treated the same
+way, as in the authors' ViT where ``dots = matmul1([q, k]) * scale`` has no rule of its own.
+Registered for both the ``"chefer2021"`` and ``"lrp"`` presets.
+"""
+from __future__ import annotations
+
+import torch
+
+from .registry import rule
+
+aten = torch.ops.aten
+PAPER_PRESETS = ("chefer2021", "lrp")
+
+
+@rule(aten.gelu.default, aten.tanh.default, aten.relu.default, aten.silu.default, aten.sigmoid.default,
+      aten.erf.default, aten.softmax.int, aten._softmax.default, aten._safe_softmax.default,
+      aten.log_softmax.int, aten._log_softmax.default, aten.hardtanh.default, aten.leaky_relu.default,
+      aten.elu.default, aten.quick_gelu.default if hasattr(aten, "quick_gelu") else aten.gelu.default,
+      preset=PAPER_PRESETS)
+def identity(ctx, relevance):
+    """Element-wise activations and softmax: R_in = R_out (CVPR 2021 code, ``RelProp.relprop``)."""
+    return (relevance,) + (None,) * (len(ctx.args) - 1)
+
+
+@rule(aten.layer_norm.default, aten.rms_norm.default, preset=PAPER_PRESETS)
+def layer_norm_identity(ctx, relevance):
+    """LayerNorm: relevance passes to the normalized input unchanged; gain and bias get none.
+
+    (CVPR 2021 code: ``LayerNorm(nn.LayerNorm, RelProp)`` has the identity rule.)
+    """
+    return (relevance,) + (None,) * (len(ctx.args) - 1)
+
+
+@rule(aten.native_layer_norm.default, preset=PAPER_PRESETS)
+def native_layer_norm_identity(ctx, relevance):
+    """``native_layer_norm`` returns (y, mean, rstd); only y carries relevance (identity)."""
+    r = relevance[0] if isinstance(relevance, (list, tuple)) else relevance
+    return (r,) + (None,) * (len(ctx.args) - 1)
+
+
+def _scale_rule(ctx, relevance):
+    live = ctx.live_tensor_args()
+    if len(live) != 1:
+        return None
+    out = [None] * len(ctx.args)
+    out[live[0]] = relevance
+    return tuple(out)
+
+
+@rule(aten.mul.Scalar, aten.div.Scalar, preset=PAPER_PRESETS)
+def scale_identity(ctx, relevance):
+    """Scaling by a Python number (e.g. the attention scale d^-1/2): R_in = R_out."""
+    return (relevance, None)
+
+
+@rule(aten.div.Tensor, aten.div.Tensor_mode, preset=PAPER_PRESETS)
+def divide_by_constant(ctx, relevance):
+    """x / c for a constant c: R_x = R_out. A divisor that depends on the input has no rule."""
+    from ..errors import UnsupportedOperation
+    from .context import module_type
+
+    if ctx.live[0] is True and not (len(ctx.live) > 1 and ctx.live[1] is True):
+        return (relevance,) + (None,) * (len(ctx.args) - 1)
+    raise UnsupportedOperation(ctx.node.target, ctx.module_path, module_type(ctx.node), ctx.preset,
+                               detail="Division by an input-dependent tensor has no rule in this preset.")
+
+
+@rule(aten.where.self, preset=("base",))
+def where_route(ctx, relevance):
+    """``where(cond, a, b)``: each element's relevance goes to the operand it was taken from.
+
+    The condition is boolean and receives none; a constant operand (e.g. the zeros that SDPA puts
+    in fully masked rows) absorbs what lands on it.
+    """
+    cond, a, b = ctx.args[:3]
+    zero = torch.zeros((), dtype=relevance.dtype, device=relevance.device)
+    ra = torch.where(cond, relevance, zero) if torch.is_tensor(a) else None
+    rb = torch.where(cond, zero, relevance) if torch.is_tensor(b) else None
+    return (None, ra, rb)
+
+
+@rule(aten.masked_fill.Scalar, aten.masked_fill.Tensor, preset=("base",))
+def masked_fill_route(ctx, relevance):
+    """Filled positions come from the fill value: it absorbs their relevance, the rest goes to x."""
+    x, mask = ctx.args[:2]
+    zero = torch.zeros((), dtype=relevance.dtype, device=relevance.device)
+    return (torch.where(mask, zero, relevance), None, torch.where(mask, relevance, zero))

@@ -1,0 +1,72 @@
+"""Products of two input-dependent tensors: the attention matmuls A·V and Q·Kᵀ.
+
+CVPR 2021, §3.2 and Lemma 1 (ii): for a product of two tensors the z-rule (gradient × input)
+gives *each* operand the whole incoming relevance, so their shares sum to twice the incoming total.
+The authors' code (``Attention.relprop`` in ``baselines/ViT/ViT_LRP.py``) therefore divides both
+shares by 2. The relevance of the attention map, R_A, is read after that halving (Eq. 9–10).
+Both presets (``"chefer2021"`` and ``"lrp"``) do this. When one operand is a constant the product
+is a linear map and the linear rule of the preset applies (:mod:`relprop.rules.linear`).
+"""
+from __future__ import annotations
+
+import torch
+
+from .linear import constant_matrix_product
+from .registry import rule
+from .stabilize import safe_divide
+
+aten = torch.ops.aten
+
+
+def z_rule_matmul(a: torch.Tensor, b: torch.Tensor, z: torch.Tensor, relevance: torch.Tensor, eps: float):
+    """Z-rule for ``z = a @ b`` (Lemma 1): ``R_a = a ⊙ (S bᵀ)``, ``R_b = b ⊙ (aᵀ S)``, ``S = R / z``.
+
+    Each of the two returned shares sums to Σ R (where z ≠ 0). Shares are shaped like the
+    broadcast product, which the interpreter reduces onto the operands.
+    """
+    s = safe_divide(relevance, z, eps)
+    ra = a * (s @ b.transpose(-1, -2))
+    rb = b * (a.transpose(-1, -2) @ s)
+    return ra, rb
+
+
+@rule(aten.matmul.default, aten.bmm.default, aten.mm.default, preset=("chefer2021", "lrp"))
+def matmul(ctx, relevance):
+    """Attention products (both operands live): z-rule on each operand, then both halved.
+
+    With one constant operand the product is a linear layer (alpha1-beta0 in chefer2021).
+    """
+    a, b = ctx.args[0], ctx.args[1]
+    if not (ctx.live[0] is True and ctx.live[1] is True):
+        return constant_matrix_product(ctx, relevance)
+    if a.dim() < 2 or b.dim() < 2:
+        # vector products: promote to matrices, as torch.matmul does
+        a2 = a.float().unsqueeze(0) if a.dim() == 1 else a.float()
+        b2 = b.float().unsqueeze(-1) if b.dim() == 1 else b.float()
+        z = a2 @ b2
+        r = relevance.reshape(z.shape)
+        ra, rb = z_rule_matmul(a2, b2, z, r, ctx.eps)
+        return (ra.reshape(a.shape) / 2 if a.dim() == 1 else ra / 2, rb.reshape(b.shape) / 2 if b.dim() == 1 else rb / 2)
+    ra, rb = z_rule_matmul(a.float(), b.float(), ctx.out.float(), relevance, ctx.eps)
+    return (ra / 2, rb / 2)
+
+
+@rule(aten.mul.Tensor, preset=("chefer2021", "lrp"))
+def multiply(ctx, relevance):
+    """Element-wise product.
+
+    One constant factor (a gain, a scale, a 0/1 mask): R passes to the live factor unchanged, as
+    the paper's code treats scaling. Two live factors (gates): the z-rule gives each the whole R
+    (Lemma 1 ii), then both are halved, as for the attention products.
+    """
+    a, b = ctx.args[0], ctx.args[1]
+    live_a, live_b = ctx.live[0] is True, ctx.live[1] is True
+    if live_a and live_b:
+        z = ctx.out.float()
+        s = safe_divide(relevance, z, ctx.eps)
+        return (a.float() * b.float() * s / 2, a.float() * b.float() * s / 2)
+    if live_a:
+        return (relevance, None)
+    if live_b:
+        return (None, relevance)
+    return (None, None)

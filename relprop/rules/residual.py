@@ -1,0 +1,84 @@
+"""Sums: the residual connections (and adds of constants such as position embeddings or masks).
+
+``"chefer2021"`` (CVPR 2021, Eq. 6 and the normalization after Eq. 9, Lemma 2): the z-rule gives
+each operand u, v its share ``R_u = u ⊙ R / (u + v)``; then each share is rescaled so that its total
+is ``|Σ R_u| / (|Σ R_u| + |Σ R_v|) · Σ R``. The rescaled shares sum to Σ R (conservation) and each
+lies between 0 and Σ R. The authors' code takes the sums over the whole tensor, batch included;
+we take them per sample (DESIGN §3), so a batch explains like its samples one by one.
+A constant operand (position embedding, class-token bias, attention mask) keeps its share: it is
+reported as absorbed.
+
+``"lrp"`` (the authors' LRP baseline, ``layers_lrp.Add``): the z-rule alone, not normalized.
+Adding a Python number (``x + 1e-6``) passes the relevance to x unchanged in both presets.
+"""
+from __future__ import annotations
+
+import torch
+
+from .registry import rule
+from .stabilize import safe_divide
+
+aten = torch.ops.aten
+
+
+def z_rule_sum(u, v, z, relevance, eps):
+    """Z-rule shares of a sum ``z = u + v`` (Eq. 6), both shaped like ``z``."""
+    s = safe_divide(relevance, z, eps)
+    return u * s, v * s
+
+
+def normalize_shares(ctx, ru, rv, relevance, eps):
+    """Rescale two shares per sample so they conserve Σ R (CVPR 2021 after Eq. 9; Lemma 2)."""
+    su, sv, total = ctx.sample_sum(ru), ctx.sample_sum(rv), ctx.sample_sum(relevance)
+    den = su.abs() + sv.abs()
+    fu = safe_divide(su.abs() * total, den, 0.0)
+    fv = safe_divide(sv.abs() * total, den, 0.0)
+    ru = ru * ctx.per_sample(safe_divide(fu, su, eps), ru)
+    rv = rv * ctx.per_sample(safe_divide(fv, sv, eps), rv)
+    return ru, rv
+
+
+def _sum_rule(ctx, relevance, sign: float, normalize: bool):
+    u, v = ctx.args[0], ctx.args[1]
+    alpha = ctx.kwargs.get("alpha", ctx.args[2] if len(ctx.args) > 2 else 1)
+    if not torch.is_tensor(v):
+        return (relevance,) + (None,) * (len(ctx.args) - 1)
+    if not torch.is_tensor(u):
+        return (None, relevance) + (None,) * (len(ctx.args) - 2)
+    z = ctx.out.float()
+    uu = u.float().expand_as(z)
+    vv = (sign * alpha * v.float()).expand_as(z)
+    ru, rv = z_rule_sum(uu, vv, z, relevance, ctx.eps)
+    if normalize:
+        ru, rv = normalize_shares(ctx, ru, rv, relevance, ctx.eps)
+    return (ru, rv) + (None,) * (len(ctx.args) - 2)
+
+
+@rule(aten.add.Tensor, preset="chefer2021")
+def residual_add(ctx, relevance):
+    """u + v: z-rule shares, normalized per sample (Eq. 6 + Lemma 2)."""
+    return _sum_rule(ctx, relevance, 1.0, normalize=True)
+
+
+@rule(aten.sub.Tensor, preset="chefer2021")
+def residual_sub(ctx, relevance):
+    """u - v, as u + (-v): z-rule shares, normalized per sample (Eq. 6 + Lemma 2)."""
+    return _sum_rule(ctx, relevance, -1.0, normalize=True)
+
+
+@rule(aten.add.Tensor, preset="lrp")
+def add_z_rule(ctx, relevance):
+    """u + v: plain z-rule shares (authors' LRP baseline ``layers_lrp.Add``)."""
+    return _sum_rule(ctx, relevance, 1.0, normalize=False)
+
+
+@rule(aten.sub.Tensor, preset="lrp")
+def sub_z_rule(ctx, relevance):
+    """u - v: plain z-rule shares (LRP baseline)."""
+    return _sum_rule(ctx, relevance, -1.0, normalize=False)
+
+
+@rule(aten.add.Scalar, aten.sub.Scalar, preset=("chefer2021", "lrp"))
+def add_number(ctx, relevance):
+    """x + c for a Python number c: R passes to x unchanged."""
+    return (relevance, None, None)[: len(ctx.args)]

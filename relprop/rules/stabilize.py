@@ -1,0 +1,28 @@
+"""Numerical stabilization shared by the rules.
+
+LRP rules divide relevance by a pre-activation ``z``. Where ``z`` is zero (or not finite, e.g. a
+``-inf`` attention mask added to a score) the share is undefined; the authors' code returns zero
+there and pushes other denominators away from zero by 1e-9. We do the same, but push in the
+direction of ``z``'s sign, so that a small negative ``z`` is not pushed *through* zero.
+"""
+from __future__ import annotations
+
+import torch
+
+DEFAULT_EPS = 1e-9
+
+
+def safe_divide(num: torch.Tensor, den: torch.Tensor, eps: float = DEFAULT_EPS) -> torch.Tensor:
+    """``num / den`` with ``den`` pushed ``eps`` away from 0; 0 where ``den`` is 0 or not finite.
+
+    Never returns NaN or inf for finite ``num`` (DESIGN §3, "Stabilizer").
+    """
+    ok = (den != 0) & torch.isfinite(den)
+    sign = torch.where(den >= 0, 1.0, -1.0).to(den.dtype)
+    safe = torch.where(ok, den + eps * sign, torch.ones_like(den))
+    return torch.where(ok, num / safe, torch.zeros((), dtype=num.dtype, device=num.device))
+
+
+def finite(t: torch.Tensor) -> torch.Tensor:
+    """``t`` with NaN and ±inf replaced by 0 (used on products of relevance with masks)."""
+    return torch.nan_to_num(t, nan=0.0, posinf=0.0, neginf=0.0)
