@@ -140,6 +140,7 @@ def capture(model: torch.nn.Module, kwargs: Dict[str, Any]) -> Captured:
         table.pop(op, None)
     ep = ep.run_decompositions(table)
     graph = ep.graph
+    _finite_masks(graph)
     specs = {s.arg.name: s for s in ep.graph_signature.input_specs}
     user_names = iter(names)
     bindings = []
@@ -160,3 +161,41 @@ def capture(model: torch.nn.Module, kwargs: Dict[str, Any]) -> Captured:
     primary = primary_input(kwargs)
     analysis = analyze(ep, graph, bindings, primary, batch_size_of(kwargs) if not dynamic else None)
     return Captured(ep, graph, bindings, names, dynamic, analysis, primary)
+
+
+def _finite_masks(graph: torch.fx.Graph) -> int:
+    """Replace every ``-inf`` constant in the graph by the most negative finite value of its dtype.
+
+    SDPA with a boolean mask decomposes into ``scores + where(mask, 0, -inf)``. A relevance rule
+    that divides by ``scores + mask`` would compute ``-inf · 0 = NaN`` there. With a finite mask the
+    softmax is the same (exp underflows to exactly 0), the fully-masked-row check ``eq(x, -inf)``
+    becomes ``eq(x, min)`` which still holds for those rows, and every share stays finite.
+    Returns the number of arguments rewritten.
+    """
+    count = 0
+    for node in graph.nodes:
+        if node.op != "call_function":
+            continue
+        val = node.meta.get("val")
+        dtype = val.dtype if isinstance(val, torch.Tensor) and val.is_floating_point() else torch.float32
+        if node.target in (aten.eq.Scalar, aten.ne.Scalar):
+            x = node.args[0].meta.get("val") if isinstance(node.args[0], torch.fx.Node) else None
+            dtype = x.dtype if isinstance(x, torch.Tensor) and x.is_floating_point() else dtype
+        low = torch.finfo(dtype).min
+
+        def fix(a):
+            nonlocal count
+            if isinstance(a, float) and a == float("-inf"):
+                count += 1
+                return low
+            if isinstance(a, (list, tuple)):
+                return type(a)(fix(x) for x in a)
+            return a
+
+        new_args = tuple(fix(a) for a in node.args)
+        new_kwargs = {k: fix(v) for k, v in node.kwargs.items()}
+        if new_args != node.args or new_kwargs != node.kwargs:
+            node.args, node.kwargs = new_args, new_kwargs
+    if count:
+        graph.owning_module.recompile() if graph.owning_module is not None else None
+    return count

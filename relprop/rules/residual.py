@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from .registry import rule
-from .stabilize import safe_divide
+from .stabilize import finite, safe_divide
 
 aten = torch.ops.aten
 
@@ -24,7 +24,7 @@ aten = torch.ops.aten
 def z_rule_sum(u, v, z, relevance, eps):
     """Z-rule shares of a sum ``z = u + v`` (Eq. 6), both shaped like ``z``."""
     s = safe_divide(relevance, z, eps)
-    return u * s, v * s
+    return finite(u * s), finite(v * s)
 
 
 def normalize_shares(ctx, ru, rv, relevance, eps):
