@@ -40,13 +40,17 @@ def matmul(ctx, relevance):
     if not (ctx.live[0] is True and ctx.live[1] is True):
         return constant_matrix_product(ctx, relevance)
     if a.dim() < 2 or b.dim() < 2:
-        # vector products: promote to matrices, as torch.matmul does
+        # vector operands: promote to matrices as torch.matmul does; shares come back in the
+        # broadcast shape (the interpreter sums them onto the operand)
         a2 = a.float().unsqueeze(0) if a.dim() == 1 else a.float()
         b2 = b.float().unsqueeze(-1) if b.dim() == 1 else b.float()
         z = a2 @ b2
-        r = relevance.reshape(z.shape)
-        ra, rb = z_rule_matmul(a2, b2, z, r, ctx.eps)
-        return (ra.reshape(a.shape) / 2 if a.dim() == 1 else ra / 2, rb.reshape(b.shape) / 2 if b.dim() == 1 else rb / 2)
+        ra, rb = z_rule_matmul(a2, b2, z, relevance.reshape(z.shape), ctx.eps)
+        if a.dim() == 1:
+            ra = ra.squeeze(-2)
+        if b.dim() == 1:
+            rb = rb.squeeze(-1)
+        return (ra / 2, rb / 2)
     ra, rb = z_rule_matmul(a.float(), b.float(), ctx.out.float(), relevance, ctx.eps)
     return (ra / 2, rb / 2)
 

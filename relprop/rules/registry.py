@@ -144,7 +144,7 @@ define_preset(
 define_preset(
     "lrp",
     "the paper's plain-LRP baseline (authors' layers_lrp.py): un-normalized adds and the baseline's "
-    "linear rule; NOT conservative (relevance grows through every linear layer)",
+    "linear rule; NOT conservative (each linear layer returns between 1/2 and 3/2 of its relevance)",
     parents=("base",),
     conservative=False,
 )

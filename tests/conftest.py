@@ -1,0 +1,23 @@
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+import models  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def zoo():
+    """Each tiny model built once per test session (explain() must not modify them)."""
+    cache = {}
+
+    def get(name):
+        if name not in cache:
+            cache[name] = {**models.VISION, **models.TEXT}[name]()
+        return cache[name]
+
+    return get
