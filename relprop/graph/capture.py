@@ -55,6 +55,8 @@ class Captured:
     batch_dynamic: bool
     analysis: GraphAnalysis
     primary: str
+    #: memo of signed weight splits used by the linear rules (see relprop.rules.linear.signed_split)
+    weight_cache: dict = dataclasses.field(default_factory=dict)
 
     @property
     def out_spec(self):

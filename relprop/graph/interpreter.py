@@ -240,7 +240,7 @@ def _walk(captured, env, grad, out_nodes, preset, eps, unsupported, batch):
     per_block_absorbed = None
     absorbed_by: Dict[str, torch.Tensor] = {}
     rel_at: Dict[torch.fx.Node, torch.Tensor] = {}
-    options = {"reads_pixels": a.pixel_convs}
+    options = {"reads_pixels": a.pixel_convs, "weight_cache": captured.weight_cache}
 
     R: Dict[torch.fx.Node, Any] = {}
     dev = grad[out_nodes[0]].device if out_nodes else torch.device("cpu")

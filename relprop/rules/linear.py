@@ -27,19 +27,47 @@ from .stabilize import safe_divide
 aten = torch.ops.aten
 
 
-def alpha1_beta0(x: torch.Tensor, w: torch.Tensor, relevance: torch.Tensor, eps: float) -> torch.Tensor:
+def signed_split(w: torch.Tensor, cache: dict = None, key=None) -> torch.Tensor:
+    """``cat([W⁺, W⁻], dim=-1)`` for ``w`` of shape [..., out, in] (memoized in ``cache``).
+
+    The memo is keyed by the weight's storage, shape and version counter, so an in-place update
+    of the parameter, or a new parameter object, is seen at once.
+    """
+    if cache is not None and key is not None:
+        stamp = (w.data_ptr(), w._version, tuple(w.shape), w.stride(), w.dtype, w.device)
+        hit = cache.get(key)
+        if hit is not None and hit[0] == stamp:
+            return hit[1]
+    wf = w.to(torch.promote_types(w.dtype, torch.float32))  # float32 at least (float64 kept)
+    split = torch.cat([wf.clamp(min=0), wf.clamp(max=0)], dim=-1)
+    if cache is not None and key is not None:
+        cache[key] = (stamp, split)
+    return split
+
+
+def _signed_x(x):
+    return torch.cat([x.clamp(min=0), x.clamp(max=0)], dim=-1)
+
+
+def alpha1_beta0(x: torch.Tensor, w: torch.Tensor, relevance: torch.Tensor, eps: float, split=None) -> torch.Tensor:
     """Relevance of ``x`` for ``z = x @ w`` under LRP-alpha1beta0 with a joint denominator (Eq. 5).
 
     ``w`` is [in, out] (or batched [..., in, out]); ``x`` is [..., in]; ``relevance`` is [..., out].
+    ``split`` may pass ``signed_split(wᵀ)`` precomputed. Computed as two matrix products on the
+    concatenations [x⁺, x⁻] and [W⁺, W⁻]: z = [x⁺, x⁻]·[W⁺; W⁻] and the adjoint S·[W⁺, W⁻],
+    exactly the terms of Eq. 5, without ever cancelling positive against negative products.
     """
-    xp, xn = x.clamp(min=0), x.clamp(max=0)
-    wp, wn = w.clamp(min=0), w.clamp(max=0)
-    z = xp @ wp + xn @ wn
+    n = x.shape[-1]
+    if split is None:
+        split = signed_split(w.transpose(-1, -2))  # [..., out, 2 in]
+    xs = _signed_x(x)
+    z = xs @ split.transpose(-1, -2)
     s = safe_divide(relevance, z, eps)
-    return xp * (s @ wp.transpose(-1, -2)) + xn * (s @ wn.transpose(-1, -2))
+    back = (s @ split) * xs  # [..., 2 in]: x⁺ (S W⁺) and x⁻ (S W⁻)
+    return back[..., :n] + back[..., n:]
 
 
-def lrp_baseline(x: torch.Tensor, w: torch.Tensor, relevance: torch.Tensor, eps: float) -> torch.Tensor:
+def lrp_baseline(x: torch.Tensor, w: torch.Tensor, relevance: torch.Tensor, eps: float, split=None) -> torch.Tensor:
     """Relevance of ``x`` for ``z = x @ w`` under the authors' LRP-baseline linear rule (not conservative)."""
     xp, xn = x.clamp(min=0), x.clamp(max=0)
     wp, wn = w.clamp(min=0), w.clamp(max=0)
@@ -54,7 +82,7 @@ _LINEAR_RULES = {"chefer2021": alpha1_beta0, "lrp": lrp_baseline}
 
 
 def _rule_for(ctx):
-    return _LINEAR_RULES.get(ctx.preset, alpha1_beta0) if ctx.preset in _LINEAR_RULES else alpha1_beta0
+    return _LINEAR_RULES.get(ctx.preset, alpha1_beta0)
 
 
 def _require_constant_weight(ctx, weight_pos):
@@ -67,8 +95,12 @@ def _require_constant_weight(ctx, weight_pos):
 def linear(ctx, relevance):
     """``y = x Wᵀ + b``: alpha1-beta0 (chefer2021, Eq. 5) or the LRP baseline (lrp); bias ignored."""
     _require_constant_weight(ctx, 1)
-    x, w = ctx.args[0].float(), ctx.args[1].float()
-    rx = _rule_for(ctx)(x, w.t(), relevance, ctx.eps)
+    x, w = ctx.args[0].float(), ctx.args[1]
+    fn = _rule_for(ctx)
+    split = None
+    if fn is alpha1_beta0:
+        split = signed_split(w, ctx.options.get("weight_cache"), ctx.node.name)
+    rx = fn(x, w.float().t(), relevance, ctx.eps, split=split)
     return (rx,) + (None,) * (len(ctx.args) - 1)
 
 

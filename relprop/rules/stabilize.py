@@ -15,12 +15,15 @@ DEFAULT_EPS = 1e-9
 def safe_divide(num: torch.Tensor, den: torch.Tensor, eps: float = DEFAULT_EPS) -> torch.Tensor:
     """``num / den`` with ``den`` pushed ``eps`` away from 0; 0 where ``den`` is 0 or not finite.
 
-    Never returns NaN or inf for finite ``num`` (DESIGN §3, "Stabilizer").
+    Never returns NaN or inf for finite ``num`` (DESIGN §3, "Stabilizer"); a quotient that
+    overflows is set to 0 as well.
     """
-    ok = (den != 0) & torch.isfinite(den)
-    sign = torch.where(den >= 0, 1.0, -1.0).to(den.dtype)
-    safe = torch.where(ok, den + eps * sign, torch.ones_like(den))
-    return torch.where(ok, num / safe, torch.zeros((), dtype=num.dtype, device=num.device))
+    if eps:
+        out = num / (den + torch.copysign(torch.full((), eps, dtype=den.dtype, device=den.device), den))
+    else:
+        out = num / den
+    out = out.masked_fill(den == 0, 0.0)
+    return torch.nan_to_num_(out, nan=0.0, posinf=0.0, neginf=0.0) if out.is_floating_point() else out
 
 
 def finite(t: torch.Tensor) -> torch.Tensor:
