@@ -20,7 +20,7 @@ from .rules.stabilize import DEFAULT_EPS
 
 def explain(model: torch.nn.Module, inputs: Any, target: Any = None, method: str = "transformer_attribution",
             preset: str = "chefer2021", *, eps: float = DEFAULT_EPS, unsupported: str = "error",
-            **options) -> Explanation:
+            special_tokens_mask: Optional[torch.Tensor] = None, **options):
     """Explain the score of class ``target`` of an unmodified ``model`` on ``inputs``.
 
     Parameters
@@ -32,68 +32,140 @@ def explain(model: torch.nn.Module, inputs: Any, target: Any = None, method: str
         or a dict of tensors such as a tokenizer's output.
     target : None (each sample's predicted class), an int, one int per sample, or a callable
         ``target(outputs) -> [batch]`` scores.
-    method : an explanation method (``relprop.methods()`` lists them). Default: the paper's
-        Transformer Attribution (Chefer et al., CVPR 2021, Eq. 13–14).
+    method : an explanation method (``relprop.methods()`` lists them), or a list of methods: they
+        share one forward pass (and one relevance pass per preset) and a list of Explanations is
+        returned. Default: the paper's Transformer Attribution (Chefer et al., CVPR 2021, Eq. 13–14).
     preset : the relevance rules (``"chefer2021"``: the paper's rules as its authors' code applies
         them; ``"lrp"``: the plain-LRP baseline, not conservative).
     eps : denominator stabilizer of the rules.
     unsupported : ``"error"`` (default) raises :class:`relprop.UnsupportedOperation` for an op
         with no rule; ``"z_rule"`` applies the generic gradient × input rule to such ops.
-    **options : options of the method (e.g. ``start_block=``, ``normalize_rows=``).
+    special_tokens_mask : [batch, positions] bool, True at positions to exclude from text scores.
+        Default: padding and the ids the model's config names as special (cls/sep/bos/eos/pad).
+    **options : options of the method (e.g. ``start_block=``, ``normalize_rows=``). With several
+        methods, each option goes to the methods that take it.
 
     Returns
     -------
-    Explanation
+    Explanation (or a list of them, one per method, when ``method`` is a list)
     """
-    info = get_method(method)
-    get_preset(info.preset or preset)
-    _check_options(info, options)
+    many = isinstance(method, (list, tuple))
+    names = list(method) if many else [method]
+    if not names:
+        raise MethodError("method=[] names no method")
+    infos = [get_method(m) for m in names]
+    get_preset(preset)
+    for info in infos:
+        if info.preset:
+            get_preset(info.preset)
+        _check_options(info, options, many)
     kwargs = bind_inputs(model, inputs)
     captured = CACHE.get(model, kwargs)
     batch = kwargs[captured.primary].shape[0]
     score_fn, target_of = _targets.resolve(target, batch)
-    active = info.preset or preset
-    trace = run(captured, model, kwargs, score_fn, preset=active, relevance=info.needs_relevance, eps=eps,
-                unsupported=unsupported, target_of=target_of)
-    result = info.fn(trace, **options)
-    return _package(info.name, active, result, trace, kwargs, captured)
+    # one pass per preset whose relevance is needed; gradient-only methods reuse any pass
+    wanted = list(dict.fromkeys((i.preset or preset) for i in infos if i.needs_relevance))
+    traces = {}
+    for p in wanted:
+        traces[p] = run(captured, model, kwargs, score_fn, preset=p, relevance=True, eps=eps,
+                        unsupported=unsupported, target_of=target_of)
+    if not traces:
+        traces[None] = run(captured, model, kwargs, score_fn, preset=preset, relevance=False, eps=eps,
+                           unsupported=unsupported, target_of=target_of)
+    results = []
+    for info in infos:
+        key = (info.preset or preset) if info.needs_relevance else next(iter(traces))
+        trace = traces[key]
+        opts = _options_for(info, options)
+        out = info.fn(trace, **opts)
+        results.append(_package(info, key or preset, out, trace, kwargs, captured, model, special_tokens_mask))
+    return results if many else results[0]
 
 
-def _check_options(info, options):
-    params = inspect.signature(info.fn).parameters
-    valid = [p for p in params if p != "trace"]
+def _check_options(info, options, many):
+    valid = _option_names(info)
+    if many:
+        return
     for k in options:
         if k not in valid:
-            raise MethodError(f"'{k}' is not an option of method '{info.name}'. Options: {valid or 'none'}")
+            raise MethodError(f"'{k}' is not an option of method '{info.name}'. Options: {sorted(valid) or 'none'}")
 
 
-def _package(name, preset, result, trace, kwargs, captured) -> Explanation:
-    tokens = result["tokens"]
-    a = captured.analysis
+def _option_names(info):
+    return [p for p in inspect.signature(info.fn).parameters if p != "trace"]
+
+
+def _options_for(info, options):
+    valid = _option_names(info)
+    return {k: v for k, v in options.items() if k in valid}
+
+
+SPECIAL_ID_FIELDS = ("cls_token_id", "sep_token_id", "bos_token_id", "eos_token_id", "pad_token_id")
+
+
+def special_positions(model, kwargs, primary, shape, device, special_tokens_mask=None):
+    """[batch, positions] bool: padding, and tokens whose id the config names as special."""
+    special = torch.zeros(shape, dtype=torch.bool, device=device)
+    am = kwargs.get("attention_mask")
+    if torch.is_tensor(am) and tuple(am.shape) == tuple(shape):
+        special |= am.to(device) == 0
+    ids = kwargs.get(primary)
+    cfg = getattr(model, "config", None)
+    if special_tokens_mask is not None:
+        m = torch.as_tensor(special_tokens_mask, device=device).bool()
+        if tuple(m.shape) != tuple(shape):
+            raise RelpropError(f"special_tokens_mask has shape {tuple(m.shape)}, expected {tuple(shape)}")
+        special |= m
+    elif torch.is_tensor(ids) and not ids.is_floating_point() and cfg is not None:
+        for field in SPECIAL_ID_FIELDS:
+            tid = getattr(cfg, field, None)
+            if isinstance(tid, int):
+                special |= ids.to(device) == tid
+    return special
+
+
+def _package(info, preset, result, trace, kwargs, captured, model, special_tokens_mask) -> Explanation:
+    tokens = result.get("tokens")
+    pixels = result.get("pixels")
     mask = None
     scores = tokens
     smap = None
     prefix = 0
     if trace.modality == "vision" and trace.grid is not None:
         gh, gw = trace.grid
-        n = tokens.shape[-1]
-        prefix = n - gh * gw
-        if prefix < 0:
-            raise RelpropError(f"{n} tokens cannot hold a {gh}x{gw} patch grid")
-        scores = tokens[:, prefix:]
-        pixels = kwargs[captured.primary]
-        smap = F.interpolate(scores.reshape(-1, 1, gh, gw).float(), size=tuple(pixels.shape[-2:]),
-                             mode="bilinear", align_corners=False)[:, 0]
+        image = kwargs[captured.primary]
+        if pixels is not None:
+            smap = pixels.float()
+            scores = _patch_sums(smap, gh, gw)
+            if tokens is not None:
+                prefix = tokens.shape[-1] - gh * gw
+        else:
+            n = tokens.shape[-1]
+            prefix = n - gh * gw
+            if prefix < 0:
+                raise RelpropError(f"{n} tokens cannot hold a {gh}x{gw} patch grid")
+            scores = tokens[:, prefix:]
+            smap = F.interpolate(scores.reshape(-1, 1, gh, gw).float(), size=tuple(image.shape[-2:]),
+                                 mode="bilinear", align_corners=False)[:, 0]
         mask = torch.ones_like(scores, dtype=torch.bool)
     elif trace.modality == "text":
-        am = kwargs.get("attention_mask")
-        if torch.is_tensor(am) and am.shape == scores.shape:
-            mask = am.to(scores.device) != 0
-        else:
-            mask = torch.ones_like(scores, dtype=torch.bool)
+        special = special_positions(model, kwargs, captured.primary, tuple(scores.shape), scores.device,
+                                    special_tokens_mask)
+        mask = ~special
         scores = torch.where(mask, scores, torch.zeros((), dtype=scores.dtype, device=scores.device))
-    return Explanation(method=name, scores=scores, map=smap, mask=mask, matrix=result.get("matrix"),
+    return Explanation(method=info.name, scores=scores, map=smap, mask=mask, matrix=result.get("matrix"),
                        blocks=trace.blocks, target=trace.target, target_scores=trace.target_scores,
                        conservation=trace.conservation, input_relevance=trace.input_relevance,
-                       logits=trace.logits, preset=preset, modality=trace.modality, grid=trace.grid,
-                       prefix_tokens=prefix, outputs=trace.outputs)
+                       logits=trace.logits, preset=preset if info.needs_relevance else None,
+                       modality=trace.modality, grid=trace.grid, prefix_tokens=prefix, outputs=trace.outputs,
+                       signed=info.signed, class_specific=info.class_specific)
+
+
+def _patch_sums(pixel_map: torch.Tensor, gh: int, gw: int) -> torch.Tensor:
+    """Sum a [batch, H, W] map over the cells of a gh x gw patch grid -> [batch, gh*gw]."""
+    b, h, w = pixel_map.shape
+    if h % gh == 0 and w % gw == 0:
+        cells = pixel_map.reshape(b, gh, h // gh, gw, w // gw).sum((2, 4))
+    else:
+        cells = F.adaptive_avg_pool2d(pixel_map[:, None], (gh, gw))[:, 0] * (h * w / (gh * gw))
+    return cells.reshape(b, gh * gw)

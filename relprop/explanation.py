@@ -16,13 +16,15 @@ class Explanation:
     Attributes
     ----------
     method : the method's name.
-    scores : [batch, positions]. Text: one score per input id (padding positions are 0 and
-        ``mask`` is False there). Images: one score per patch, in row-major patch-grid order (the
+    scores : [batch, positions]. Text: one score per input id (padding and special tokens such as
+        [CLS]/[SEP] are 0 and ``mask`` is False there). Images: one score per patch, in row-major patch-grid order (the
         class/distillation tokens are excluded). Sign: non-negative for the rollout-style methods;
         signed methods keep their sign (positive = supports the target).
     map : [batch, H, W] for images: ``scores`` on the patch grid, upsampled bilinearly to the input
-        resolution. None for text.
-    mask : [batch, positions] bool, True where ``scores`` is meaningful (text: non-padding).
+        resolution; for input-level methods (lrp, gradients) the pixel map itself, summed over the
+        colour channels (and ``scores`` are its sums over each patch). None for text.
+    mask : [batch, positions] bool, True where ``scores`` is meaningful (text: not padding, not a
+        special token).
     matrix : [batch, tokens, tokens] aggregated token-to-token matrix (rollout-style methods;
         special tokens included) or None.
     blocks : per attention block, A, dA, R_A, h, dh (:class:`relprop.graph.interpreter.BlockRecord`).
@@ -51,6 +53,8 @@ class Explanation:
     grid: Optional[tuple] = None
     prefix_tokens: int = 0
     outputs: Any = None
+    signed: bool = False
+    class_specific: bool = True
 
     def __len__(self) -> int:
         return self.scores.shape[0]

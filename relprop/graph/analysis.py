@@ -58,6 +58,9 @@ class BlockInfo:
     product: torch.fx.Node  # A @ V
     hidden: Optional[torch.fx.Node]  # h: hidden states entering the layer
     output: Optional[torch.fx.Node]  # hidden states leaving the layer
+    value: Optional[torch.fx.Node] = None  # V, the right operand of A @ V
+    features: Optional[torch.fx.Node] = None  # token features entering the attention module
+    out_proj: Optional[torch.fx.Node] = None  # weight of the attention's output projection (W_O)
 
 
 @dataclasses.dataclass
@@ -243,5 +246,42 @@ def _find_blocks(graph, live, relevant) -> List[BlockInfo]:
         for n in in_scope:
             if n in live and any(u not in scope for u in n.users):
                 output = n
-        blocks.append(BlockInfo(i, module_path(attn), layer, sm, attn, product, hidden, output))
+        blocks.append(BlockInfo(i, module_path(attn), layer, sm, attn, product, hidden, output,
+                                value=product.args[1], features=_features(graph, attn, live),
+                                out_proj=_out_proj(product)))
     return blocks
+
+
+def _features(graph, attn, live):
+    """The token features the attention module reads (its first live input from outside it):
+    LN1(h) in pre-norm blocks (ViT), h itself in post-norm ones (BERT)."""
+    paths = module_paths(attn)
+    # the outermost enclosing module whose name contains "attn"/"attention" is the attention module
+    scope_path = next((p for p in paths if re.search(r"(attn|attention)[^.]*$", p)), module_path(attn))
+    for n in graph.nodes:
+        if scope_path not in module_paths(n):
+            continue
+        for m in n.all_input_nodes:
+            v = _val(m)
+            if m in live and scope_path not in module_paths(m) and isinstance(v, torch.Tensor) and v.dim() >= 3:
+                return m
+    return None
+
+
+def _out_proj(product):
+    """Weight node of the first linear layer the attention output reaches through shape-only ops."""
+    frontier = [product]
+    for _ in range(12):
+        nxt = []
+        for n in frontier:
+            for u in n.users:
+                if u.op != "call_function":
+                    continue
+                if u.target is aten.linear.default and u.args[0] is n:
+                    return u.args[1]
+                if u.target in INDEX_ROUTING or u.target in (aten.permute.default, aten.transpose.int):
+                    nxt.append(u)
+        if not nxt:
+            return None
+        frontier = nxt
+    return None

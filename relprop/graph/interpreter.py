@@ -42,6 +42,10 @@ class BlockRecord:
     hidden: Optional[torch.Tensor]  # h, the hidden states entering the block
     hidden_gradient: Optional[torch.Tensor]  # dh
     hidden_relevance: Optional[torch.Tensor]  # R_h
+    value: Optional[torch.Tensor] = None  # V [batch, heads, tokens, head_dim]
+    features: Optional[torch.Tensor] = None  # token features entering the attention (LN1(h) or h)
+    features_gradient: Optional[torch.Tensor] = None
+    out_proj_weight: Optional[torch.Tensor] = None  # W_O [hidden, heads * head_dim]
 
 
 @dataclasses.dataclass
@@ -86,7 +90,7 @@ class Conservation:
 
 
 @dataclasses.dataclass
-class Trace:
+class Trace:  # noqa: E302
     """Everything one forward + reverse walk produced."""
 
     outputs: Any
@@ -100,6 +104,7 @@ class Trace:
     modality: str
     grid: Optional[tuple]
     batch_size: int
+    session: Any = None
 
 
 def _fit(rel: torch.Tensor, shape) -> torch.Tensor:
@@ -150,33 +155,18 @@ def run(captured: Captured, model: torch.nn.Module, kwargs: Dict[str, Any],
     """Forward once, take the gradients of the target score, and (if ``relevance``) walk the graph
     back under ``preset``. ``score_fn(outputs)`` returns the [batch] target scores."""
     a = captured.analysis
-    graph = captured.graph
     if relevance:
         check_rules(captured, preset, unsupported)
-    env = bind_values(captured, model, kwargs)
-    sources = set(a.sources)
     with torch.enable_grad():
-        if a.primary in sources:
-            env[a.primary] = env[a.primary].detach().requires_grad_(True)
-        for node in graph.nodes:
-            if node.op != "call_function":
-                continue
-            args, kw = torch.fx.node.map_arg((node.args, node.kwargs), lambda n: env[n])
-            out = node.target(*args, **kw)
-            if node in sources:
-                out = out.detach().requires_grad_(True)
-            env[node] = out
-        out_node = next(n for n in graph.nodes if n.op == "output")
-        flat_nodes = pytree.tree_leaves(out_node.args[0])
-        flat_vals = [env[n] if isinstance(n, torch.fx.Node) else n for n in flat_nodes]
-        outputs = pytree.tree_unflatten(flat_vals, captured.out_spec)
+        env, outputs = forward(captured, model, kwargs)
         scores = score_fn(outputs)
         target = target_of(outputs) if target_of is not None else None
-
+        out_node = next(n for n in captured.graph.nodes if n.op == "output")
+        flat_nodes = pytree.tree_leaves(out_node.args[0])
         out_nodes = [n for n in flat_nodes if isinstance(n, torch.fx.Node) and n in a.live]
         out_nodes = list(dict.fromkeys(out_nodes))
         wrt = out_nodes + [b.attention for b in a.blocks] + [b.hidden for b in a.blocks if b.hidden is not None] \
-            + list(a.sources)
+            + [b.features for b in a.blocks if b.features is not None] + list(a.sources)
         wrt = list(dict.fromkeys(wrt))
         if not scores.requires_grad:
             raise RuntimeError("the target score does not depend on the input; nothing to explain")
@@ -200,16 +190,140 @@ def run(captured: Captured, model: torch.nn.Module, kwargs: Dict[str, Any],
             hidden=env[b.hidden].detach().float() if b.hidden is not None else None,
             hidden_gradient=grad[b.hidden].detach().float() if b.hidden is not None else None,
             hidden_relevance=rel_at.get(b.hidden) if b.hidden is not None else None,
+            value=env[b.value].detach().float() if b.value is not None else None,
+            features=env[b.features].detach().float() if b.features is not None else None,
+            features_gradient=grad[b.features].detach().float() if b.features is not None else None,
+            out_proj_weight=env[b.out_proj].detach().float() if b.out_proj is not None else None,
         ))
     input_grad = None
     if a.sources:
         g = [grad[s] for s in a.sources]
         input_grad = g[0].detach().float() if len(g) == 1 else torch.stack(g).sum(0).detach().float()
     logits = _logits(outputs)
-    return Trace(outputs=pytree.tree_map(lambda t: t.detach() if torch.is_tensor(t) else t, outputs),
+    fixed = target if target is not None else None
+    session = Session(captured, model, kwargs, score_fn if fixed is None else _fixed_scores(fixed), env[a.sources[0]].detach()
+                      if a.sources else None)
+    return Trace(session=session, outputs=pytree.tree_map(lambda t: t.detach() if torch.is_tensor(t) else t, outputs),
                  logits=logits.detach() if logits is not None else None, target=target,
                  target_scores=scores.detach(), blocks=blocks, input_relevance=input_rel, input_gradient=input_grad,
                  conservation=conservation, modality=a.modality, grid=a.grid, batch_size=batch)
+
+
+#: counters the tests read: how many times the captured graph was evaluated (all or in part)
+STATS = {"forward": 0}
+
+
+def forward(captured: Captured, model, kwargs, perturb: Optional[Callable] = None,
+            overrides: Optional[Dict[torch.fx.Node, torch.Tensor]] = None, env: Optional[dict] = None,
+            only: Optional[set] = None):
+    """Evaluate the captured graph. ``perturb(value)`` replaces the value of the relevance source
+    (pixels, or the word embeddings) before it is used; ``overrides`` replaces node values;
+    with ``env`` and ``only`` given, only the nodes in ``only`` are re-evaluated (the rest are
+    read from ``env``). Sources are made leaves that require grad. Returns (env, outputs)."""
+    a = captured.analysis
+    STATS["forward"] += 1
+    sources = set(a.sources)
+    overrides = overrides or {}
+    if env is None:
+        env = bind_values(captured, model, kwargs)
+        if a.primary in sources:
+            v = env[a.primary]
+            if perturb is not None:
+                v = perturb(v)
+            env[a.primary] = v.detach().requires_grad_(True)
+    else:
+        env = dict(env)
+    for node in captured.graph.nodes:
+        if node.op != "call_function":
+            continue
+        if node in overrides:
+            env[node] = overrides[node]
+            continue
+        if only is not None and node not in only:
+            continue
+        args, kw = torch.fx.node.map_arg((node.args, node.kwargs), lambda n: env[n])
+        out = node.target(*args, **kw)
+        if node in sources:
+            if perturb is not None:
+                out = perturb(out)
+            out = out.detach().requires_grad_(True)
+        env[node] = out
+    out_node = next(n for n in captured.graph.nodes if n.op == "output")
+    flat_nodes = pytree.tree_leaves(out_node.args[0])
+    flat_vals = [env[n] if isinstance(n, torch.fx.Node) else n for n in flat_nodes]
+    return env, pytree.tree_unflatten(flat_vals, captured.out_spec)
+
+
+def _fixed_scores(target: torch.Tensor):
+    from ..targets import logits_of
+
+    def score(outputs):
+        return logits_of(outputs).gather(1, target[:, None].to(logits_of(outputs).device)).squeeze(1)
+    return score
+
+
+class Session:
+    """A handle on one explained batch that methods use to re-run the captured graph: with the
+    source perturbed (SmoothGrad, Integrated Gradients), with other inputs (ViT-CX masks), or with
+    one block re-evaluated under an override (value zeroing). The target stays the one explained."""
+
+    def __init__(self, captured, model, kwargs, score_fn, source_value):
+        self.captured = captured
+        self.model = model
+        self.kwargs = kwargs
+        self.score_fn = score_fn
+        self.source_value = source_value  # pixels [B,C,H,W] or word embeddings [B,S,C]
+
+    @property
+    def modality(self):
+        return self.captured.analysis.modality
+
+    def source_gradient(self, perturb: Optional[Callable] = None):
+        """(source value, d score / d source) with the source replaced by ``perturb(source)``."""
+        with torch.enable_grad():
+            env, outputs = forward(self.captured, self.model, self.kwargs, perturb=perturb)
+            scores = self.score_fn(outputs)
+            srcs = self.captured.analysis.sources
+            grads = torch.autograd.grad(scores.sum(), [env[s] for s in srcs], allow_unused=True)
+        g = [torch.zeros_like(env[s]) if gr is None else gr for s, gr in zip(srcs, grads)]
+        return env[srcs[0]].detach().float(), sum(g).detach().float()
+
+    def target_scores(self, **replace) -> torch.Tensor:
+        """Target scores with some model inputs replaced (e.g. ``pixel_values=masked``)."""
+        kwargs = dict(self.kwargs)
+        for k, v in replace.items():
+            if k == "primary":
+                k = self.captured.primary
+            kwargs[k] = v
+        with torch.no_grad():
+            _, outputs = forward(self.captured, self.model, kwargs)
+            return self.score_fn(outputs).detach().float()
+
+    def block_output_with_value_scaled(self, base_env: dict, block_index: int, scale: torch.Tensor) -> torch.Tensor:
+        """Re-evaluate block ``block_index`` with its values V multiplied by ``scale`` (broadcast
+        to V, e.g. zero for one token) and return the block's output hidden states."""
+        b = self.captured.analysis.blocks[block_index]
+        scope = self._scope(block_index)
+        v = base_env[b.value]
+        with torch.no_grad():
+            env, _ = forward(self.captured, self.model, self.kwargs, overrides={b.value: v * scale.to(v.dtype)},
+                             env=base_env, only=scope)
+        return env[b.output].detach().float()
+
+    def base_env(self) -> dict:
+        with torch.no_grad():
+            env, _ = forward(self.captured, self.model, self.kwargs)
+        return env
+
+    def _scope(self, block_index):
+        cache = self.__dict__.setdefault("_scopes", {})
+        if block_index not in cache:
+            b = self.captured.analysis.blocks[block_index]
+            order = {n: i for i, n in enumerate(self.captured.graph.nodes)}
+            start = order[b.value]
+            cache[block_index] = {n for n in self.captured.graph.nodes
+                                  if order[n] > start and b.layer in module_paths(n) and n.op == "call_function"}
+        return cache[block_index]
 
 
 def _logits(outputs):
