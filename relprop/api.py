@@ -77,6 +77,12 @@ def explain(model: torch.nn.Module, inputs: Any, target: Any = None, method: str
         key = (info.preset or preset) if info.needs_relevance else next(iter(traces))
         trace = traces[key]
         opts = _options_for(info, options)
+        if info.needs_blocks and not trace.blocks:
+            from .methods import all_methods
+            usable = sorted(n for n, m in all_methods().items() if not m.needs_blocks)
+            raise MethodError(f"method '{info.name}' reads the attention blocks, and no attention blocks (a softmax "
+                              f"whose output multiplies the values) were found in {type(model).__name__}'s graph. "
+                              f"Methods that apply without attention: {usable}")
         out = info.fn(trace, **opts)
         results.append(_package(info, key or preset, out, trace, kwargs, captured, model, special_tokens_mask))
     return results if many else results[0]

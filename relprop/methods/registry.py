@@ -18,16 +18,18 @@ class MethodInfo:
     reference: str
     needs_relevance: bool  # needs the relevance walk (else gradients/attention only)
     preset: str = None  # preset forced by the method (e.g. "lrp"); None: the caller's
+    needs_blocks: bool = True  # reads per-block attention records
 
 
 _METHODS: Dict[str, MethodInfo] = {}
 
 
 def method(name: str, *, description: str, class_specific: bool, signed: bool, reference: str,
-           needs_relevance: bool, preset: str = None):
+           needs_relevance: bool, preset: str = None, needs_blocks: bool = True):
     """Register an explanation method under ``name``."""
     def decorate(fn):
-        _METHODS[name] = MethodInfo(name, fn, description, class_specific, signed, reference, needs_relevance, preset)
+        _METHODS[name] = MethodInfo(name, fn, description, class_specific, signed, reference, needs_relevance, preset,
+                                    needs_blocks)
         return fn
     return decorate
 
