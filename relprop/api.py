@@ -123,11 +123,29 @@ def special_positions(model, kwargs, primary, shape, device, special_tokens_mask
             raise RelpropError(f"special_tokens_mask has shape {tuple(m.shape)}, expected {tuple(shape)}")
         special |= m
     elif torch.is_tensor(ids) and not ids.is_floating_point() and cfg is not None:
-        for field in SPECIAL_ID_FIELDS:
-            tid = getattr(cfg, field, None)
-            if isinstance(tid, int):
-                special |= ids.to(device) == tid
+        for tid in special_ids(cfg):
+            special |= ids.to(device) == tid
     return special
+
+
+_SPECIAL_IDS = {}
+
+
+def special_ids(cfg) -> set:
+    """Special token ids of a model: those its config names, plus, when the model was loaded from a
+    local folder that holds its tokenizer, the tokenizer's ``all_special_ids`` (read offline)."""
+    ids = {getattr(cfg, f) for f in SPECIAL_ID_FIELDS if isinstance(getattr(cfg, f, None), int)}
+    path = getattr(cfg, "_name_or_path", "") or ""
+    import os
+    if path and os.path.isdir(path):
+        if path not in _SPECIAL_IDS:
+            try:
+                from transformers import AutoTokenizer
+                _SPECIAL_IDS[path] = set(AutoTokenizer.from_pretrained(path, local_files_only=True).all_special_ids)
+            except Exception:  # noqa: BLE001 - no tokenizer there: config ids only
+                _SPECIAL_IDS[path] = set()
+        ids |= _SPECIAL_IDS[path]
+    return ids
 
 
 def _package(info, preset, result, trace, kwargs, captured, model, special_tokens_mask) -> Explanation:

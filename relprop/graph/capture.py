@@ -37,7 +37,7 @@ aten = torch.ops.aten
 KEEP_WHOLE = [
     aten.linear.default, aten.layer_norm.default, aten.softmax.int, aten._softmax.default,
     aten.gelu.default, aten.silu.default, aten.matmul.default, aten.dropout.default,
-    aten.rms_norm.default, aten.tanh.default,
+    aten.rms_norm.default, aten.tanh.default, aten.linalg_vector_norm.default,
 ]
 
 #: captured programs kept per model (least recently used dropped first)

@@ -105,6 +105,7 @@ class Trace:  # noqa: E302
     grid: Optional[tuple]
     batch_size: int
     session: Any = None
+    token_mask: Optional[torch.Tensor] = None  # [batch, tokens] True at real (non-padding) tokens
 
 
 def _fit(rel: torch.Tensor, shape) -> torch.Tensor:
@@ -122,13 +123,29 @@ def check_rules(captured: Captured, preset: str, unsupported: str) -> None:
     if unsupported not in ("error", "z_rule"):
         raise ValueError(f"unsupported must be 'error' or 'z_rule', not {unsupported!r}")
     a = captured.analysis
-    for node in captured.graph.nodes:
-        if node not in a.relevant or node in a.sources or node.op != "call_function":
+    out_node = next(n for n in captured.graph.nodes if n.op == "output")
+    stack = [n for n in pytree.tree_leaves(out_node.args[0]) if isinstance(n, torch.fx.Node) and n in a.live]
+    seen = set()
+    while stack:  # follow only the argument positions that rules can give relevance to
+        node = stack.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        if node in a.sources or node.op != "call_function":
             continue
         if node.target is operator.getitem:
+            stack.append(node.args[0])
             continue
-        if registry.lookup(preset, node.target) is None and unsupported == "error":
+        fn = registry.lookup(preset, node.target)
+        if fn is None and unsupported == "error":
             raise UnsupportedOperation(node.target, module_path(node), module_type(node), preset)
+        blocked = getattr(fn, "no_relevance_to", ())
+        for i, arg in enumerate(node.args):
+            if i in blocked:
+                continue
+            for m in pytree.tree_leaves(arg):
+                if isinstance(m, torch.fx.Node) and m in a.live:
+                    stack.append(m)
 
 
 def bind_values(captured: Captured, model: torch.nn.Module, kwargs: Dict[str, Any]) -> Dict[torch.fx.Node, Any]:
@@ -203,7 +220,13 @@ def run(captured: Captured, model: torch.nn.Module, kwargs: Dict[str, Any],
     fixed = target if target is not None else None
     session = Session(captured, model, kwargs, score_fn if fixed is None else _fixed_scores(fixed), env[a.sources[0]].detach()
                       if a.sources else None)
-    return Trace(session=session, outputs=pytree.tree_map(lambda t: t.detach() if torch.is_tensor(t) else t, outputs),
+    am = kwargs.get("attention_mask")
+    n_tok = blocks[0].attention.shape[-1] if blocks else None
+    if torch.is_tensor(am) and am.dim() == 2 and n_tok == am.shape[1]:
+        token_mask = am.to(scores.device) != 0
+    else:
+        token_mask = torch.ones(batch, n_tok, dtype=torch.bool, device=scores.device) if n_tok else None
+    return Trace(session=session, token_mask=token_mask, outputs=pytree.tree_map(lambda t: t.detach() if torch.is_tensor(t) else t, outputs),
                  logits=logits.detach() if logits is not None else None, target=target,
                  target_scores=scores.detach(), blocks=blocks, input_relevance=input_rel, input_gradient=input_grad,
                  conservation=conservation, modality=a.modality, grid=a.grid, batch_size=batch)
@@ -410,6 +433,8 @@ def _walk(captured, env, grad, out_nodes, preset, eps, unsupported, batch):
                  for i, v in enumerate(out_val)]
         fn = registry.lookup(preset, node.target)
         if fn is None:
+            if unsupported == "error":
+                raise UnsupportedOperation(node.target, module_path(node), module_type(node), preset)
             fn = gradient_times_input
         args, kw = torch.fx.node.map_arg((node.args, node.kwargs), lambda n: env[n])
         live = tuple(_liveness(x, a.live) for x in node.args)

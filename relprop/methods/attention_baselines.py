@@ -1,1 +1,252 @@
-"""(being written)"""
+"""The baselines of Chefer, Gur & Wolf (CVPR 2021, §4 and supplementary §A) and its Table-3
+ablations, plus the gradient rollout of Chefer, Gur & Wolf (ICCV 2021).
+
+Blocks are counted from the input (0-based), as everywhere in relprop; the paper counts them from
+the output (its "block 1" is ``trace.blocks[-1]``). ``E_h`` is the mean over heads, ``(·)⁺`` the
+positive part, and "the CLS row" is row 0 of a [tokens, tokens] map.
+
+=======================  =========================================================================
+method                   definition
+=======================  =========================================================================
+``ta_without_gradient``  C = Π_b (I + E_h(A_b ⊙ R_A,b)⁺), output side first; CLS row (Table 3, i)
+``ta_last_block``        E_h(dA ⊙ R_A)⁺ of the block next to the output; CLS row (Table 3, ii)
+``ta_second_block``      E_h(dA ⊙ R_A)⁺ of blocks[1]; CLS row (Table 3, iii)
+``lrp``                  relevance at the input under the plain-LRP rules (supp. §A)
+``partial_lrp``          E_h(R_A)⁺ of the block next to the output, plain-LRP rules; CLS row
+``raw_attention``        E_h A of the block next to the output; CLS row
+``rollout``              Π_b rownorm(I + E_h A_b), output side first; CLS row (Eq. 15–16)
+``attention_gradcam``    (E_h w_h A_h)⁺ of the block next to the output, w_h = mean dA over the
+                         CLS row's patch/token columns; CLS row (supp. §A "GradCAM")
+``gradient_rollout``     R ← R + E_h(dA ⊙ A)⁺ · R from the input to the output; CLS row (ICCV 2021)
+=======================  =========================================================================
+"""
+from __future__ import annotations
+
+import torch
+
+from ..errors import MethodError
+from .registry import method
+from .rollout_utils import chain, head_mean
+
+#: methods that need no attention blocks (named when a model has none)
+_WITHOUT_ATTENTION = "lrp, input_x_gradient, smoothgrad, integrated_gradients"
+
+
+def _blocks(trace, name: str, needed: int = 1):
+    """The trace's attention blocks; a MethodError naming what is missing if there are too few."""
+    blocks = trace.blocks
+    if not blocks:
+        raise MethodError(f"{name} needs attention blocks, and none were found in the graph of this model. "
+                          f"Methods that apply without attention: {_WITHOUT_ATTENTION}.")
+    if len(blocks) < needed:
+        raise MethodError(f"{name} needs at least {needed} attention blocks; this model has {len(blocks)}. "
+                          "Use transformer_attribution or ta_last_block instead.")
+    return blocks
+
+
+def _relevance(block, name: str) -> torch.Tensor:
+    if block.relevance is None:
+        raise MethodError(f"{name} needs the relevance of the attention maps (R_A), which this trace lacks")
+    return block.relevance
+
+
+def _check_start(start_block: int, blocks, name: str) -> None:
+    if not 0 <= start_block < len(blocks):
+        raise MethodError(f"{name}: start_block={start_block} out of range: the model has blocks "
+                          f"0..{len(blocks) - 1}")
+
+
+def _single_block_map(trace, index: int, name: str) -> dict:
+    block = _blocks(trace, name, needed=2 if index == 1 else 1)[index]
+    m = head_mean((block.gradient * _relevance(block, name)).clamp(min=0))
+    return {"tokens": m[:, 0, :], "matrix": m}
+
+
+# ---------------------------------------------------------------- Table 3 ablations (CVPR 2021)
+
+@method("ta_without_gradient",
+        description="Transformer Attribution with the attention A in place of its gradient: "
+                    "I + E_h(A ⊙ R_A)⁺ per block, rolled out over the blocks (ablation)",
+        class_specific=True, signed=False, reference="Chefer et al., CVPR 2021, Table 3 (i), Eq. 13-14",
+        needs_relevance=True)
+def ta_without_gradient(trace, start_block: int = 0, normalize_rows: bool = False):
+    """Ablation (i) of Table 3: Eq. 13 with A_b in place of ∇A_b,
+    Ā_b = I + E_h[(A_b ⊙ R_A,b)⁺], rolled out as Eq. 14 (C = Ā_1 · … · Ā_B, paper numbering);
+    scores = the classification token's row of C.
+
+    Parameters
+    ----------
+    start_block : first block (counted from the input, 0-based) in the product; default 0 (every
+        block), as ``transformer_attribution``.
+    normalize_rows : divide each I + Ā_b by its row sums; default off, as ``transformer_attribution``.
+    """
+    blocks = _blocks(trace, "ta_without_gradient")
+    _check_start(start_block, blocks, "ta_without_gradient")
+    maps = [head_mean((b.attention * _relevance(b, "ta_without_gradient")).clamp(min=0))
+            for b in blocks[start_block:]]
+    joint = chain(maps, normalize_rows=normalize_rows)
+    return {"tokens": joint[:, 0, :], "matrix": joint}
+
+
+@method("ta_last_block",
+        description="E_h(dA ⊙ R_A)⁺ of the block next to the output only, no rollout (ablation)",
+        class_specific=True, signed=False, reference="Chefer et al., CVPR 2021, Table 3 (ii)",
+        needs_relevance=True)
+def ta_last_block(trace):
+    """Ablation (ii) of Table 3, ∇A^(1) R^(n_1): E_h[(∇A ⊙ R_A)⁺] of the block next to the output
+    (the paper's block 1), without rollout; scores = its classification-token row.
+
+    No identity is added: this follows the authors' code (``last_layer`` with ``is_ablation``),
+    which only differs from the paper's Eq. 13 at the classification token's own entry.
+    """
+    return _single_block_map(trace, -1, "ta_last_block")
+
+
+@method("ta_second_block",
+        description="E_h(dA ⊙ R_A)⁺ of the second block from the input only, no rollout (ablation)",
+        class_specific=True, signed=False, reference="Chefer et al., CVPR 2021, Table 3 (iii)",
+        needs_relevance=True)
+def ta_second_block(trace):
+    """Ablation (iii) of Table 3, ∇A^(B-1) R^(n_{B-1}): E_h[(∇A ⊙ R_A)⁺] of the block next-but-one
+    to the input (``blocks[1]``; the paper's block B-1; the authors' ``second_layer``), without
+    rollout and without an identity; scores = its classification-token row.
+    """
+    return _single_block_map(trace, 1, "ta_second_block")
+
+
+# ---------------------------------------------------------------- LRP baselines (plain rules)
+
+@method("lrp",
+        description="LRP to the input with the plain-LRP rules (not conservative): pixels summed over "
+                    "the colour channels, or the token embeddings' relevance",
+        class_specific=True, signed=True, reference="Chefer et al., CVPR 2021, Eq. 4 and supplementary §A",
+        needs_relevance=True, preset="lrp", needs_blocks=False)
+def lrp(trace):
+    """Full LRP (Eq. 4; supplementary §A, "LRP") under the ``"lrp"`` preset: the rules of the
+    authors' LRP baseline (``layers_lrp.py``), whose separate positive/negative denominators make
+    it non-conservative. Images: ``pixels`` = the input relevance summed over the colour channels;
+    text: ``tokens`` = the token embeddings' relevance summed over the embedding size. Signed.
+    """
+    rel = trace.input_relevance
+    if rel is None:
+        raise MethodError("lrp needs the relevance at the input, and no input of this model received any "
+                          "(no floating-point input or embedding lookup was found)")
+    if trace.modality == "vision" and rel.dim() == 4:
+        pixels = rel.sum(1)
+        if trace.grid is None:
+            return {"tokens": pixels.flatten(1)}
+        return {"pixels": pixels}
+    if rel.dim() == 3:  # input embeddings [batch, positions, size]
+        rel = rel.sum(-1)
+    return {"tokens": rel}
+
+
+@method("partial_lrp",
+        description="relevance of the attention map of the block next to the output under plain LRP, "
+                    "positive part, averaged over heads",
+        class_specific=True, signed=False, reference="Chefer et al., CVPR 2021, §4 and supplementary §A "
+                                                     "(following Voita et al., 2019)",
+        needs_relevance=True, preset="lrp")
+def partial_lrp(trace):
+    """Partial LRP (Voita et al. 2019, as the CVPR 2021 paper applies it, supplementary §A):
+    E_h[(R_A)⁺] of the block next to the output (R^(n_1)), under the ``"lrp"`` preset;
+    scores = its classification-token row. The positive part follows the authors' code
+    (``last_layer`` without ``is_ablation``).
+    """
+    block = _blocks(trace, "partial_lrp")[-1]
+    m = head_mean(_relevance(block, "partial_lrp").clamp(min=0))
+    return {"tokens": m[:, 0, :], "matrix": m}
+
+
+# ---------------------------------------------------------------- attention-only baselines
+
+@method("raw_attention",
+        description="attention of the block next to the output, averaged over heads (class-agnostic)",
+        class_specific=False, signed=False, reference="Chefer et al., CVPR 2021, §4 (raw attention)",
+        needs_relevance=False)
+def raw_attention(trace):
+    """Raw attention (CVPR 2021, §4): E_h A of the block next to the output;
+    scores = its classification-token row. Class-agnostic.
+    """
+    m = head_mean(_blocks(trace, "raw_attention")[-1].attention)
+    return {"tokens": m[:, 0, :], "matrix": m}
+
+
+@method("rollout",
+        description="attention rollout: I + E_h A per block, rows normalized, multiplied over the "
+                    "blocks (class-agnostic)",
+        class_specific=False, signed=False, reference="Abnar & Zuidema, 2020; Chefer et al., CVPR 2021, Eq. 15-16",
+        needs_relevance=False)
+def rollout(trace, start_block: int = 0, normalize_rows: bool = True):
+    """Attention rollout (Abnar & Zuidema 2020; CVPR 2021 Eq. 15–16): Â_b = I + E_h A_b, each
+    row divided by its sum, rollout = Â_1 · … · Â_B (paper numbering: output side first);
+    scores = the classification token's row. Class-agnostic.
+
+    Parameters
+    ----------
+    start_block : first block (counted from the input, 0-based) in the product; default 0 (every
+        block, Eq. 16).
+    normalize_rows : divide each I + E_h A_b by its row sums (default on: Abnar & Zuidema and the
+        authors' ViT code; their BERT code leaves it out, which doubles each row's sum per block).
+    """
+    blocks = _blocks(trace, "rollout")
+    _check_start(start_block, blocks, "rollout")
+    joint = chain([head_mean(b.attention) for b in blocks[start_block:]], normalize_rows=normalize_rows)
+    return {"tokens": joint[:, 0, :], "matrix": joint}
+
+
+def _key_columns(trace, n: int, device) -> torch.Tensor:
+    """[batch, n] bool: the columns whose gradient weights Grad-CAM's heads — the patch tokens for
+    images (the last gh*gw), and every real (non-padding) position for text."""
+    if trace.modality == "vision" and trace.grid is not None:
+        gh, gw = trace.grid
+        cols = torch.zeros(trace.batch_size, n, dtype=torch.bool, device=device)
+        cols[:, n - gh * gw:] = True
+        return cols
+    mask = getattr(trace, "token_mask", None)
+    if mask is None and trace.session is not None:
+        mask = getattr(trace.session, "kwargs", {}).get("attention_mask")
+    if torch.is_tensor(mask) and tuple(mask.shape) == (trace.batch_size, n):
+        return mask.to(device) != 0
+    return torch.ones(trace.batch_size, n, dtype=torch.bool, device=device)
+
+
+@method("attention_gradcam",
+        description="Grad-CAM on the attention map of the block next to the output: heads weighted by "
+                    "the mean gradient of the classification token's row, positive part",
+        class_specific=True, signed=False, reference="Chefer et al., CVPR 2021, §4 and supplementary §A "
+                                                     "(Grad-CAM, Selvaraju et al. 2017)",
+        needs_relevance=False)
+def attention_gradcam(trace):
+    """Grad-CAM on attention (CVPR 2021, supplementary §A, "GradCAM"): on the block next to the
+    output, w_h = mean over the patch (image) or token (text) columns of ∇A_h's classification-token
+    row; map = (E_h w_h A_h)⁺; scores = its classification-token row.
+
+    For images the columns exclude the class/distillation tokens (the last gh*gw tokens are the
+    patches), as the authors' ViT code. For text every real position is a column (padding is
+    excluded so that a padded batch explains like each text alone); the authors' BERT code
+    averaged ∇A over every row and column instead. The authors' final min-max rescaling of each
+    map is left out (it does not change the ranking).
+    """
+    block = _blocks(trace, "attention_gradcam")[-1]
+    a, da = block.attention, block.gradient
+    cols = _key_columns(trace, a.shape[-1], a.device).to(da.dtype)  # [B, N]
+    w = (da[:, :, 0, :] * cols[:, None, :]).sum(-1) / cols.sum(-1, keepdim=True).clamp_min(1)  # [B, H]
+    m = head_mean(w[:, :, None, None] * a).clamp(min=0)
+    return {"tokens": m[:, 0, :], "matrix": m}
+
+
+@method("gradient_rollout",
+        description="gradient-weighted attention rollout: R <- R + E_h(dA ⊙ A)⁺ R from the input to the "
+                    "output block",
+        class_specific=True, signed=False, reference="Chefer et al., ICCV 2021 (Generic attention-model "
+                                                     "explainability), Eq. 5-6",
+        needs_relevance=False)
+def gradient_rollout(trace):
+    """Chefer, Gur & Wolf, ICCV 2021 ("Generic Attention-model Explainability"), self-attention
+    rules: R = I; for every block from the input to the output, Ā = E_h[(∇A ⊙ A)⁺] (Eq. 5) and
+    R ← R + Ā · R (Eq. 6); scores = the classification token's row of R. Needs only gradients.
+    """
+    blocks = _blocks(trace, "gradient_rollout")
+    joint = chain([head_mean((b.gradient * b.attention).clamp(min=0)) for b in blocks])
+    return {"tokens": joint[:, 0, :], "matrix": joint}

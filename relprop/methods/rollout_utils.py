@@ -29,3 +29,18 @@ def chain(matrices: List[torch.Tensor], normalize_rows: bool = False) -> torch.T
             a = a / a.sum(-1, keepdim=True)
         joint = a if joint is None else a @ joint
     return joint
+
+
+def query_row(trace, joint: torch.Tensor, query: str = "cls") -> torch.Tensor:
+    """The row of an aggregated [batch, tokens, tokens] matrix that explains the output:
+    ``"cls"`` → row 0; ``"mean"`` → the mean of the rows of the real (non-padding) tokens."""
+    from ..errors import MethodError
+    if query == "cls":
+        return joint[:, 0, :]
+    if query == "mean":
+        mask = trace.token_mask
+        if mask is None:
+            mask = torch.ones(joint.shape[:2], dtype=torch.bool, device=joint.device)
+        w = mask.to(joint.dtype)
+        return (joint * w[:, :, None]).sum(1) / w.sum(1, keepdim=True).clamp_min(1)
+    raise MethodError(f"query={query!r} is not a choice. Choices: ['cls', 'mean']")

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from ..errors import MethodError
 from .registry import method
-from .rollout_utils import chain, head_mean
+from .rollout_utils import chain, head_mean, query_row
 
 
 @method("transformer_attribution",
@@ -11,7 +11,7 @@ from .rollout_utils import chain, head_mean
                     "rolled out over the blocks",
         class_specific=True, signed=False, reference="Chefer et al., CVPR 2021, Eq. 13-14",
         needs_relevance=True)
-def transformer_attribution(trace, start_block: int = 0, normalize_rows: bool = False):
+def transformer_attribution(trace, start_block: int = 0, normalize_rows: bool = False, query: str = "cls"):
     """Ā_b = I + E_h[(∇A_b ⊙ R_A,b)⁺] (Eq. 13); C = Ā_1 · … · Ā_B (Eq. 14, blocks numbered from the
     output); scores = the classification token's row of C.
 
@@ -22,6 +22,9 @@ def transformer_attribution(trace, start_block: int = 0, normalize_rows: bool = 
         last block (``start_layer=11`` for BERT-base), which is what their text benchmark used.
     normalize_rows : divide each I + Ā_b by its row sums (the authors' BERT code); off by default,
         as in their ViT code and the paper's text.
+    query : ``"cls"`` (the paper: the classification token's row) or ``"mean"`` (the mean of the
+        rows of the real, non-padding tokens: the row of a mean-pooled output, for models that
+        classify from mean pooling, such as sentence-transformers, where the CLS row is unused).
     """
     blocks = trace.blocks
     if not blocks:
@@ -30,4 +33,4 @@ def transformer_attribution(trace, start_block: int = 0, normalize_rows: bool = 
         raise MethodError(f"start_block={start_block} out of range: the model has blocks 0..{len(blocks) - 1}")
     maps = [head_mean((b.gradient * b.relevance).clamp(min=0)) for b in blocks[start_block:]]
     joint = chain(maps, normalize_rows=normalize_rows)
-    return {"tokens": joint[:, 0, :], "matrix": joint}
+    return {"tokens": query_row(trace, joint, query), "matrix": joint}

@@ -9,8 +9,9 @@ module              ops
 ``products``        attention matmuls and element-wise products of two live tensors
 ``residual``        add / sub (residual connections, position embeddings, masks)
 ``convolution``     the patch embedding (z^B on pixels)
+``reductions``      sum/mean pooling (z-rule), division by a norm or other statistic
 ==================  ======================================================================
 """
 from .registry import define_preset, describe, get_preset, lookup, presets, rule  # noqa: F401
 from .context import RuleContext  # noqa: F401
-from . import routing, passthrough, linear, products, residual, convolution  # noqa: F401,E402
+from . import routing, passthrough, linear, products, residual, convolution, reductions  # noqa: F401,E402

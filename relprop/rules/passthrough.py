@@ -58,18 +58,6 @@ def scale_identity(ctx, relevance):
     return (relevance, None)
 
 
-@rule(aten.div.Tensor, aten.div.Tensor_mode, preset=PAPER_PRESETS)
-def divide_by_constant(ctx, relevance):
-    """x / c for a constant c: R_x = R_out. A divisor that depends on the input has no rule."""
-    from ..errors import UnsupportedOperation
-    from .context import module_type
-
-    if ctx.live[0] is True and not (len(ctx.live) > 1 and ctx.live[1] is True):
-        return (relevance,) + (None,) * (len(ctx.args) - 1)
-    raise UnsupportedOperation(ctx.node.target, ctx.module_path, module_type(ctx.node), ctx.preset,
-                               detail="Division by an input-dependent tensor has no rule in this preset.")
-
-
 @rule(aten.where.self, preset=("base",))
 def where_route(ctx, relevance):
     """``where(cond, a, b)``: each element's relevance goes to the operand it was taken from.

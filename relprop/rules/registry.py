@@ -90,7 +90,9 @@ def rule(*ops, preset: Union[str, Sequence[str]] = "chefer2021", replace: bool =
     replace : if False, registering an op that already has a rule in the preset is an error.
 
     The function is called as ``fn(ctx, relevance)`` with a :class:`relprop.rules.RuleContext` and
-    must return one entry per positional argument of the op (see the module docstring).
+    must return one entry per positional argument of the op (see the module docstring). A rule may
+    set ``fn.no_relevance_to = {positions}`` to declare arguments it never gives relevance to (e.g.
+    the divisor of a normalization), so that ops feeding only those need no rule.
     """
     names = [preset] if isinstance(preset, str) else list(preset)
     if not ops:
