@@ -710,13 +710,16 @@ def test_native_layer_norm_is_identity(as_tuple):
     assert torch.equal(r[0], R) and all(t is None for t in r[1:])
 
 
-def test_division_by_live_tensor_is_refused():
-    """DESIGN §3: no rule for x / f(x); the divide rule must raise, not invent relevance."""
+def test_division_by_live_statistic_passes_relevance_to_numerator():
+    """x / f(x) (a norm, a std): relevance goes to x unchanged, the statistic gets none (the
+    LayerNorm convention of the CVPR 2021 code); the rule declares the divisor blocked."""
     x = rand((2, 3), 65, torch.float32)
     d = x.abs() + 1
-    with pytest.raises(UnsupportedOperation):
-        registry.lookup("chefer2021", aten.div.Tensor)(
-            make_ctx(aten.div.Tensor, (x, d), x / d, (True, True)), torch.ones(2, 3))
+    R = rand((2, 3), 66, torch.float32)
+    fn = registry.lookup("chefer2021", aten.div.Tensor)
+    out = fn(make_ctx(aten.div.Tensor, (x, d), x / d, (True, True)), R)
+    assert torch.equal(out[0], R) and out[1] is None
+    assert 1 in fn.no_relevance_to
 
 
 # ------------------------------------------------------------------------------------------------
