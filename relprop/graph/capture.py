@@ -125,22 +125,23 @@ def capture(model: torch.nn.Module, kwargs: Dict[str, Any]) -> Captured:
     errors = []
     ep = names = None
     dynamic = False
+    table = torch.export.default_decompositions()
+    for op in KEEP_WHOLE:
+        table.pop(op, None)
     with eval_mode(model), torch.no_grad():
         for dynamic in (True, False):
             try:
                 ep, names = _export(model, kwargs, dynamic)
+                ep = ep.run_decompositions(table)
                 break
             except Exception as e:  # noqa: BLE001 - torch raises many kinds; we report them all
+                ep = None
                 errors.append(f"{'dynamic' if dynamic else 'static'} batch: {type(e).__name__}: {str(e)[:800]}")
     if ep is None:
         raise CaptureError(
             f"torch.export could not capture {type(model).__name__}:\n  " + "\n  ".join(errors)
             + "\nrelprop needs a model that torch.export.export(model, (), inputs, strict=False) can trace."
         )
-    table = torch.export.default_decompositions()
-    for op in KEEP_WHOLE:
-        table.pop(op, None)
-    ep = ep.run_decompositions(table)
     graph = ep.graph
     _finite_masks(graph)
     specs = {s.arg.name: s for s in ep.graph_signature.input_specs}

@@ -42,6 +42,12 @@ def bind_inputs(model: torch.nn.Module, inputs: Any) -> Dict[str, Any]:
             raise InputError(f"{type(model).__name__}.forward takes *args; pass inputs as a dict instead")
         else:
             out[name] = value
+    # decoders: a key/value cache is output state the graph cannot return; explain without it
+    if "use_cache" in sig.parameters and "use_cache" not in out:
+        out["use_cache"] = False
+    elif "use_cache" not in out and any(p.kind is inspect.Parameter.VAR_KEYWORD for p in sig.parameters.values()) \
+            and getattr(getattr(model, "config", None), "use_cache", None) is not None:
+        out["use_cache"] = False
     tensors = {k: v for k, v in out.items() if torch.is_tensor(v)}
     if not tensors:
         raise InputError("inputs contain no tensor: pass pixel values, input ids or a tokenizer's output")
