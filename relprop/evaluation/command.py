@@ -1,0 +1,176 @@
+"""``relprop evaluate``: evaluate explanation methods on a dataset from the command line.
+
+::
+
+    relprop evaluate DATA --model MODEL [--method M ...] --out DIR
+
+DATA is a folder of images with masks (``images/*.png|jpg``, ``masks/<same stem>.png``, optional
+``labels.csv``) or a JSONL file of texts with rationales (``{"text": ..., "label": int,
+"rationale": [...]}``); see :mod:`relprop.evaluation.datasets` for the formats. MODEL is a local
+HuggingFace folder (or hub id) of an image or sequence classifier, or ``timm:NAME`` (with
+``--checkpoint`` for the weights). DIR receives ``results.md``, ``results.csv`` (one row per
+method), ``curves.csv`` and ``perturbation.png``.
+
+The lead wires it into ``relprop``'s CLI with :func:`add_parser` (which sets ``func=run``);
+``python -m relprop.evaluation.command`` runs it standalone.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Any, List, Optional, Sequence
+
+#: the paper's Table 1–2 line-up (CVPR 2021)
+DEFAULT_METHODS = ("transformer_attribution", "rollout", "raw_attention", "attention_gradcam", "partial_lrp", "lrp")
+
+DESCRIPTION = ("Evaluate explanation methods with the papers' protocols (CVPR 2021 §4, AttCAT §5.3) on a folder "
+               "of images with masks or a JSONL file of texts with rationales; writes results.md, results.csv, "
+               "curves.csv and perturbation.png into --out.")
+
+
+def _floats(text: str) -> List[float]:
+    try:
+        return [float(v) for v in text.replace(" ", "").split(",") if v]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"'{text}' is not a comma-separated list of numbers") from None
+
+
+def configure(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add the arguments of ``relprop evaluate`` to ``parser``."""
+    parser.add_argument("data", help="a folder with images/ and masks/ (optional labels.csv), or a .jsonl file "
+                                     "of {\"text\", \"label\", \"rationale\"} lines")
+    parser.add_argument("--model", required=True,
+                        help="local HuggingFace model folder or hub id (image or sequence classifier), "
+                             "or timm:NAME")
+    parser.add_argument("--method", nargs="+", action="extend", default=None, metavar="NAME",
+                        help="explanation method(s) (several allowed; 'all' = every registered method). "
+                             f"Default: {' '.join(DEFAULT_METHODS)}")
+    parser.add_argument("--out", required=True, help="output folder")
+    parser.add_argument("--target", choices=("predicted", "label"), default="predicted",
+                        help="explain and score the predicted class (default) or the dataset's labels")
+    parser.add_argument("--batch-size", type=int, default=8, help="samples explained together (default 8)")
+    parser.add_argument("--perturbation-batch-size", type=int, default=64,
+                        help="perturbed copies per forward pass (default 64)")
+    parser.add_argument("--steps", type=_floats, default=None,
+                        help="removed fractions of the perturbation tests (default 0.1,0.2,...,0.9)")
+    parser.add_argument("--limit", type=int, default=None, help="use only the first N samples")
+    parser.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
+    parser.add_argument("--preset", default="chefer2021", help="relevance preset (default chefer2021)")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    img = parser.add_argument_group("images")
+    img.add_argument("--unit", choices=("pixel", "patch"), default="pixel",
+                     help="remove pixels of the upsampled map (default) or whole patches")
+    img.add_argument("--baseline", type=_floats, default=None,
+                     help="value of a removed pixel in un-normalized space, one or one per channel (default 0)")
+    img.add_argument("--mean", type=_floats, default=None,
+                     help="normalization mean per channel (default: the timm pretrained_cfg or the HF "
+                          "preprocessor_config.json; else none)")
+    img.add_argument("--std", type=_floats, default=None, help="normalization std per channel")
+    img.add_argument("--image-size", type=int, nargs="+", default=None, metavar="N",
+                     help="resize images to N (or H W); default: the model's input size")
+    img.add_argument("--checkpoint", default=None, help="timm: path of the weights to load")
+    img.add_argument("--timm-kwargs", default=None, help="timm: JSON of create_model keyword arguments")
+    txt = parser.add_argument_group("texts")
+    txt.add_argument("--tokenizer", default=None, help="tokenizer folder or id (default: the model's)")
+    txt.add_argument("--removal", default="pad",
+                     help="perturbation tests: pad | mask | delete | a token id (default pad)")
+    txt.add_argument("--k", type=int, nargs="+", default=[5], help="k of token-F1 and Precision@K (default 5)")
+    txt.add_argument("--max-length", type=int, default=512, help="longest tokenized text (default 512)")
+    txt.add_argument("--no-kendall", action="store_true", help="skip Kendall-τ (saves one explain call per batch)")
+    txt.add_argument("--no-aopc", action="store_true", help="skip AOPC and log-odds")
+    return parser
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    """Register ``evaluate`` on an ``argparse`` subparsers object; it sets ``func=run``."""
+    p = subparsers.add_parser("evaluate", help="evaluate explanation methods on a dataset", description=DESCRIPTION)
+    configure(p)
+    p.set_defaults(func=run)
+    return p
+
+
+def load_model(spec: Any, kind: str, checkpoint: Optional[str] = None, timm_kwargs: Optional[dict] = None):
+    """An nn.Module as is; ``timm:NAME`` via ``timm.create_model``; else a HuggingFace image
+    (``kind="vision"``) or sequence (``kind="text"``) classifier ``from_pretrained``. In eval mode."""
+    import torch
+    if isinstance(spec, torch.nn.Module):
+        return spec.eval()
+    spec = str(spec)
+    if spec.startswith("timm:") or spec.startswith("timm/"):
+        import timm
+        name = spec.split(":", 1)[1] if spec.startswith("timm:") else spec
+        kw = dict(timm_kwargs or {})
+        if checkpoint:
+            kw.setdefault("pretrained", False)
+            kw["checkpoint_path"] = checkpoint
+        else:
+            kw.setdefault("pretrained", True)
+        return timm.create_model(name, **kw).eval()
+    import transformers
+    cls = transformers.AutoModelForImageClassification if kind == "vision" else \
+        transformers.AutoModelForSequenceClassification
+    return cls.from_pretrained(spec).eval()
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run ``relprop evaluate``; returns the exit code (0 ok, 2 bad input)."""
+    import torch
+
+    from ..errors import RelpropError
+    from . import datasets, report, runner
+    from .perturbation import DEFAULT_STEPS
+
+    try:
+        kind = "vision" if os.path.isdir(args.data) else "text"
+        if kind == "text" and not os.path.isfile(args.data):
+            raise RelpropError(f"{args.data} is neither a folder nor a file")
+        timm_kwargs = json.loads(args.timm_kwargs) if args.timm_kwargs else None
+        model = load_model(args.model, kind, args.checkpoint, timm_kwargs)
+        device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        model = model.to(device)
+        methods = list(args.method or DEFAULT_METHODS)
+        if "all" in methods:
+            import relprop
+            methods = sorted(relprop.methods())
+        if kind == "vision":
+            size = args.image_size or datasets.model_image_size(model)
+            if size is not None and len(size) == 1:
+                size = (size[0], size[0])
+            if (args.mean is None) != (args.std is None):
+                raise RelpropError("give both --mean and --std, or neither")
+            norm = (args.mean, args.std) if args.mean is not None else datasets.model_normalization(model)
+            data = datasets.ImageMaskFolder(args.data, image_size=size, normalization=norm, limit=args.limit)
+            tokenizer = None
+        else:
+            from transformers import AutoTokenizer
+            tok_spec = args.tokenizer or (args.model if isinstance(args.model, str) else
+                                          getattr(getattr(model, "config", None), "_name_or_path", None))
+            if not tok_spec:
+                raise RelpropError("texts need a tokenizer: pass --tokenizer")
+            tokenizer = AutoTokenizer.from_pretrained(tok_spec) if isinstance(tok_spec, str) else tok_spec
+            data = datasets.RationaleJSONL(args.data, tokenizer, max_length=args.max_length, limit=args.limit)
+        removal = int(args.removal) if str(args.removal).lstrip("-").isdigit() else args.removal
+        baseline = None if args.baseline is None else (args.baseline[0] if len(args.baseline) == 1 else args.baseline)
+        result = runner.evaluate(
+            model, data, methods, target=args.target, batch_size=args.batch_size,
+            steps=args.steps or DEFAULT_STEPS, baseline=baseline, unit=args.unit, removal=removal,
+            tokenizer=tokenizer, perturbation_batch_size=args.perturbation_batch_size, rationale_k=args.k,
+            aopc=not args.no_aopc, kendall=not args.no_kendall, progress=not args.no_progress, preset=args.preset)
+        paths = report.write_report(result, args.out)
+    except (RelpropError, OSError, json.JSONDecodeError) as e:
+        print(f"relprop evaluate: error: {e}", file=sys.stderr)
+        return 2
+    print(report.to_markdown_table(result))
+    print("\nwrote " + ", ".join(paths.values()))
+    return 0
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = configure(argparse.ArgumentParser(prog="relprop evaluate", description=DESCRIPTION))
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
