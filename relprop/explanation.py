@@ -56,6 +56,18 @@ class Explanation:
     signed: bool = False
     class_specific: bool = True
 
+    def show(self, **kwargs):
+        """Display the explanation (image overlay, or coloured tokens/HTML in a notebook); see
+        :func:`relprop.viz_api.show` for the options (``image=``, ``tokens=``, ``index=``, ...)."""
+        from .viz_api import show
+        return show(self, **kwargs)
+
+    def save(self, path, **kwargs):
+        """Write the explanation to ``path`` (.png overlay for images, .html for text); see
+        :func:`relprop.viz_api.save`."""
+        from .viz_api import save
+        return save(self, path, **kwargs)
+
     def __len__(self) -> int:
         return self.scores.shape[0]
 

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 import torch.fx
-from hypothesis import assume, given, settings
+from hypothesis import assume, example, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
@@ -288,6 +288,8 @@ def test_lrp_baseline_is_not_conservative_examples():
 @given(N=st.integers(1, 2), C=st.integers(1, 3), H=st.integers(2, 6), W=st.integers(2, 6),
        k=st.integers(1, 3), stride=st.integers(1, 3), padding=st.integers(0, 1), O=st.integers(1, 3),
        pixels=st.sampled_from(["positive", "negative", "mixed"]), r_positive=st.booleans(), seed=seeds)
+@example(N=1, C=1, H=2, W=3, k=2, stride=1, padding=1, O=1, pixels="positive", r_positive=False,
+         seed=27862176)  # a denominator of 1e-16: found by CI
 def test_z_box_conserves(N, C, H, W, k, stride, padding, O, pixels, r_positive, seed):
     """Supp. §B z^B rule (l = min x, h = max x per sample): Σ R_x = Σ R per sample where z_j ≠ 0;
     R ≥ 0 ⇒ R_x ≥ 0."""
@@ -307,9 +309,13 @@ def test_z_box_conserves(N, C, H, W, k, stride, padding, O, pixels, r_positive, 
     rx = z_box(x, w, p, R, EPS, low, high)
     assert bool(torch.isfinite(rx).all())
     passed = torch.where(z > 1e-4, R, torch.zeros(()).double())
+    # At a near-zero denominator the stabilizer still passes the fraction z / (z + eps) of R (all
+    # z^B contributions are >= 0, so no cancellation): bound it, with room for rounding in z.
+    near_zero = torch.where(z > 1e-4, torch.zeros(()).double(),
+                            R.abs() * ((z.abs() + 1e-14) / EPS).clamp(max=1.0))
     for n in range(N):
-        assert abs(float(rx[n].sum() - passed[n].sum())) <= stab_tol(passed[n], z[n]) + 1e-10 * float(
-            R[n].abs().sum())
+        tol = stab_tol(passed[n], z[n]) + float(near_zero[n].sum()) + 1e-10 * float(R[n].abs().sum())
+        assert abs(float(rx[n].sum() - passed[n].sum())) <= tol
     if r_positive:
         assert bool((rx >= -1e-12).all())
 

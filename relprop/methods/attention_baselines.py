@@ -26,7 +26,7 @@ import torch
 
 from ..errors import MethodError
 from .registry import method
-from .rollout_utils import chain, head_mean
+from .rollout_utils import chain, head_mean, query_row
 
 #: methods that need no attention blocks (named when a model has none)
 _WITHOUT_ATTENTION = "lrp, input_x_gradient, smoothgrad, integrated_gradients"
@@ -69,7 +69,7 @@ def _single_block_map(trace, index: int, name: str) -> dict:
                     "I + E_h(A ⊙ R_A)⁺ per block, rolled out over the blocks (ablation)",
         class_specific=True, signed=False, reference="Chefer et al., CVPR 2021, Table 3 (i), Eq. 13-14",
         needs_relevance=True)
-def ta_without_gradient(trace, start_block: int = 0, normalize_rows: bool = False):
+def ta_without_gradient(trace, start_block: int = 0, normalize_rows: bool = False, query: str = "cls"):
     """Ablation (i) of Table 3: Eq. 13 with A_b in place of ∇A_b,
     Ā_b = I + E_h[(A_b ⊙ R_A,b)⁺], rolled out as Eq. 14 (C = Ā_1 · … · Ā_B, paper numbering);
     scores = the classification token's row of C.
@@ -85,7 +85,7 @@ def ta_without_gradient(trace, start_block: int = 0, normalize_rows: bool = Fals
     maps = [head_mean((b.attention * _relevance(b, "ta_without_gradient")).clamp(min=0))
             for b in blocks[start_block:]]
     joint = chain(maps, normalize_rows=normalize_rows)
-    return {"tokens": joint[:, 0, :], "matrix": joint}
+    return {"tokens": query_row(trace, joint, query), "matrix": joint}
 
 
 @method("ta_last_block",
@@ -177,7 +177,7 @@ def raw_attention(trace):
                     "blocks (class-agnostic)",
         class_specific=False, signed=False, reference="Abnar & Zuidema, 2020; Chefer et al., CVPR 2021, Eq. 15-16",
         needs_relevance=False)
-def rollout(trace, start_block: int = 0, normalize_rows: bool = True):
+def rollout(trace, start_block: int = 0, normalize_rows: bool = True, query: str = "cls"):
     """Attention rollout (Abnar & Zuidema 2020; CVPR 2021 Eq. 15–16): Â_b = I + E_h A_b, each
     row divided by its sum, rollout = Â_1 · … · Â_B (paper numbering: output side first);
     scores = the classification token's row. Class-agnostic.
@@ -192,7 +192,7 @@ def rollout(trace, start_block: int = 0, normalize_rows: bool = True):
     blocks = _blocks(trace, "rollout")
     _check_start(start_block, blocks, "rollout")
     joint = chain([head_mean(b.attention) for b in blocks[start_block:]], normalize_rows=normalize_rows)
-    return {"tokens": joint[:, 0, :], "matrix": joint}
+    return {"tokens": query_row(trace, joint, query), "matrix": joint}
 
 
 def _key_columns(trace, n: int, device) -> torch.Tensor:
@@ -242,11 +242,13 @@ def attention_gradcam(trace):
         class_specific=True, signed=False, reference="Chefer et al., ICCV 2021 (Generic attention-model "
                                                      "explainability), Eq. 5-6",
         needs_relevance=False)
-def gradient_rollout(trace):
+def gradient_rollout(trace, query: str = "cls"):
     """Chefer, Gur & Wolf, ICCV 2021 ("Generic Attention-model Explainability"), self-attention
     rules: R = I; for every block from the input to the output, Ā = E_h[(∇A ⊙ A)⁺] (Eq. 5) and
     R ← R + Ā · R (Eq. 6); scores = the classification token's row of R. Needs only gradients.
+
+    ``query="mean"`` reads the mean of the real tokens' rows instead (mean-pooled models).
     """
     blocks = _blocks(trace, "gradient_rollout")
     joint = chain([head_mean((b.gradient * b.attention).clamp(min=0)) for b in blocks])
-    return {"tokens": joint[:, 0, :], "matrix": joint}
+    return {"tokens": query_row(trace, joint, query), "matrix": joint}

@@ -1,0 +1,92 @@
+"""Per-block heatmap of a text's relevance (AttCAT, NeurIPS 2022, Fig. 4): blocks × tokens.
+
+Row b is what the hidden states entering block b contribute to the explained score, per token:
+``exp.blocks[b].hidden_relevance`` summed over the hidden size when the method ran the relevance walk
+(the LRP relevance R_h of the tokens at that depth), else ``hidden * hidden_gradient`` summed over the
+hidden size (AttCAT's class activation tokens, CAT = ∇h ⊙ h). Both are signed: a diverging colormap
+centred on 0 shows them, red for support, blue against.
+"""
+from __future__ import annotations
+
+from typing import Optional, Sequence, Tuple
+
+import numpy as np
+
+from .image import _new_figure, _ticks, clip_limits
+from .text import tokens_of
+
+SOURCES = ("auto", "relevance", "gradient_x_hidden")
+
+
+def block_scores(exp, index: int = 0, source: str = "auto") -> Tuple[np.ndarray, str]:
+    """``([blocks, positions] array, source used)`` for sample ``index``.
+
+    ``source``: ``"relevance"`` (R_h summed over the hidden size), ``"gradient_x_hidden"`` (∇h ⊙ h
+    summed over the hidden size) or ``"auto"`` (relevance when recorded, else gradient × hidden).
+    """
+    if source not in SOURCES:
+        raise ValueError(f"source={source!r} is not a choice. Choices: {list(SOURCES)}")
+    if not exp.blocks:
+        raise ValueError(f"explanation '{exp.method}' has no attention blocks to show")
+    use = source
+    if source == "auto":
+        use = "relevance" if all(b.hidden_relevance is not None for b in exp.blocks) else "gradient_x_hidden"
+    rows = []
+    for b in exp.blocks:
+        if use == "relevance":
+            if b.hidden_relevance is None:
+                raise ValueError(f"block {b.index} has no relevance recorded by method '{exp.method}' "
+                                 "(a gradient-only method): use source='gradient_x_hidden'")
+            r = b.hidden_relevance[index]
+        else:
+            if b.hidden is None or b.hidden_gradient is None:
+                raise ValueError(f"block {b.index} recorded no hidden states")
+            r = b.hidden[index] * b.hidden_gradient[index]
+        rows.append(r.detach().float().sum(-1).cpu().numpy())
+    return np.stack(rows), use
+
+
+def blocks_figure(exp, tokens: Sequence[str], index: int = 0, *, source: str = "auto",
+                  labels=None, title: Optional[str] = None, fig=None):
+    """Heatmap of :func:`block_scores`: one row per block (the input-side block at the top, as AttCAT's
+    Fig. 4 reads from the first layer down), one column per token (padding left out; special tokens
+    kept, greyed). ``tokens``: the sample's token strings. Returns a ``matplotlib.figure.Figure``."""
+    from matplotlib import colors
+    values, used = block_scores(exp, index, source)
+    toks = tokens_of(exp, index, tokens, merge_words=False)
+    keep = _kept_positions(exp, index, tokens)
+    values = values[:, keep]
+    nb, nt = values.shape
+    fig = _new_figure((max(4.5, 0.42 * nt + 2.2), max(2.4, 0.36 * nb + 1.6)), fig)
+    ax = fig.subplots(1, 1)
+    real = [j for j, t in enumerate(toks) if not t.special]
+    vmin, vmax = clip_limits(values[:, real] if real else values, True, 100.0)
+    im = ax.imshow(values, cmap="RdBu_r", norm=colors.Normalize(vmin, vmax), aspect="auto",
+                   interpolation="nearest")
+    ax.set_xticks(range(nt))
+    ax.set_xticklabels([t.text for t in toks], rotation=60, ha="right", fontsize=8)
+    for lab, t in zip(ax.get_xticklabels(), toks):
+        if t.special:
+            lab.set_color("#999999")
+    ax.set_yticks(range(nb))
+    ax.set_yticklabels([f"block {b.index}" for b in exp.blocks], fontsize=8)
+    ax.set_ylabel("input side → output side", fontsize=8)
+    what = "relevance R_h" if used == "relevance" else "∇h ⊙ h (CAT)"
+    head = title
+    if head is None:
+        from .image import label_name
+        cls = "" if exp.target is None else f" for {label_name(labels, int(exp.target[index]))}"
+        head = f"{what} entering each block, summed over the hidden size{cls}"
+    ax.set_title(head, fontsize=9)
+    cb = fig.colorbar(im, ax=ax, fraction=0.04, pad=0.02)
+    cb.set_ticks([vmin, 0.0, vmax])
+    cb.set_ticklabels(_ticks([vmin, 0.0, vmax]))
+    cb.ax.tick_params(labelsize=7)
+    fig.tight_layout()
+    return fig
+
+
+def _kept_positions(exp, index: int, tokens: Sequence[str]):
+    from .text import _is_padding
+    mask = exp.mask[index].tolist() if exp.mask is not None else [True] * len(tokens)
+    return [j for j, (t, m) in enumerate(zip(tokens, mask)) if m or not _is_padding(str(t))]

@@ -1,0 +1,115 @@
+"""``Explanation.show()`` and ``Explanation.save(path)``: the renderers of :mod:`relprop.viz` for one
+explanation, in Python scripts and notebooks.
+
+Images: an overlay of the map on the input (the input as fed to the model; pass ``mean``/``std`` of the
+preprocessing to show its true colours), a grid of all samples when the batch has several and no
+``index`` is given. Text: coloured tokens (HTML in notebooks and ``.html`` files, rich colours in a
+terminal, a drawn figure in ``.png``/``.pdf``/``.svg``); the token strings come from ``tokens=`` (one
+list per sample) or from ``tokenizer=`` with ``inputs=`` (the tokenizer's output that was explained).
+"""
+from __future__ import annotations
+
+import os
+from typing import Any, Optional, Sequence
+
+FIGURE_SUFFIXES = (".png", ".jpg", ".jpeg", ".pdf", ".svg")
+
+
+def _tokens(exp, tokens, tokenizer, inputs):
+    if tokens is not None:
+        rows = list(tokens)
+        return [rows] if rows and isinstance(rows[0], str) else rows
+    if tokenizer is not None and inputs is not None:
+        from .viz.text import token_strings
+        ids = inputs["input_ids"] if isinstance(inputs, dict) or hasattr(inputs, "keys") else inputs
+        return token_strings(tokenizer, ids)
+    raise ValueError("a text explanation needs its token strings: pass tokens=[[...], ...] (one list per "
+                     "sample) or tokenizer= and inputs= (the tokenizer output that was explained)")
+
+
+def _image_figure(exp, index, image, labels, mean, std, percentile, fig=None):
+    from .viz import image as vimg
+    n = exp.map.shape[0] if exp.map is not None else 0
+    if index is None and n > 1:
+        return vimg.grid_figure([exp], image, labels=labels, mean=mean, std=std, percentile=percentile, fig=fig)
+    index = 0 if index is None else index
+    img = None
+    if image is not None:
+        img = image[index] if (hasattr(image, "dim") and image.dim() == 4) or isinstance(image, (list, tuple)) \
+            else image
+    return vimg.overlay_figure(exp, index, img, labels=labels, mean=mean, std=std, percentile=percentile, fig=fig)
+
+
+def save(exp, path: str, *, image: Any = None, tokens: Optional[Sequence] = None, tokenizer=None, inputs=None,
+         index: Optional[int] = None, labels=None, counterfactual=None, mean=None, std=None,
+         percentile: float = 99.5, merge_words: bool = True, dpi: int = 150) -> str:
+    """Write ``exp`` to ``path``; the format follows the suffix.
+
+    Images (``.png``, ``.jpg``, ``.pdf``, ``.svg``): the overlay of sample ``index`` on ``image`` (the
+    batch or one image), or a grid of every sample when ``index`` is None and the batch has several.
+    Text: ``.html`` a page with one coloured element per word (or word piece, ``merge_words=False``);
+    ``.png``/``.pdf``/``.svg`` the same drawn as a figure. ``counterfactual``: an explanation of the same
+    text for another class, shown beside. ``labels``: class names (``model.config.id2label``).
+    Returns ``path``.
+    """
+    suffix = os.path.splitext(str(path))[1].lower()
+    if exp.modality == "vision" or exp.map is not None:
+        if suffix not in FIGURE_SUFFIXES:
+            raise ValueError(f"cannot save an image explanation as '{suffix}': use one of {FIGURE_SUFFIXES}")
+        from .viz.image import save_figure
+        return save_figure(_image_figure(exp, index, image, labels, mean, std, percentile), str(path), dpi)
+    rows = _tokens(exp, tokens, tokenizer, inputs)
+    from .viz import text as vtext
+    idx = None if index is None else [index]
+    if suffix in (".html", ".htm"):
+        if idx is not None:
+            page = vtext.page_html([vtext.section_html(exp, [vtext.sample_html(
+                exp, index, rows[index], labels=labels, counterfactual=counterfactual, merge_words=merge_words)])])
+        else:
+            page = vtext.to_html(exp, rows, labels=labels, counterfactual=counterfactual, merge_words=merge_words)
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(page)
+        return str(path)
+    if suffix in FIGURE_SUFFIXES:
+        from .viz.image import save_figure
+        fig = vtext.text_figure(exp, rows, labels=labels, counterfactual=counterfactual, merge_words=merge_words,
+                                indices=idx)
+        return save_figure(fig, str(path), dpi)
+    raise ValueError(f"cannot save a text explanation as '{suffix}': use .html or one of {FIGURE_SUFFIXES}")
+
+
+def _in_notebook() -> bool:
+    try:
+        from IPython import get_ipython
+        shell = get_ipython()
+    except ImportError:
+        return False
+    return shell is not None and type(shell).__name__ == "ZMQInteractiveShell"
+
+
+def show(exp, *, image: Any = None, tokens: Optional[Sequence] = None, tokenizer=None, inputs=None,
+         index: Optional[int] = None, labels=None, counterfactual=None, mean=None, std=None,
+         percentile: float = 99.5, merge_words: bool = True, top: int = 5):
+    """Display ``exp``: in a notebook, the overlay figure (images) or the HTML tokens (text); in a
+    terminal, a matplotlib window (images) or the tokens in colour with the top tokens (text).
+    Arguments as :func:`save`. Returns the figure (images) or the HTML string (text)."""
+    if exp.modality == "vision" or exp.map is not None:
+        if _in_notebook():
+            fig = _image_figure(exp, index, image, labels, mean, std, percentile)
+            from IPython.display import display
+            display(fig)
+            return fig
+        import matplotlib.pyplot as plt
+        fig = _image_figure(exp, index, image, labels, mean, std, percentile, fig=plt.figure())
+        plt.show()
+        return fig
+    rows = _tokens(exp, tokens, tokenizer, inputs)
+    from .viz import text as vtext
+    page = vtext.to_html(exp, rows, labels=labels, counterfactual=counterfactual, merge_words=merge_words)
+    if _in_notebook():
+        from IPython.display import HTML, display
+        display(HTML(page))
+    else:
+        vtext.print_terminal(exp, rows, labels=labels, counterfactual=counterfactual, merge_words=merge_words,
+                             top=top, indices=None if index is None else [index])
+    return page
