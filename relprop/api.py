@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from . import targets as _targets
+from . import validation
 from .errors import MethodError, RelpropError
 from .explanation import Explanation
 from .graph.capture import CACHE
@@ -59,8 +60,10 @@ def explain(model: torch.nn.Module, inputs: Any, target: Any = None, method: str
         if info.preset:
             get_preset(info.preset)
         _check_options(info, options, many)
+    validation.check_model(model)
     kwargs = bind_inputs(model, inputs)
-    captured = CACHE.get(model, kwargs)
+    validation.check_inputs(model, kwargs)
+    captured = validation.capture_checked(CACHE, model, kwargs)
     batch = kwargs[captured.primary].shape[0]
     score_fn, target_of = _targets.resolve(target, batch)
     # one pass per preset whose relevance is needed; gradient-only methods reuse any pass
@@ -85,6 +88,7 @@ def explain(model: torch.nn.Module, inputs: Any, target: Any = None, method: str
                               f"Methods that apply without attention: {usable}")
         out = info.fn(trace, **opts)
         results.append(_package(info, key or preset, out, trace, kwargs, captured, model, special_tokens_mask))
+    validation.check_result(results)
     return results if many else results[0]
 
 
