@@ -317,6 +317,9 @@ class Session:
         for k, v in replace.items():
             if k == "primary":
                 k = self.captured.primary
+            old = kwargs.get(k)
+            if torch.is_tensor(v) and torch.is_tensor(old) and v.is_floating_point() and old.is_floating_point():
+                v = v.to(old.dtype)  # e.g. float32 masks applied to a half-precision model's pixels
             kwargs[k] = v
         with torch.no_grad():
             _, outputs = forward(self.captured, self.model, kwargs)
@@ -436,9 +439,10 @@ def _walk(captured, env, grad, out_nodes, preset, eps, unsupported, batch):
             if unsupported == "error":
                 raise UnsupportedOperation(node.target, module_path(node), module_type(node), preset)
             fn = gradient_times_input
-        args, kw = torch.fx.node.map_arg((node.args, node.kwargs), lambda n: env[n])
+        # rules compute in float32 at least: half-precision activations are upcast (DESIGN §2)
+        args, kw = torch.fx.node.map_arg((node.args, node.kwargs), lambda n: _f32(env[n]) if n in a.live else env[n])
         live = tuple(_liveness(x, a.live) for x in node.args)
-        ctx = RuleContext(node=node, args=tuple(args), kwargs=kw, out=out_val, live=live,
+        ctx = RuleContext(node=node, args=tuple(args), kwargs=kw, out=pytree.tree_map(_f32, out_val), live=live,
                           batch_dim=bdim.get(node), batch_size=batch, eps=eps, preset=preset, options=options)
         shares = fn(ctx, r)
         if shares is None:
@@ -471,6 +475,13 @@ def _walk(captured, env, grad, out_nodes, preset, eps, unsupported, batch):
                                             per_block_absorbed[b.layer]))
     cons = Conservation(injected, reached, absorbed, absorbed_by, blocks, preset)
     return rel_at, cons, input_rel
+
+
+def _f32(v):
+    """A float16/bfloat16 tensor as float32 (anything else unchanged)."""
+    if torch.is_tensor(v) and v.dtype in (torch.float16, torch.bfloat16):
+        return v.float()
+    return v
 
 
 def _liveness(x, live):
