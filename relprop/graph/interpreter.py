@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import operator
+import threading
 from typing import Any, Callable, Dict, List, Optional
 
 import torch
@@ -232,8 +233,10 @@ def run(captured: Captured, model: torch.nn.Module, kwargs: Dict[str, Any],
                  conservation=conservation, modality=a.modality, grid=a.grid, batch_size=batch)
 
 
-#: counters the tests read: how many times the captured graph was evaluated (all or in part)
+#: counters the tests read: how many times the captured graph was evaluated (all or in part);
+#: the only module-level state of the interpreter, updated under a lock (threads may explain at once)
 STATS = {"forward": 0}
+_STATS_LOCK = threading.Lock()
 
 
 def forward(captured: Captured, model, kwargs, perturb: Optional[Callable] = None,
@@ -244,7 +247,8 @@ def forward(captured: Captured, model, kwargs, perturb: Optional[Callable] = Non
     with ``env`` and ``only`` given, only the nodes in ``only`` are re-evaluated (the rest are
     read from ``env``). Sources are made leaves that require grad. Returns (env, outputs)."""
     a = captured.analysis
-    STATS["forward"] += 1
+    with _STATS_LOCK:
+        STATS["forward"] += 1
     sources = set(a.sources)
     overrides = overrides or {}
     if env is None:
