@@ -31,8 +31,9 @@ def explain(model: torch.nn.Module, inputs: Any, target: Any = None, method: str
         are the same afterwards, also when this function raises.
     inputs : what the model's forward takes: a tensor (pixels), a tuple of positional arguments,
         or a dict of tensors such as a tokenizer's output.
-    target : None (each sample's predicted class), an int, one int per sample, or a callable
-        ``target(outputs) -> [batch]`` scores.
+    target : None (each sample's predicted class), an int, one int per sample, a callable
+        ``target(outputs) -> [batch]`` scores, or ``"next_token"`` for a language model (the
+        predicted next token's logit at the last non-padding position, :func:`relprop.targets.next_token`).
     method : an explanation method (``relprop.methods()`` lists them), or a list of methods: they
         share one forward pass (and one relevance pass per preset) and a list of Explanations is
         returned. Default: the paper's Transformer Attribution (Chefer et al., CVPR 2021, Eq. 13–14).
@@ -65,6 +66,8 @@ def explain(model: torch.nn.Module, inputs: Any, target: Any = None, method: str
     validation.check_inputs(model, kwargs)
     captured = validation.capture_checked(CACHE, model, kwargs)
     batch = kwargs[captured.primary].shape[0]
+    if isinstance(target, str) and target == "next_token":  # language models: see targets.next_token
+        target = _targets.next_token(kwargs.get("attention_mask"))
     score_fn, target_of = _targets.resolve(target, batch)
     # one pass per preset whose relevance is needed; gradient-only methods reuse any pass
     wanted = list(dict.fromkeys((i.preset or preset) for i in infos if i.needs_relevance))

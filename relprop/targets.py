@@ -2,7 +2,9 @@
 
 ``target`` may be None (each sample's predicted class), an int (the same class for every sample),
 one int per sample (a list or a tensor), or a callable ``target(outputs) -> [batch]`` returning
-any differentiable score per sample (a logit difference, a similarity, ...). The relevance seed is
+any differentiable score per sample (a logit difference, a similarity, ...). For language models,
+:func:`next_token` builds the callable for the next token's logit at the last non-padding position
+(``target="next_token"`` in :func:`relprop.explain`). The relevance seed is
 the gradient of the summed scores with respect to the model's outputs: for a class index that is
 exactly the one-hot vector of that class (CVPR 2021, §3.3: relevance 1 at the target logit).
 """
@@ -47,7 +49,8 @@ def resolve(target: Any, batch: int) -> Tuple[Callable, Callable]:
         if logits.dim() != 2:
             raise TargetError(
                 f"the model's class scores have shape {tuple(logits.shape)}, not [batch, classes]; "
-                "for token-level or language-model outputs pass target=callable(outputs) -> [batch]"
+                "for a language model pass target='next_token' (or relprop.targets.next_token(mask, token)); "
+                "for other token-level outputs target=callable(outputs) -> [batch]"
             )
         n = logits.shape[1]
         if target is None:
@@ -80,3 +83,70 @@ def resolve(target: Any, batch: int) -> Tuple[Callable, Callable]:
         return logits.gather(1, t[:, None]).squeeze(1)
 
     return score_fn, target_of
+
+
+def last_positions(attention_mask: Optional[torch.Tensor], batch: int, length: int) -> torch.Tensor:
+    """[batch] index of the last non-padding position of each sample (``length - 1`` without a
+    mask; right and left padding both work, since it is the last position where the mask is 1)."""
+    if attention_mask is None:
+        return torch.full((batch,), length - 1, dtype=torch.long)
+    m = torch.as_tensor(attention_mask)
+    if m.dim() != 2:
+        raise TargetError(f"attention_mask must be [batch, positions], got shape {tuple(m.shape)}")
+    real = m != 0
+    if not bool(real.any(1).all()):
+        empty = (~real.any(1)).nonzero().flatten().tolist()
+        raise TargetError(f"samples {empty} have no non-padding position (attention_mask is all 0 there)")
+    idx = torch.arange(m.shape[1], device=m.device)
+    return torch.where(real, idx, torch.full_like(idx, -1)).amax(1)
+
+
+def next_token(attention_mask: Optional[torch.Tensor] = None, token: Any = None) -> Callable:
+    """Target for language models: the logit of the next token, read at the last non-padding
+    position of each sample.
+
+    Parameters
+    ----------
+    attention_mask : [batch, positions] (1 = real token, 0 = padding), e.g. the tokenizer's; None
+        reads the last position of every sample.
+    token : None (each sample's predicted next token: the argmax at that position), an int (the
+        same token id for every sample), or one id per sample.
+
+    Returns a callable ``target(outputs) -> [batch]`` for :func:`relprop.explain`: ``outputs.logits``
+    (or the output tensor) of shape [batch, positions, vocabulary] indexed at
+    ``[b, last_b, token_b]``. ``relprop.explain(lm, batch, target="next_token")`` is the same with
+    the mask taken from the inputs and the predicted token. The relevance seed is then the one-hot
+    of that token at that position (CVPR 2021, §3.3).
+    """
+    if isinstance(token, bool):
+        raise TargetError("token must be an int, one int per sample, or None, not bool")
+
+    def score(outputs):
+        logits = logits_of(outputs)
+        if logits.dim() != 3:
+            raise TargetError(f"next_token needs [batch, positions, vocabulary] logits (a language model); "
+                              f"got shape {tuple(logits.shape)}. For a sequence classifier pass the class index.")
+        b, n, vocab = logits.shape
+        pos = last_positions(attention_mask, b, n).to(logits.device)
+        if tuple(pos.shape) != (b,) or bool((pos >= n).any()):
+            raise TargetError(f"attention_mask of shape {tuple(torch.as_tensor(attention_mask).shape)} does not "
+                              f"fit logits of shape {tuple(logits.shape)}")
+        rows = logits[torch.arange(b, device=logits.device), pos]  # [batch, vocabulary]
+        if token is None:
+            t = rows.detach().argmax(-1)
+        else:
+            try:
+                t = torch.as_tensor(token, device=logits.device)
+            except (TypeError, ValueError):
+                raise TargetError(f"token must be an int or ints per sample, not {type(token).__name__}") from None
+            if t.dtype.is_floating_point or t.dtype == torch.bool:
+                raise TargetError(f"token ids must be integers, got dtype {t.dtype}")
+            t = t.long().reshape(-1).expand(b) if t.numel() == 1 else t.long().reshape(-1)
+            if t.numel() != b:
+                raise TargetError(f"token has {t.numel()} entries but the batch has {b} samples")
+            bad = (t < 0) | (t >= vocab)
+            if bool(bad.any()):
+                raise TargetError(f"token {t[bad].tolist()} out of range: valid ids are 0..{vocab - 1}")
+        return rows.gather(1, t[:, None]).squeeze(1)
+
+    return score

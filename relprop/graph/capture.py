@@ -28,6 +28,7 @@ from torch.export.graph_signature import InputKind
 
 from ..errors import CaptureError
 from .analysis import GraphAnalysis, analyze
+from .decompositions import extra_decompositions
 from .inputs import batch_size_of, primary_input, signature
 from .state import eval_mode
 
@@ -128,6 +129,7 @@ def capture(model: torch.nn.Module, kwargs: Dict[str, Any]) -> Captured:
     table = torch.export.default_decompositions()
     for op in KEEP_WHOLE:
         table.pop(op, None)
+    table.update(extra_decompositions())
     with eval_mode(model), torch.no_grad():
         for dynamic in (True, False):
             try:

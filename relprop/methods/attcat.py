@@ -39,6 +39,7 @@ import torch
 
 from ..errors import MethodError
 from .registry import method
+from .query import query_rows
 from .rollout_utils import head_mean
 
 #: methods that need no attention blocks (named when a model has none)
@@ -153,7 +154,7 @@ def attcat(trace, attention: str = "received"):
     for b, cat_b in zip(blocks, _cat_per_block(blocks)):
         a = head_mean(b.attention)  # [batch, query, key]
         if attention == "cls":
-            alpha = a[:, 0, :]
+            alpha = query_rows(trace, a)
         else:
             rows = attended_tokens(b.attention).to(a.dtype)  # padding rows left out
             alpha = (a * rows[:, :, None]).sum(1) / rows.sum(1, keepdim=True).clamp_min(1)
@@ -182,7 +183,7 @@ def grads(trace, block: int = -1):
     """
     b = _pick(_blocks(trace, "grads"), block, "grads")
     m = head_mean(b.gradient)
-    return {"tokens": m[:, 0, :], "matrix": m}
+    return {"tokens": query_rows(trace, m), "matrix": m}
 
 
 @method("attgrads",
@@ -212,7 +213,7 @@ def attgrads(trace, token_scores: str = "rows"):
     _check_choice("attgrads", "token_scores", token_scores, ("rows", "cls"))
     blocks = _blocks(trace, "attgrads")
     m = torch.stack([head_mean(b.attention * b.gradient.clamp(min=0)) for b in blocks]).mean(0)
-    scores = m.sum(-1) if token_scores == "rows" else m[:, 0, :]
+    scores = m.sum(-1) if token_scores == "rows" else query_rows(trace, m)
     return {"tokens": scores, "matrix": m}
 
 
@@ -259,7 +260,7 @@ def attention_norm(trace, block: int = -1):
     for i0 in range(0, n, step):
         mixed = torch.einsum("bhij,bhjc->bijc", a[:, :, i0:i0 + step], f)
         out[:, i0:i0 + step] = torch.linalg.vector_norm(mixed, dim=-1)
-    return {"tokens": out[:, 0, :], "matrix": out}
+    return {"tokens": query_rows(trace, out), "matrix": out}
 
 
 @method("gradcam",

@@ -26,6 +26,7 @@ import torch
 
 from ..errors import MethodError
 from .registry import method
+from .query import query_rows
 from .rollout_utils import chain, head_mean, query_row
 
 #: methods that need no attention blocks (named when a model has none)
@@ -59,7 +60,7 @@ def _check_start(start_block: int, blocks, name: str) -> None:
 def _single_block_map(trace, index: int, name: str) -> dict:
     block = _blocks(trace, name, needed=2 if index == 1 else 1)[index]
     m = head_mean((block.gradient * _relevance(block, name)).clamp(min=0))
-    return {"tokens": m[:, 0, :], "matrix": m}
+    return {"tokens": query_rows(trace, m), "matrix": m}
 
 
 # ---------------------------------------------------------------- Table 3 ablations (CVPR 2021)
@@ -155,7 +156,7 @@ def partial_lrp(trace):
     """
     block = _blocks(trace, "partial_lrp")[-1]
     m = head_mean(_relevance(block, "partial_lrp").clamp(min=0))
-    return {"tokens": m[:, 0, :], "matrix": m}
+    return {"tokens": query_rows(trace, m), "matrix": m}
 
 
 # ---------------------------------------------------------------- attention-only baselines
@@ -169,7 +170,7 @@ def raw_attention(trace):
     scores = its classification-token row. Class-agnostic.
     """
     m = head_mean(_blocks(trace, "raw_attention")[-1].attention)
-    return {"tokens": m[:, 0, :], "matrix": m}
+    return {"tokens": query_rows(trace, m), "matrix": m}
 
 
 @method("rollout",
@@ -231,9 +232,9 @@ def attention_gradcam(trace):
     block = _blocks(trace, "attention_gradcam")[-1]
     a, da = block.attention, block.gradient
     cols = _key_columns(trace, a.shape[-1], a.device).to(da.dtype)  # [B, N]
-    w = (da[:, :, 0, :] * cols[:, None, :]).sum(-1) / cols.sum(-1, keepdim=True).clamp_min(1)  # [B, H]
+    w = (query_rows(trace, da) * cols[:, None, :]).sum(-1) / cols.sum(-1, keepdim=True).clamp_min(1)  # [B, H]
     m = head_mean(w[:, :, None, None] * a).clamp(min=0)
-    return {"tokens": m[:, 0, :], "matrix": m}
+    return {"tokens": query_rows(trace, m), "matrix": m}
 
 
 @method("gradient_rollout",

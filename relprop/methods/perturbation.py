@@ -29,6 +29,7 @@ from tqdm.auto import tqdm
 from ..errors import MethodError
 from .gradients import Reruns
 from .registry import method
+from .query import query_rows
 
 
 # ---------------------------------------------------------------- Value Zeroing
@@ -111,7 +112,7 @@ def value_zeroing(trace):
             vz = torch.where(total > 0, dist / total.clamp_min(1e-300), torch.zeros_like(dist))
             joint = vz if joint is None else vz @ joint
     joint = joint.float()
-    return {"tokens": joint[:, 0, :], "matrix": joint}
+    return {"tokens": query_rows(trace, joint), "matrix": joint}
 
 
 # ---------------------------------------------------------------- ViT-CX

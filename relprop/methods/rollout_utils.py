@@ -33,10 +33,13 @@ def chain(matrices: List[torch.Tensor], normalize_rows: bool = False) -> torch.T
 
 def query_row(trace, joint: torch.Tensor, query: str = "cls") -> torch.Tensor:
     """The row of an aggregated [batch, tokens, tokens] matrix that explains the output:
-    ``"cls"`` → row 0; ``"mean"`` → the mean of the rows of the real (non-padding) tokens."""
+    ``"cls"`` → the classification token's row (row 0), or for a causal decoder the row of the
+    position its target reads (:mod:`relprop.methods.query`); ``"mean"`` → the mean of the rows of
+    the real (non-padding) tokens."""
     from ..errors import MethodError
     if query == "cls":
-        return joint[:, 0, :]
+        from .query import query_rows
+        return query_rows(trace, joint)
     if query == "mean":
         mask = trace.token_mask
         if mask is None:

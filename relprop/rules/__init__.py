@@ -10,8 +10,11 @@ module              ops
 ``residual``        add / sub (residual connections, position embeddings, masks)
 ``convolution``     the patch embedding (z^B on pixels)
 ``reductions``      sum/mean pooling (z-rule), division by a norm or other statistic
+``pointwise``       element-wise maths written out op by op: neg, pow, rsqrt, sqrt (gelu_new, RoPE)
+``normalization``   products with a normalizing statistic (RMSNorm's x · rsqrt(mean(x²) + ε))
 ==================  ======================================================================
 """
 from .registry import define_preset, describe, get_preset, lookup, presets, rule  # noqa: F401
 from .context import RuleContext  # noqa: F401
 from . import routing, passthrough, linear, products, residual, convolution, reductions  # noqa: F401,E402
+from . import pointwise, normalization  # noqa: F401,E402

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from .linear import constant_matrix_product
+from .normalization import is_statistic
 from .registry import rule
 from .stabilize import safe_divide
 
@@ -61,10 +62,16 @@ def multiply(ctx, relevance):
 
     One constant factor (a gain, a scale, a 0/1 mask): R passes to the live factor unchanged, as
     the paper's code treats scaling. Two live factors (gates): the z-rule gives each the whole R
-    (Lemma 1 ii), then both are halved, as for the attention products.
+    (Lemma 1 ii), then both are halved, as for the attention products. A live factor that is a
+    normalizing statistic of the input (RMSNorm's ``rsqrt(mean(x²) + ε)``, see
+    :mod:`relprop.rules.normalization`) is treated like LayerNorm's: the other factor gets all of R.
     """
     a, b = ctx.args[0], ctx.args[1]
     live_a, live_b = ctx.live[0] is True, ctx.live[1] is True
+    if live_a and live_b and is_statistic(ctx, 1):
+        return (relevance, None)
+    if live_a and live_b and is_statistic(ctx, 0):
+        return (None, relevance)
     if live_a and live_b:
         z = ctx.out.float()
         s = safe_divide(relevance, z, ctx.eps)
