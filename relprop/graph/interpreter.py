@@ -413,7 +413,14 @@ def _walk(captured, env, grad, out_nodes, preset, eps, unsupported, batch):
                 per_block_absorbed[layer] = per_block_absorbed[layer] + s
 
     input_parts = []
+    needed_later = _read_after_walk(a)
+    done = None
     for node in reversed(graph.nodes):
+        # last-use freeing: the walk reads a node's value only at that node and at its consumers,
+        # all visited before it, so a visited node's value is dead (unless read after the walk)
+        if done is not None and done not in needed_later:
+            env.pop(done, None)
+        done = node
         if node not in R:
             continue
         r = R.pop(node)
@@ -479,6 +486,20 @@ def _walk(captured, env, grad, out_nodes, preset, eps, unsupported, batch):
                                             per_block_absorbed[b.layer]))
     cons = Conservation(injected, reached, absorbed, absorbed_by, blocks, preset)
     return rel_at, cons, input_rel
+
+
+def _read_after_walk(a) -> set:
+    """Nodes whose forward values are read after the reverse walk (block records, sources, the
+    nodes that map window attention onto the token grid); the walk frees every other value."""
+    keep = set(a.sources) | {a.primary}
+    for b in a.blocks:
+        keep |= {n for n in (b.attention, b.hidden, b.value, b.features, b.out_proj, b.output) if n is not None}
+    for wm in (getattr(a, "windows", None) or {}).values():
+        for n in [getattr(wm, "start", None), getattr(wm, "end", None)] + list(getattr(wm, "nodes", ())):
+            if isinstance(n, torch.fx.Node):
+                keep.add(n)
+                keep.update(n.all_input_nodes)
+    return keep
 
 
 def _f32(v):
