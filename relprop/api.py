@@ -12,13 +12,14 @@ from . import validation
 from .errors import MethodError, RelpropError
 from .explanation import Explanation
 from .graph.capture import CACHE
-from .graph.inputs import bind_inputs
+from .graph.inputs import bind_inputs, with_wrt
 from .graph.interpreter import run
 from .methods import get_method
 from .rules.registry import get_preset
 from .rules.stabilize import DEFAULT_EPS
 
 
+@with_wrt  # adds wrt=None: the input to explain onto (relprop.graph.inputs.explaining_wrt)
 def explain(model: torch.nn.Module, inputs: Any, target: Any = None, method: str = "transformer_attribution",
             preset: str = "chefer2021", *, eps: float = DEFAULT_EPS, unsupported: str = "error",
             special_tokens_mask: Optional[torch.Tensor] = None, **options):
@@ -44,6 +45,10 @@ def explain(model: torch.nn.Module, inputs: Any, target: Any = None, method: str
         with no rule; ``"z_rule"`` applies the generic gradient × input rule to such ops.
     special_tokens_mask : [batch, positions] bool, True at positions to exclude from text scores.
         Default: padding and the ids the model's config names as special (cls/sep/bos/eos/pad).
+    wrt : the input to explain onto, by name, when the model takes several (default: the first of
+        ``input_ids``, ``pixel_values``, ``inputs_embeds``, ...). For a CLIP model,
+        ``wrt="pixel_values"`` explains the image tower and ``wrt="input_ids"`` (the default) the
+        text tower; the other tower is then a constant of the explanation.
     **options : options of the method (e.g. ``start_block=``, ``normalize_rows=``). With several
         methods, each option goes to the methods that take it.
 
@@ -89,6 +94,9 @@ def explain(model: torch.nn.Module, inputs: Any, target: Any = None, method: str
             raise MethodError(f"method '{info.name}' reads the attention blocks, and no attention blocks (a softmax "
                               f"whose output multiplies the values) were found in {type(model).__name__}'s graph. "
                               f"Methods that apply without attention: {usable}")
+        if getattr(trace, "stages", None) is not None:  # window attention (Swin)
+            from .methods.windowed import check_applicable
+            check_applicable(info, model)
         out = info.fn(trace, **opts)
         results.append(_package(info, key or preset, out, trace, kwargs, captured, model, special_tokens_mask))
     validation.check_result(results)
@@ -157,6 +165,8 @@ def special_ids(cfg) -> set:
 
 def _package(info, preset, result, trace, kwargs, captured, model, special_tokens_mask) -> Explanation:
     tokens = result.get("tokens")
+    if tokens is not None and getattr(trace, "stages", None) is not None:  # Swin: a stage's tokens → patch grid
+        tokens = trace.stages.lift(tokens)
     pixels = result.get("pixels")
     mask = None
     scores = tokens

@@ -52,6 +52,12 @@ def resolve(target: Any, batch: int) -> Tuple[Callable, Callable]:
                 "for a language model pass target='next_token' (or relprop.targets.next_token(mask, token)); "
                 "for other token-level outputs target=callable(outputs) -> [batch]"
             )
+        if logits.shape[0] != batch:  # e.g. CLIP's logits_per_image [images, texts] with the text tower explained
+            raise TargetError(
+                f"the model's first output has {logits.shape[0]} rows but the explained input has {batch} samples; "
+                "pass target=callable(outputs) -> [batch] (for CLIP's text tower: "
+                "target=lambda o: o.logits_per_text[:, image_index])"
+            )
         n = logits.shape[1]
         if target is None:
             return logits.detach().argmax(-1)

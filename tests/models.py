@@ -110,3 +110,66 @@ def text_batch(lengths=(7, 5, 9, 3), seed=0, pad_id=0, first_id=2):
         ids[i, :L] = torch.randint(first_id, VOCAB, (L,), generator=g)
         mask[i, :L] = 1
     return {"input_ids": ids, "attention_mask": mask}
+
+
+# ------------------------------------------------------------------ Swin and CLIP (issue 6)
+# Swin: a 32x32 image, patch 4 -> an 8x8 grid, windows of 2x2 tokens, two stages (8x8 then 4x4
+# after patch merging), two blocks each (the second one with shifted windows).
+
+def timm_swin(**kw):
+    return _timm("swin_tiny_patch4_window7_224", img_size=32, window_size=2, depths=(2, 2), num_heads=(2, 4),
+                 embed_dim=16, **kw)
+
+
+def hf_swin(image_size=32, window_size=2):
+    """HF Swin; ``image_size=40, window_size=4`` pads the 10x10 grid of stage 1 to 12x12 and the 5x5
+    grid of stage 2 to 8x8 (windows of 4x4 tokens)."""
+    torch.manual_seed(0)
+    cfg = transformers.SwinConfig(image_size=image_size, patch_size=4, num_channels=3, embed_dim=16, depths=[2, 2],
+                                  num_heads=[2, 4], window_size=window_size, mlp_ratio=2.0, num_labels=5)
+    return transformers.SwinForImageClassification(cfg).eval()
+
+
+SWIN = {
+    "timm_swin": timm_swin,
+    "hf_swin": hf_swin,
+    "hf_swin_padded": lambda: hf_swin(40, 4),
+}
+
+
+def swin_images(model, batch=2, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    size = model.config.image_size if hasattr(model, "config") else model.patch_embed.img_size[0]
+    return torch.randn(batch, 3, size, size, generator=g)
+
+
+#: CLIP's special ids in the tiny text tower (EOS is not 2: HF reads id 2 as the legacy argmax pooling)
+CLIP_BOS, CLIP_EOS, CLIP_PAD = 1, 3, 0
+
+
+def hf_clip():
+    torch.manual_seed(0)
+    text = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                max_position_embeddings=16, bos_token_id=CLIP_BOS, eos_token_id=CLIP_EOS, pad_token_id=CLIP_PAD)
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, image_size=32,
+                  patch_size=8)
+    cfg = transformers.CLIPConfig(text_config=text, vision_config=vision, projection_dim=16)
+    return transformers.CLIPModel(cfg).eval()
+
+
+def clip_texts(lengths=(6, 4, 8), seed=0):
+    """[BOS, words..., EOS] right-padded with CLIP_PAD, and the attention mask."""
+    g = torch.Generator().manual_seed(seed)
+    n = max(lengths)
+    ids = torch.full((len(lengths), n), CLIP_PAD, dtype=torch.long)
+    mask = torch.zeros((len(lengths), n), dtype=torch.long)
+    for i, L in enumerate(lengths):
+        ids[i, 0], ids[i, L - 1] = CLIP_BOS, CLIP_EOS
+        ids[i, 1:L - 1] = torch.randint(4, VOCAB, (L - 2,), generator=g)
+        mask[i, :L] = 1
+    return {"input_ids": ids, "attention_mask": mask}
+
+
+def clip_batch(images=2, lengths=(6, 4, 8), seed=0):
+    g = torch.Generator().manual_seed(seed + 1)
+    return {**clip_texts(lengths, seed), "pixel_values": torch.randn(images, 3, 32, 32, generator=g)}

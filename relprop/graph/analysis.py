@@ -75,6 +75,10 @@ class GraphAnalysis:
     blocks: List[BlockInfo]
     grid: Optional[Tuple[int, int]]
     outputs: List[torch.fx.Node]
+    #: window attention (Swin): block index → how its windows sit in the stage's token grid, and
+    #: block index → the token merging that follows it (relprop.graph.windows)
+    windows: dict = dataclasses.field(default_factory=dict)
+    stage_links: dict = dataclasses.field(default_factory=dict)
 
     def nodes_in(self, layer: str) -> List[torch.fx.Node]:
         return [n for n in self.relevant if layer in module_paths(n)]
@@ -162,7 +166,7 @@ def analyze(program, graph: torch.fx.Graph, bindings, primary_name: str, static_
         d = None
         for i, s in enumerate(v.shape):
             if sym:
-                if isinstance(s, torch.SymInt) and s.node.expr == bsym.node.expr:
+                if isinstance(s, torch.SymInt) and _batch_major(s.node.expr, bsym.node.expr):
                     d = i
                     break
             elif i == 0 and static_batch is not None and s == static_batch:
@@ -189,7 +193,26 @@ def analyze(program, graph: torch.fx.Graph, bindings, primary_name: str, static_
             if len(shape) == 4:
                 grid = (int(shape[2]), int(shape[3]))
             break
-    return GraphAnalysis(primary, modality, sources, live, relevant, batch_dim, pixel_convs, blocks, grid, outputs)
+    from . import windows
+    window_maps = windows.find_window_maps(blocks, live)
+    links = windows.find_stage_links(blocks, live) if window_maps else {}
+    return GraphAnalysis(primary, modality, sources, live, relevant, batch_dim, pixel_convs, blocks, grid, outputs,
+                         window_maps, links)
+
+
+def _batch_major(expr, batch_expr) -> bool:
+    """True when a symbolic size is the batch size or a whole multiple k·batch of it.
+
+    A multiple is a dimension that folds k groups per sample into the batch, batch-major (the
+    windows of Swin, ``[batch·windows, ...]``): per-sample sums reshape it to ``[batch, -1]``
+    (:meth:`relprop.rules.RuleContext.sample_sum`).
+    """
+    if expr == batch_expr:
+        return True
+    if not batch_expr.free_symbols or not batch_expr.free_symbols <= expr.free_symbols:
+        return False
+    ratio = (expr / batch_expr).simplify() if hasattr(expr / batch_expr, "simplify") else None
+    return ratio is not None and bool(getattr(ratio, "is_Integer", False)) and int(ratio) > 0
 
 
 _LAYER = re.compile(r"\.\d+$")

@@ -111,13 +111,13 @@ def _export(model, kwargs, dynamic: bool):
     tensors = {k: v for k, v in kwargs.items() if v is not None}
     shapes = None
     if dynamic:
+        # the inputs that share the explained input's batch (decided before any copy, so that an
+        # input of another batch, e.g. the 2 texts CLIP compares 1 image with, stays static)
+        keys = {k for k, v in tensors.items() if torch.is_tensor(v) and v.dim() > 0 and v.shape[0] == b}
         if b == 1:  # torch specializes size-1 dims: export on two copies
-            tensors = {k: (torch.cat([v, v]) if torch.is_tensor(v) and v.dim() > 0 and v.shape[0] == 1 else v)
-                       for k, v in tensors.items()}
-            b = 2
+            tensors = {k: (torch.cat([v, v]) if k in keys else v) for k, v in tensors.items()}
         batch = Dim("batch", min=1, max=1 << 20)
-        shapes = {k: ({0: batch} if torch.is_tensor(v) and v.dim() > 0 and v.shape[0] == b else None)
-                  for k, v in tensors.items()}
+        shapes = {k: ({0: batch} if k in keys else None) for k, v in tensors.items()}
     return torch.export.export(model, (), tensors, strict=False, dynamic_shapes=shapes), list(tensors)
 
 

@@ -107,6 +107,9 @@ class Trace:  # noqa: E302
     batch_size: int
     session: Any = None
     token_mask: Optional[torch.Tensor] = None  # [batch, tokens] True at real (non-padding) tokens
+    #: window attention (Swin): token counts per block and the merge matrices between stages
+    #: (relprop.graph.windows.Stages); None for models whose blocks share one token sequence
+    stages: Any = None
 
 
 def _fit(rel: torch.Tensor, shape) -> torch.Tensor:
@@ -197,7 +200,8 @@ def run(captured: Captured, model: torch.nn.Module, kwargs: Dict[str, Any],
     input_rel = None
     if relevance:
         with torch.no_grad():
-            rel_at, conservation, input_rel = _walk(captured, env, grad, out_nodes, preset, eps, unsupported, batch)
+            seed = {**grad, **_output_seed(captured, env, score_fn, out_nodes)}
+            rel_at, conservation, input_rel = _walk(captured, env, seed, out_nodes, preset, eps, unsupported, batch)
 
     blocks = []
     for b in a.blocks:
@@ -213,6 +217,8 @@ def run(captured: Captured, model: torch.nn.Module, kwargs: Dict[str, Any],
             features_gradient=grad[b.features].detach().float() if b.features is not None else None,
             out_proj_weight=env[b.out_proj].detach().float() if b.out_proj is not None else None,
         ))
+    from .windows import globalize
+    blocks, stages = globalize(a, env, blocks, batch)
     input_grad = None
     if a.sources:
         g = [grad[s] for s in a.sources]
@@ -230,7 +236,7 @@ def run(captured: Captured, model: torch.nn.Module, kwargs: Dict[str, Any],
     return Trace(session=session, token_mask=token_mask, outputs=pytree.tree_map(lambda t: t.detach() if torch.is_tensor(t) else t, outputs),
                  logits=logits.detach() if logits is not None else None, target=target,
                  target_scores=scores.detach(), blocks=blocks, input_relevance=input_rel, input_gradient=input_grad,
-                 conservation=conservation, modality=a.modality, grid=a.grid, batch_size=batch)
+                 conservation=conservation, modality=a.modality, grid=a.grid, batch_size=batch, stages=stages)
 
 
 #: counters the tests read: how many times the captured graph was evaluated (all or in part);
@@ -398,7 +404,7 @@ def _walk(captured, env, grad, out_nodes, preset, eps, unsupported, batch):
     def absorb(label, rel, consumer, arg_val, arg_bdim):
         out_val = env[consumer]
         ob = bdim.get(consumer)
-        if torch.is_tensor(out_val) and ob is not None and rel.dim() == out_val.dim() and rel.shape[ob] == batch:
+        if torch.is_tensor(out_val) and ob is not None and rel.dim() == out_val.dim() and rel.shape[ob] % batch == 0:
             s = _sample_sum(rel, ob, batch)
         elif arg_bdim is not None and rel.dim() > arg_bdim and rel.shape[arg_bdim] == batch:
             s = _sample_sum(rel, arg_bdim, batch)
@@ -488,6 +494,35 @@ def _walk(captured, env, grad, out_nodes, preset, eps, unsupported, batch):
     return rel_at, cons, input_rel
 
 
+def _output_seed(captured, env, score_fn, out_nodes) -> Dict[torch.fx.Node, torch.Tensor]:
+    """The relevance seed at each output: the partial derivative of the target score with respect to
+    that output, the other outputs held fixed (CVPR 2021 §3.3: the one-hot of the target logit).
+
+    It differs from the gradient at the output node when one output is computed from another
+    (CLIP returns the image and text embeddings and the similarity logits computed from them):
+    seeding the total gradient there would inject the relevance of the logits twice.
+    """
+    out_node = next(n for n in captured.graph.nodes if n.op == "output")
+    flat_nodes = pytree.tree_leaves(out_node.args[0])
+    leaves, values = [], []
+    for n in flat_nodes:
+        v = env[n] if isinstance(n, torch.fx.Node) else n
+        if isinstance(n, torch.fx.Node) and n in out_nodes and torch.is_tensor(v) and v.is_floating_point():
+            v = v.detach().requires_grad_(True)
+            leaves.append((n, v))
+        values.append(v)
+    if not leaves:
+        return {}
+    with torch.enable_grad():
+        scores = score_fn(pytree.tree_unflatten(values, captured.out_spec))
+        grads = torch.autograd.grad(scores.sum(), [v for _, v in leaves], allow_unused=True)
+    seed: Dict[torch.fx.Node, torch.Tensor] = {}
+    for (n, v), g in zip(leaves, grads):
+        g = torch.zeros_like(v) if g is None else g
+        seed[n] = seed[n] + g if n in seed else g
+    return seed
+
+
 def _read_after_walk(a) -> set:
     """Nodes whose forward values are read after the reverse walk (block records, sources, the
     nodes that map window attention onto the token grid); the walk frees every other value."""
@@ -538,8 +573,8 @@ def _sample_sum(t: torch.Tensor, d: Optional[int], batch: int) -> torch.Tensor:
             d = 0
         else:
             return t.sum().reshape(1).expand(batch) / batch
-    t = t.movedim(d, 0)
-    return t.reshape(t.shape[0], -1).sum(1).float()
+    t = t.movedim(d, 0)  # [batch, ...] or [batch·k, ...] (k groups per sample, batch-major)
+    return t.reshape(batch, -1).sum(1).float()
 
 
 def _constant_label(arg, placeholders, consumer) -> str:

@@ -27,7 +27,7 @@ import torch
 from ..errors import MethodError
 from .registry import method
 from .query import query_rows
-from .rollout_utils import chain, head_mean, query_row
+from .rollout_utils import chain, head_mean, query_row, stage_transitions
 
 #: methods that need no attention blocks (named when a model has none)
 _WITHOUT_ATTENTION = "lrp, input_x_gradient, smoothgrad, integrated_gradients"
@@ -85,7 +85,7 @@ def ta_without_gradient(trace, start_block: int = 0, normalize_rows: bool = Fals
     _check_start(start_block, blocks, "ta_without_gradient")
     maps = [head_mean((b.attention * _relevance(b, "ta_without_gradient")).clamp(min=0))
             for b in blocks[start_block:]]
-    joint = chain(maps, normalize_rows=normalize_rows)
+    joint = chain(maps, normalize_rows=normalize_rows, transitions=stage_transitions(trace, start_block))
     return {"tokens": query_row(trace, joint, query), "matrix": joint}
 
 
@@ -192,7 +192,8 @@ def rollout(trace, start_block: int = 0, normalize_rows: bool = True, query: str
     """
     blocks = _blocks(trace, "rollout")
     _check_start(start_block, blocks, "rollout")
-    joint = chain([head_mean(b.attention) for b in blocks[start_block:]], normalize_rows=normalize_rows)
+    joint = chain([head_mean(b.attention) for b in blocks[start_block:]], normalize_rows=normalize_rows,
+                  transitions=stage_transitions(trace, start_block))
     return {"tokens": query_row(trace, joint, query), "matrix": joint}
 
 
@@ -251,5 +252,6 @@ def gradient_rollout(trace, query: str = "cls"):
     ``query="mean"`` reads the mean of the real tokens' rows instead (mean-pooled models).
     """
     blocks = _blocks(trace, "gradient_rollout")
-    joint = chain([head_mean((b.gradient * b.attention).clamp(min=0)) for b in blocks])
+    joint = chain([head_mean((b.gradient * b.attention).clamp(min=0)) for b in blocks],
+                  transitions=stage_transitions(trace))
     return {"tokens": query_row(trace, joint, query), "matrix": joint}

@@ -53,11 +53,16 @@ class RuleContext:
         if self.batch_dim is None:
             raise RuntimeError(f"node {self.node.name} has no batch dimension; cannot sum per sample")
         t = t.movedim(self.batch_dim, 0)
-        return t.reshape(t.shape[0], -1).sum(1)
+        # a batch dimension may fold k groups per sample, batch-major (Swin's [batch·windows, ...])
+        return t.reshape(self.batch_size, -1).sum(1)
 
     def per_sample(self, v: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-        """Reshape a [batch] vector so it broadcasts along :attr:`batch_dim` of ``like``."""
+        """Reshape a [batch] vector so it broadcasts along :attr:`batch_dim` of ``like`` (repeated
+        k times per sample where that dimension holds k·batch groups, batch-major)."""
         shape = [1] * like.dim()
+        n = like.shape[self.batch_dim]
+        if n != v.shape[0] and n % v.shape[0] == 0:
+            v = v.repeat_interleave(n // v.shape[0])
         shape[self.batch_dim] = v.shape[0]
         return v.reshape(shape)
 
