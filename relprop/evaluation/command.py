@@ -119,7 +119,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from ..errors import RelpropError
-    from . import datasets, report, runner
+    from . import datasets, report, sharded
     from .perturbation import DEFAULT_STEPS
 
     try:
@@ -128,7 +128,7 @@ def run(args: argparse.Namespace) -> int:
             raise RelpropError(f"{args.data} is neither a folder nor a file")
         timm_kwargs = json.loads(args.timm_kwargs) if args.timm_kwargs else None
         model = load_model(args.model, kind, args.checkpoint, timm_kwargs)
-        device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        device = sharded.device_for_rank(args.device)
         model = model.to(device)
         methods = list(args.method or DEFAULT_METHODS)
         if "all" in methods:
@@ -153,11 +153,15 @@ def run(args: argparse.Namespace) -> int:
             data = datasets.RationaleJSONL(args.data, tokenizer, max_length=args.max_length, limit=args.limit)
         removal = int(args.removal) if str(args.removal).lstrip("-").isdigit() else args.removal
         baseline = None if args.baseline is None else (args.baseline[0] if len(args.baseline) == 1 else args.baseline)
-        result = runner.evaluate(
-            model, data, methods, target=args.target, batch_size=args.batch_size,
+        # batch by batch, resumable from --out, shared among the processes of torchrun
+        settings = {k: v for k, v in vars(args).items() if k not in ("func", "out", "no_progress", "device")}
+        result = sharded.evaluate_resumable(
+            model, data, methods, args.out, settings=settings, target=args.target, batch_size=args.batch_size,
             steps=args.steps or DEFAULT_STEPS, baseline=baseline, unit=args.unit, removal=removal,
             tokenizer=tokenizer, perturbation_batch_size=args.perturbation_batch_size, rationale_k=args.k,
             aopc=not args.no_aopc, kendall=not args.no_kendall, progress=not args.no_progress, preset=args.preset)
+        if result is None:  # another torchrun process than rank 0: rank 0 writes the report
+            return 0
         paths = report.write_report(result, args.out)
     except (RelpropError, OSError, json.JSONDecodeError) as e:
         print(f"relprop evaluate: error: {e}", file=sys.stderr)
