@@ -114,6 +114,10 @@ def evaluate_resumable(model: torch.nn.Module, data: Any, methods: Sequence[str]
         settings = {"methods": list(methods), "batch_size": batch_size,
                     **{k: v for k, v in options.items() if k != "tokenizer"}}
     _check_manifest(folder, settings, rank)
+    # what evaluate() reads from a dataset object, passed on with each batch dict
+    for key in ("normalization", "tokenizer"):
+        if options.get(key) is None and getattr(data, key, None) is not None:
+            options[key] = getattr(data, key)
     batches, _ = _batches(data, batch_size)
     count = resumed = 0
     bar = tqdm(desc=f"relprop evaluate [{rank + 1}/{world}]", unit="batch", disable=not progress)
