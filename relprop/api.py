@@ -14,15 +14,19 @@ from .explanation import Explanation
 from .graph.capture import CACHE
 from .graph.inputs import bind_inputs, with_wrt
 from .graph.interpreter import run
+from .graph.modified_gradient import FastPathUnavailable, run_fast
 from .methods import get_method
 from .rules.registry import get_preset
 from .rules.stabilize import DEFAULT_EPS
 
+#: preset of the methods that do not name their own, when explain() is given none
+DEFAULT_PRESET = "chefer2021"
+
 
 @with_wrt  # adds wrt=None: the input to explain onto (relprop.graph.inputs.explaining_wrt)
 def explain(model: torch.nn.Module, inputs: Any, target: Any = None, method: str = "transformer_attribution",
-            preset: str = "chefer2021", *, eps: float = DEFAULT_EPS, unsupported: str = "error",
-            special_tokens_mask: Optional[torch.Tensor] = None, **options):
+            preset: Optional[str] = None, *, eps: float = DEFAULT_EPS, unsupported: str = "error",
+            special_tokens_mask: Optional[torch.Tensor] = None, fast_path: bool = True, **options):
     """Explain the score of class ``target`` of an unmodified ``model`` on ``inputs``.
 
     Parameters
@@ -38,13 +42,22 @@ def explain(model: torch.nn.Module, inputs: Any, target: Any = None, method: str
     method : an explanation method (``relprop.methods()`` lists them), or a list of methods: they
         share one forward pass (and one relevance pass per preset) and a list of Explanations is
         returned. Default: the paper's Transformer Attribution (Chefer et al., CVPR 2021, Eq. 13–14).
-    preset : the relevance rules (``"chefer2021"``: the paper's rules as its authors' code applies
-        them; ``"lrp"``: the plain-LRP baseline, not conservative).
+    preset : the relevance rules (``relprop.presets()`` lists them): ``"chefer2021"`` (the paper's
+        rules as its authors' code applies them), ``"lrp"`` (the plain-LRP baseline, not
+        conservative), ``"attnlrp"`` (Achtibat et al., ICML 2024), ``"cp_lrp"`` (Ali et al., ICML
+        2022). Default None: each method's own preset (``"lrp"`` for the LRP baselines), else
+        ``"chefer2021"``. An explicit preset applies to every method, e.g.
+        ``method="lrp", preset="attnlrp"`` is AttnLRP's input relevance.
     eps : denominator stabilizer of the rules.
     unsupported : ``"error"`` (default) raises :class:`relprop.UnsupportedOperation` for an op
         with no rule; ``"z_rule"`` applies the generic gradient × input rule to such ops.
     special_tokens_mask : [batch, positions] bool, True at positions to exclude from text scores.
         Default: padding and the ids the model's config names as special (cls/sep/bos/eos/pad).
+    fast_path : when every method only reads the input relevance (``"lrp"``) and the preset's
+        rules have modified-gradient forms (``"attnlrp"``, ``"cp_lrp"``), compute it with one
+        backward pass (:mod:`relprop.graph.modified_gradient`); the Explanation then has no
+        per-block records and ``conservation`` is None. False: always walk the graph rule by rule
+        (the reference, with the conservation bookkeeping).
     wrt : the input to explain onto, by name, when the model takes several (default: the first of
         ``input_ids``, ``pixel_values``, ``inputs_embeds``, ...). For a CLIP model,
         ``wrt="pixel_values"`` explains the image tower and ``wrt="input_ids"`` (the default) the
@@ -61,11 +74,16 @@ def explain(model: torch.nn.Module, inputs: Any, target: Any = None, method: str
     if not names:
         raise MethodError("method=[] names no method")
     infos = [get_method(m) for m in names]
-    get_preset(preset)
+    if preset is not None:
+        get_preset(preset)
     for info in infos:
         if info.preset:
             get_preset(info.preset)
         _check_options(info, options, many)
+
+    def preset_of(info):  # an explicit preset wins over the method's own
+        return preset if preset is not None else (info.preset or DEFAULT_PRESET)
+
     validation.check_model(model)
     kwargs = bind_inputs(model, inputs)
     validation.check_inputs(model, kwargs)
@@ -75,17 +93,25 @@ def explain(model: torch.nn.Module, inputs: Any, target: Any = None, method: str
         target = _targets.next_token(kwargs.get("attention_mask"))
     score_fn, target_of = _targets.resolve(target, batch)
     # one pass per preset whose relevance is needed; gradient-only methods reuse any pass
-    wanted = list(dict.fromkeys((i.preset or preset) for i in infos if i.needs_relevance))
+    wanted = list(dict.fromkeys(preset_of(i) for i in infos if i.needs_relevance))
+    # the one-backward fast path, when only the input relevance is read (relprop.graph.modified_gradient)
+    input_only = all(i.needs_relevance and not i.needs_blocks for i in infos)
     traces = {}
     for p in wanted:
+        if fast_path and input_only:
+            try:
+                traces[p] = run_fast(captured, model, kwargs, score_fn, preset=p, eps=eps, target_of=target_of)
+                continue
+            except FastPathUnavailable:
+                pass  # the interpreter below is the reference for every preset
         traces[p] = run(captured, model, kwargs, score_fn, preset=p, relevance=True, eps=eps,
                         unsupported=unsupported, target_of=target_of)
     if not traces:
-        traces[None] = run(captured, model, kwargs, score_fn, preset=preset, relevance=False, eps=eps,
-                           unsupported=unsupported, target_of=target_of)
+        traces[None] = run(captured, model, kwargs, score_fn, preset=preset or DEFAULT_PRESET, relevance=False,
+                           eps=eps, unsupported=unsupported, target_of=target_of)
     results = []
     for info in infos:
-        key = (info.preset or preset) if info.needs_relevance else next(iter(traces))
+        key = preset_of(info) if info.needs_relevance else next(iter(traces))
         trace = traces[key]
         opts = _options_for(info, options)
         if info.needs_blocks and not trace.blocks:
@@ -94,6 +120,10 @@ def explain(model: torch.nn.Module, inputs: Any, target: Any = None, method: str
             raise MethodError(f"method '{info.name}' reads the attention blocks, and no attention blocks (a softmax "
                               f"whose output multiplies the values) were found in {type(model).__name__}'s graph. "
                               f"Methods that apply without attention: {usable}")
+        if info.needs_relevance and info.needs_blocks and any(b.relevance is None for b in trace.blocks):
+            raise MethodError(f"method '{info.name}' reads the relevance of the attention maps (R_A), and preset "
+                              f"'{key}' gives them none (CP-LRP holds the attention constant). Use preset "
+                              f"'attnlrp' or 'chefer2021' for it, or method 'lrp' for the input relevance.")
         if getattr(trace, "stages", None) is not None:  # window attention (Swin)
             from .methods.windowed import check_applicable
             check_applicable(info, model)

@@ -57,7 +57,8 @@ def configure(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         help="removed fractions of the perturbation tests (default 0.1,0.2,...,0.9)")
     parser.add_argument("--limit", type=int, default=None, help="use only the first N samples")
     parser.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
-    parser.add_argument("--preset", default="chefer2021", help="relevance preset (default chefer2021)")
+    parser.add_argument("--preset", default=None,
+                        help="relevance preset for every method (default: each method's own, else chefer2021)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     img = parser.add_argument_group("images")
     img.add_argument("--unit", choices=("pixel", "patch"), default="pixel",

@@ -83,7 +83,7 @@ def evaluate(model: torch.nn.Module, data: Any, methods: Sequence[str] = ("trans
              rationale_k: Sequence[int] = (5,), aopc: bool = True, aopc_removal: Any = "delete",
              log_odds_removal: Any = "pad", aopc_steps: Sequence[float] = AOPC_STEPS, kendall: bool = True,
              conservation: bool = True, progress: bool = True, explain_options: Optional[Dict[str, Any]] = None,
-             preset: str = "chefer2021") -> EvaluationResult:
+             preset: Optional[str] = None) -> EvaluationResult:
     """Evaluate ``methods`` on ``data`` with the papers' protocols.
 
     Parameters
@@ -110,7 +110,9 @@ def evaluate(model: torch.nn.Module, data: Any, methods: Sequence[str] = ("trans
     conservation : collect the conservation report of each relevance preset.
     progress : a tqdm progress bar over the samples.
     explain_options : more keyword arguments for :func:`relprop.explain` (method options, ``eps``, …).
-    preset : the relevance preset for the methods that do not fix their own.
+    preset : the relevance preset (:func:`relprop.explain`): None (default) lets each method use its
+        own (``"lrp"`` for the LRP baselines, else ``"chefer2021"``); a preset given here applies to
+        every method.
 
     Returns
     -------

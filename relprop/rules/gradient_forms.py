@@ -1,0 +1,176 @@
+"""Relevance rules written as modified gradients, for the one-backward fast path.
+
+Arras et al. (2025, "Close Look at Decomposition-based XAI-Methods for Transformer Language
+Models", the "Input × Gradient framework" of AttnLRP's library) observe that a chain of ε-rules is a
+chain of Jacobian-vector products: if every tensor t carries the relevance R_t = t ⊙ g_t, then the
+ε-rule of a linear map z = W x + b, R_x = x ⊙ Wᵀ (R_z / z), is x ⊙ Wᵀ g_z: the ordinary gradient.
+Only the ops whose rule is *not* their gradient need a modified backward:
+
+==========================  ====================================================================
+gradient form               backward (g: incoming gradient)
+==========================  ====================================================================
+:func:`identity_rule`       g · f(x) / x: the identity rule R_x = R_y (AttnLRP Eq. 9)
+:func:`uniform_product`     g / 2 to both factors: the uniform rule (AttnLRP Eq. 7, Props. 3.2-3.3)
+:func:`constant_operand`    no gradient into one operand: it is a constant of the linearization
+                            (a normalizing statistic, AttnLRP Prop. 3.4; CP-LRP's attention)
+:func:`layer_norm_const_std` LayerNorm with the standard deviation held constant (AttnLRP Prop. 3.4)
+:func:`rms_norm_const_rms`  RMSNorm with the root mean square held constant (AttnLRP Prop. 3.4)
+==========================  ====================================================================
+
+A rule declares its form with :func:`gradient_form`; the form is a factory
+``form(node, live, eps) -> callable | None`` that returns a replacement for ``node.target`` (same
+arguments, same forward value) or None when the plain op (its ordinary gradient) *is* the rule.
+:mod:`relprop.graph.modified_gradient` executes a captured graph with these replacements, and one
+``torch.autograd.grad`` then gives relevance = input × gradient. Rules without a declared form make
+the fast path unavailable; the interpreter (:mod:`relprop.graph.interpreter`) stays the reference.
+"""
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+from torch.autograd import Function
+
+from .stabilize import safe_divide
+
+#: signature of a gradient form: (node, live flags of node.args, eps) -> replacement or None
+GradientForm = Callable[..., Optional[Callable]]
+
+
+def gradient_form(form: GradientForm):
+    """Decorator: attach the modified-gradient ``form`` to a relevance rule (see module docstring)."""
+    def attach(fn):
+        fn.gradient_form = form
+        return fn
+    return attach
+
+
+def plain(node, live, eps):
+    """The op's own gradient is the rule (ε-rule on linear maps, sums, routing; AttnLRP Eq. 8)."""
+    return None
+
+
+# ------------------------------------------------------------------------------------------------
+# autograd functions
+# ------------------------------------------------------------------------------------------------
+class _IdentityRule(Function):
+    """y = f(x) forward; backward g · f(x) / x (stabilized), so that x ⊙ ĝ_x = y ⊙ g_y = R_y."""
+
+    @staticmethod
+    def forward(ctx, x, fn, eps):
+        y = fn(x)
+        ctx.save_for_backward(safe_divide(y, x, eps))
+        return y
+
+    @staticmethod
+    def backward(ctx, g):
+        (ratio,) = ctx.saved_tensors
+        return g * ratio, None, None
+
+
+class _HalfGradient(Function):
+    """Identity forward; backward g / 2 (placed on a product's output, it halves the gradient of
+    both factors: the uniform rule)."""
+
+    @staticmethod
+    def forward(ctx, z):
+        return z.view_as(z)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * 0.5
+
+
+class _LayerNormConstStd(Function):
+    """``layer_norm`` forward; backward as if the standard deviation were a constant:
+    ∂y_j/∂x_i = γ_j / σ · (δ_ij − 1/N) over the normalized dimensions."""
+
+    @staticmethod
+    def forward(ctx, x, normalized_shape, weight, bias, eps):
+        y, _, rstd = torch.ops.aten.native_layer_norm.default(x, normalized_shape, weight, bias, eps)
+        ctx.save_for_backward(rstd, weight)
+        ctx.dims = tuple(range(x.dim() - len(normalized_shape), x.dim()))
+        return y
+
+    @staticmethod
+    def backward(ctx, g):
+        rstd, weight = ctx.saved_tensors
+        u = g * weight if weight is not None else g
+        gx = (u - u.mean(ctx.dims, keepdim=True)) * rstd
+        return gx, None, None, None, None
+
+
+class _RMSNormConstRMS(Function):
+    """``rms_norm`` forward; backward as if the root mean square were a constant: γ g / rms."""
+
+    @staticmethod
+    def forward(ctx, x, normalized_shape, weight, eps):
+        y = torch.ops.aten.rms_norm.default(x, normalized_shape, weight, eps)
+        dims = tuple(range(x.dim() - len(normalized_shape), x.dim()))
+        e = eps if eps is not None else torch.finfo(x.dtype).eps
+        rrms = torch.rsqrt(x.pow(2).mean(dims, keepdim=True) + e)
+        ctx.save_for_backward(rrms, weight)
+        return y
+
+    @staticmethod
+    def backward(ctx, g):
+        rrms, weight = ctx.saved_tensors
+        gx = g * rrms
+        if weight is not None:
+            gx = gx * weight
+        return gx, None, None, None
+
+
+# ------------------------------------------------------------------------------------------------
+# forms
+# ------------------------------------------------------------------------------------------------
+def identity_rule(node, live, eps):
+    """Element-wise non-linearity with the identity rule (AttnLRP Eq. 9): backward g · f(x)/x."""
+    op = node.target
+
+    def call(x, *args, **kwargs):
+        return _IdentityRule.apply(x, lambda t: op(t, *args, **kwargs), eps)
+    return call
+
+
+def uniform_product(node, live, eps):
+    """Product of two live factors with the uniform rule (AttnLRP Eq. 7, Props. 3.2–3.3): the
+    gradient of both factors halved."""
+    op = node.target
+
+    def call(*args, **kwargs):
+        return _HalfGradient.apply(op(*args, **kwargs))
+    return call
+
+
+def half_gradient(z: torch.Tensor) -> torch.Tensor:
+    """``z`` unchanged, its gradient halved (the uniform rule placed on a product's output)."""
+    return _HalfGradient.apply(z)
+
+
+def constant_operand(position: int):
+    """A form factory: argument ``position`` is held constant (detached) for the relevance."""
+    def form(node, live, eps):
+        op = node.target
+
+        def call(*args, **kwargs):
+            if torch.is_tensor(args[position]):
+                args = list(args)
+                args[position] = args[position].detach()
+            return op(*args, **kwargs)
+        return call
+    return form
+
+
+def layer_norm_const_std(node, live, stabilizer):
+    """``aten.layer_norm`` with a constant standard deviation (AttnLRP Prop. 3.4)."""
+    def call(input, normalized_shape, weight=None, bias=None, eps=1e-5, cudnn_enable=True):
+        return _LayerNormConstStd.apply(input, list(normalized_shape), weight, bias, eps)
+    return call
+
+
+def rms_norm_const_rms(node, live, stabilizer):
+    """``aten.rms_norm`` with a constant root mean square (AttnLRP Prop. 3.4)."""
+    def call(input, normalized_shape, weight=None, eps=None):
+        return _RMSNormConstRMS.apply(input, list(normalized_shape), weight, eps)
+    return call
