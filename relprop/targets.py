@@ -18,12 +18,19 @@ from .errors import TargetError
 
 
 def logits_of(outputs: Any) -> torch.Tensor:
-    """The class scores of a model output: a tensor, ``outputs.logits`` or ``outputs[0]``."""
+    """The class scores of a model output: a tensor, ``outputs.logits`` or ``outputs[0]``; for CLIP
+    (``logits_per_image`` and ``logits_per_text``) the similarities of the explained tower's items
+    with the other tower's: ``logits_per_image`` with ``wrt="pixel_values"``, else ``logits_per_text``."""
     if torch.is_tensor(outputs):
         return outputs
     logits = getattr(outputs, "logits", None)
     if torch.is_tensor(logits):
         return logits
+    per_image, per_text = getattr(outputs, "logits_per_image", None), getattr(outputs, "logits_per_text", None)
+    if torch.is_tensor(per_image) and torch.is_tensor(per_text):
+        # CLIP: the similarities of the explained tower's items (rows) with the other tower's (classes)
+        from .graph.inputs import _WRT
+        return per_image if _WRT.get() == "pixel_values" else per_text
     if isinstance(outputs, (tuple, list)) and outputs and torch.is_tensor(outputs[0]):
         return outputs[0]
     raise TargetError(

@@ -198,6 +198,8 @@ def run(captured: Captured, model: torch.nn.Module, kwargs: Dict[str, Any],
     rel_at: Dict[torch.fx.Node, torch.Tensor] = {}
     conservation = None
     input_rel = None
+    from .windows import locate_windows
+    windows = locate_windows(a, env, batch)  # window attention: read before the walk frees values
     if relevance:
         with torch.no_grad():
             seed = {**grad, **_output_seed(captured, env, score_fn, out_nodes)}
@@ -218,7 +220,7 @@ def run(captured: Captured, model: torch.nn.Module, kwargs: Dict[str, Any],
             out_proj_weight=env[b.out_proj].detach().float() if b.out_proj is not None else None,
         ))
     from .windows import globalize
-    blocks, stages = globalize(a, env, blocks, batch)
+    blocks, stages = globalize(windows, blocks, batch)
     input_grad = None
     if a.sources:
         g = [grad[s] for s in a.sources]

@@ -264,22 +264,38 @@ class Stages:
         return scores
 
 
-def globalize(analysis, env, records, batch: int):
+@dataclasses.dataclass
+class WindowLayout:
+    """What :func:`locate_windows` read off one forward pass: block index → (window positions,
+    tokens of the stage), and block index b → merge matrix D after block b."""
+
+    positions: Dict[int, tuple]
+    merges: Dict[int, torch.Tensor]
+
+
+def locate_windows(analysis, env, batch: int) -> Optional[WindowLayout]:
+    """Window positions of every windowed block and the merge matrices between stages, from the
+    forward values ``env`` (None for a model without window attention)."""
+    if not analysis.windows:
+        return None
+    positions = {i: window_positions(wm, env, batch) for i, wm in analysis.windows.items()}
+    merges = {b: merge_matrix(link, env) for b, link in analysis.stage_links.items()}
+    return WindowLayout(positions, merges)
+
+
+def globalize(layout: Optional[WindowLayout], records, batch: int):
     """Replace the window-shaped A, dA and R_A of ``records`` (BlockRecords) by their global
     [batch, heads, tokens, tokens] maps; return (records, Stages or None)."""
-    maps = analysis.windows
-    if not maps:
+    if layout is None:
         return records, None
     out = []
     tokens = []
     for rec in records:
-        wm = maps.get(rec.index)
-        if wm is None:
-            n = rec.attention.shape[-1]
-            tokens.append(n)
+        if rec.index not in layout.positions:
+            tokens.append(rec.attention.shape[-1])
             out.append(rec)
             continue
-        pos, n = window_positions(wm, env, batch)
+        pos, n = layout.positions[rec.index]
         counts = torch.zeros(batch, n, dtype=torch.long, device=pos.device)
         real = pos.reshape(batch, -1)
         counts.scatter_add_(1, real.clamp_min(0), (real >= 0).long())
@@ -295,13 +311,12 @@ def globalize(analysis, env, records, batch: int):
     for b in range(len(records) - 1):
         if tokens[b] == tokens[b + 1]:
             continue
-        link = analysis.stage_links.get(b)
-        if link is None:
+        d = layout.merges.get(b)
+        if d is None:
             raise RelpropError(f"block {b + 1} has {tokens[b + 1]} tokens and block {b} has {tokens[b]}, and no "
                                "shape-only merging of tokens was found between them")
-        d = merge_matrix(link, env)
         if tuple(d.shape) != (tokens[b + 1], tokens[b]):
             raise RelpropError(f"the token merging after block {b} gives {tuple(d.shape)}, expected "
                                f"({tokens[b + 1]}, {tokens[b]})")
-        links[b] = d
+        links[b] = d.to(records[b].attention.device)
     return out, Stages(tokens, links)
