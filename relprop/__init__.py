@@ -12,6 +12,7 @@ from .rules.registry import define_preset  # noqa: F401
 from .graph.capture import clear_cache, CACHE_SIZE  # noqa: F401
 from .explanation import Explanation  # noqa: F401
 from .api import explain  # noqa: F401
+from .graph.coverage import Coverage, coverage  # noqa: F401
 from .methods import all_methods as _all_methods
 
 

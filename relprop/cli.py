@@ -117,6 +117,9 @@ def build_parser() -> argparse.ArgumentParser:
                                    "grid when several methods are asked) or an HTML page for the texts.",
                        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     common(e, True)
+    e.add_argument("--coverage", action="store_true",
+                   help="first print every op of the model's captured graph with its module and how it is handled "
+                        "(rule and preset, shape-only, missing) and the attention blocks found (relprop.coverage)")
     e.add_argument("--counterfactual", metavar="CLASS",
                    help="texts: also explain this class (an index, a label name, or 'second' for the "
                         "runner-up) and show it beside the explained one")
@@ -551,10 +554,36 @@ def cmd_explain(args) -> int:
     if loaded.kind == "text" and args.image:
         raise CliError(f"{loaded.name} is a text classifier: give --text, not --image")
     names = parse_methods(args.method, loaded.default_method)
+    if args.coverage:
+        print_coverage(loaded, args.image, texts)
     if loaded.kind == "image":
         return explain_images(loaded, args.image, names, args)
     counterfactual = args.counterfactual
     return explain_texts(loaded, texts, names, args, counterfactual=counterfactual, title="relprop explain")
+
+
+def print_coverage(loaded: Loaded, images: List[str], texts: List[str]) -> None:
+    """``--coverage``: the coverage report (relprop.coverage) of the model on the first input; the
+    explanation follows. Ops with no rule end the command with exit status 1 after the report."""
+    import relprop
+    import torch
+    from PIL import Image, UnidentifiedImageError
+    if images:
+        try:
+            with Image.open(images[0]) as im:
+                inputs = torch.stack([loaded.preprocess(im.convert("RGB"))])
+        except (UnidentifiedImageError, OSError) as err:
+            raise CliError(f"cannot read image {images[0]}: {getattr(err, 'strerror', None) or _one_line(err)}") from None
+    else:
+        enc = loaded.tokenizer(texts[:1], padding=True, truncation=True, return_tensors="pt")
+        inputs = {k: v for k, v in enc.items() if k in ("input_ids", "attention_mask", "token_type_ids")}
+    report = relprop.coverage(loaded.model, inputs)
+    print(report)
+    print()
+    if not report.complete:
+        ops = sorted({o.op for o in report.missing})
+        raise CliError(f"{len(report.missing)} op(s) on the relevance path have no rule: {', '.join(ops)} "
+                       "(see the report above)", EXIT_FAILED)
 
 
 def num_classes(loaded: Loaded) -> Optional[int]:

@@ -59,5 +59,7 @@ def op_name(op) -> str:
     overload = getattr(op, "_overloadname", None)
     if name and overload is not None:
         ns, base = name.split("::")
+        if base.endswith(f".{overload}"):  # "aten::add.Tensor": the overload is already in the name
+            return f"{ns}.{base}"
         return f"{ns}.{base}.{overload}"
     return getattr(op, "__name__", repr(op))

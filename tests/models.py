@@ -173,3 +173,116 @@ def clip_texts(lengths=(6, 4, 8), seed=0):
 def clip_batch(images=2, lengths=(6, 4, 8), seed=0):
     g = torch.Generator().manual_seed(seed + 1)
     return {**clip_texts(lengths, seed), "pixel_values": torch.randn(images, 3, 32, 32, generator=g)}
+
+
+# ------------------------------------------------------------------ decoders, other input/patch sizes, register tokens (issue 6)
+# Decoders: bos/eos/pad ids below 3, so that the ids of decoder_batch (>= 3) are all ordinary tokens.
+
+def zero_biases(model):
+    """The same model with every bias set to 0 (the "bias-free tiny config" of the conservation tests)."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.zero_()
+    return model
+
+
+def _gpt2_cfg(attn):
+    return transformers.GPT2Config(vocab_size=VOCAB, n_positions=64, n_embd=32, n_layer=2, n_head=4, n_inner=64,
+                                   num_labels=3, pad_token_id=0, bos_token_id=1, eos_token_id=1,
+                                   attn_implementation=attn)
+
+
+def hf_gpt2_cls(attn="sdpa"):
+    torch.manual_seed(0)
+    return transformers.GPT2ForSequenceClassification(_gpt2_cfg(attn)).eval()
+
+
+def hf_gpt2_lm(attn="sdpa"):
+    torch.manual_seed(0)
+    return transformers.GPT2LMHeadModel(_gpt2_cfg(attn)).eval()
+
+
+def hf_llama(attn="sdpa"):
+    """LLaMA-style: RMSNorm, rotary embeddings, gated SiLU MLP, grouped-query attention, no biases."""
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                   pad_token_id=0, bos_token_id=1, eos_token_id=2, attn_implementation=attn)
+    return transformers.LlamaForCausalLM(cfg).eval()
+
+
+DECODERS = {
+    "hf_gpt2_cls": hf_gpt2_cls,
+    "hf_gpt2_cls_eager": lambda: hf_gpt2_cls("eager"),
+    "hf_gpt2_lm": hf_gpt2_lm,
+    "hf_llama": hf_llama,
+    "hf_llama_eager": lambda: hf_llama("eager"),
+}
+
+
+def decoder_batch(lengths=(7, 5, 9, 3), seed=0):
+    """Right-padded token ids (pad 0, ordinary ids >= 3) and the attention mask."""
+    return text_batch(lengths, seed=seed, pad_id=0, first_id=3)
+
+
+# Vision models at other input and patch sizes, and with register tokens: nothing may assume 14x14.
+
+def timm_vit_384_patch32():
+    """384x384 input, patch 32: a 12x12 grid."""
+    return _timm("vit_base_patch32_384", depth=2, embed_dim=48, num_heads=3)
+
+
+def timm_vit_rectangular():
+    """96x64 input, patch 16: a 6x4 grid (not square)."""
+    return _timm("vit_tiny_patch16_224", depth=2, img_size=(96, 64), embed_dim=48, num_heads=3)
+
+
+def timm_dinov2_reg4():
+    """Class token + 4 register tokens, patch 14 on 56x56: a 4x4 grid, LayerScale."""
+    return _timm("vit_small_patch14_reg4_dinov2", depth=2, img_size=56, embed_dim=48, num_heads=3)
+
+
+def timm_vit_reg4_gap():
+    """4 register tokens and no class token; the head averages the patch tokens (registers excluded)."""
+    return _timm("vit_base_patch16_reg4_gap_256", depth=2, img_size=64, embed_dim=48, num_heads=3)
+
+
+def hf_vit_patch32():
+    """HF ViT on 96x96 with patch 32: a 3x3 grid."""
+    torch.manual_seed(0)
+    cfg = transformers.ViTConfig(image_size=96, patch_size=32, num_channels=3, hidden_size=32, num_hidden_layers=2,
+                                 num_attention_heads=4, intermediate_size=64, num_labels=5)
+    return transformers.ViTForImageClassification(cfg).eval()
+
+
+def hf_dinov2_registers():
+    """HF DINOv2 with 4 registers; its head reads the class token and the mean of the patch tokens."""
+    torch.manual_seed(0)
+    cfg = transformers.Dinov2WithRegistersConfig(image_size=28, patch_size=7, hidden_size=32, num_hidden_layers=2,
+                                                 num_attention_heads=4, mlp_ratio=2, num_labels=5,
+                                                 num_register_tokens=4)
+    return transformers.Dinov2WithRegistersForImageClassification(cfg).eval()
+
+
+SIZES = {
+    "timm_vit_384_patch32": timm_vit_384_patch32,
+    "timm_vit_rectangular": timm_vit_rectangular,
+    "timm_dinov2_reg4": timm_dinov2_reg4,
+    "timm_vit_reg4_gap": timm_vit_reg4_gap,
+    "hf_vit_patch32": hf_vit_patch32,
+    "hf_dinov2_registers": hf_dinov2_registers,
+}
+
+
+def input_size(model):
+    """(height, width) of the images a vision model of the zoo was built for."""
+    if hasattr(model, "patch_embed"):
+        return tuple(model.patch_embed.img_size)
+    size = model.config.image_size
+    return (size, size) if isinstance(size, int) else tuple(size)
+
+
+def sized_images(model, batch=2, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(batch, 3, *input_size(model), generator=g)

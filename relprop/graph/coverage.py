@@ -1,0 +1,268 @@
+"""What relprop does with a model: every op of its captured graph and how it is handled.
+
+``relprop.coverage(model, inputs)`` captures the model exactly as :func:`relprop.explain` would
+(same cache, model untouched) and, without running it, reports for every ``call_function`` node
+of the graph its aten op, the module it came from (``nn_module_stack``) and its *handling* under a
+preset:
+
+``rule``          on the relevance path, with a rule of the preset (the rule's module, function and
+                  the preset it is registered in, e.g. ``linear.linear (chefer2021)``)
+``shape-only``    on the relevance path, routed by a shape-only rule of the ``base`` preset
+                  (view, permute, slice, cat, where, ...): relevance moves, unchanged
+``missing``       on the relevance path with no rule: :func:`relprop.explain` raises
+                  :class:`relprop.UnsupportedOperation` for it (or applies the z-rule with
+                  ``unsupported="z_rule"``)
+``source``        where relevance stops: the embedding lookup of the token ids
+``no relevance``  depends on the input but receives no relevance: it only feeds arguments a rule
+                  gives none to (a divisor, e.g. a norm), or does not reach the output
+``constant``      does not depend on the input (mask building, positions, shapes, parameters):
+                  it needs no rule; relevance it is handed is reported as absorbed
+
+and the attention blocks found (a softmax whose output multiplies the values), input → output.
+The relevance path is followed the way :func:`relprop.graph.interpreter.check_rules` follows it
+before a walk: from the outputs back along every argument a rule can give relevance to.
+(The "like LXT's summary table" idea of STYLE.md; the table is built from the registry, so a rule
+registered with ``@relprop.rule`` shows up at once.)
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import operator
+from typing import Any, Dict, List, Optional, Sequence
+
+import torch
+import torch.fx
+import torch.utils._pytree as pytree
+
+from ..errors import op_name
+from ..rules import registry
+from ..rules.context import module_path, module_type
+from .capture import Captured
+
+STATUSES = ("rule", "shape-only", "missing", "source", "no relevance", "constant")
+
+
+@dataclasses.dataclass(frozen=True)
+class OpReport:
+    """One node of the captured graph."""
+
+    node: str  # the node's name in the graph, e.g. "linear_3"
+    op: str  # "aten.linear.default"
+    module: str  # module path, e.g. "blocks.0.attn.qkv" ('' at the top level)
+    module_type: str  # e.g. "Linear"
+    status: str  # one of STATUSES
+    rule: Optional[str] = None  # "<module>.<function> (<preset>)" for rule / shape-only
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockReport:
+    """One attention block found in the graph."""
+
+    index: int
+    name: str  # module path of the attention
+    layer: str  # module path of the enclosing layer
+    heads: Optional[int]
+    tokens: Optional[int]
+
+
+@dataclasses.dataclass
+class Coverage:
+    """The coverage report of one model on one input signature (see the module docstring).
+
+    ``str(report)`` is the full table (every op, then the blocks, then a summary);
+    :attr:`missing` lists the ops :func:`relprop.explain` has no rule for.
+    """
+
+    model: str
+    preset: str
+    modality: str
+    grid: Optional[tuple]
+    ops: List[OpReport]
+    blocks: List[BlockReport]
+
+    @property
+    def missing(self) -> List[OpReport]:
+        """The ops on the relevance path that have no rule in the preset."""
+        return [o for o in self.ops if o.status == "missing"]
+
+    @property
+    def complete(self) -> bool:
+        """True when every op on the relevance path has a rule (explain() will not raise for one)."""
+        return not self.missing
+
+    def counts(self) -> Dict[str, int]:
+        """Number of ops per handling, in the order of :data:`STATUSES`."""
+        c = collections.Counter(o.status for o in self.ops)
+        return {s: c.get(s, 0) for s in STATUSES}
+
+    def by_op(self) -> List[tuple]:
+        """``(op, status, rule, count, first module)`` per distinct (op, handling), in graph order."""
+        rows: Dict[tuple, list] = {}
+        for o in self.ops:
+            key = (o.op, o.status, o.rule)
+            if key not in rows:
+                rows[key] = [o.op, o.status, o.rule, 0, o.module]
+            rows[key][3] += 1
+        return [tuple(r) for r in rows.values()]
+
+    def table(self, statuses: Optional[Sequence[str]] = None) -> str:
+        """Every op (or those with a handling in ``statuses``), one line each, in graph order."""
+        ops = [o for o in self.ops if statuses is None or o.status in statuses]
+        head = ("node", "op", "module", "handling")
+        rows = [(o.node, o.op, o.module or "(top level)", o.status + (f": {o.rule}" if o.rule else ""))
+                for o in ops]
+        return _columns(head, rows)
+
+    def summary(self) -> str:
+        """The handling counts, the distinct ops with their rules, the missing ops and the blocks."""
+        lines = [f"relprop coverage of {self.model} (preset '{self.preset}', {self.modality} input"
+                 + (f", patch grid {self.grid[0]}x{self.grid[1]}" if self.grid else "") + ")"]
+        lines.append("  ".join(f"{s}: {n}" for s, n in self.counts().items()))
+        lines.append("")
+        lines.append(_columns(("op", "handling", "count", "first module"),
+                              [(op, status + (f": {rule}" if rule else ""), str(n), mod or "(top level)")
+                               for op, status, rule, n, mod in self.by_op() if status != "constant"]))
+        lines.append("")
+        if self.blocks:
+            lines.append(f"attention blocks ({len(self.blocks)}):")
+            lines.append(_columns(("#", "attention", "layer", "heads", "tokens"),
+                                  [(str(b.index), b.name, b.layer, _num(b.heads), _num(b.tokens))
+                                   for b in self.blocks]))
+        else:
+            lines.append("attention blocks: none found (no softmax whose output multiplies the values); "
+                         "only methods without attention apply")
+        lines.append("")
+        if self.missing:
+            seen = []
+            for o in self.missing:
+                if (o.op, o.module) not in seen:
+                    seen.append((o.op, o.module))
+            lines.append(f"MISSING: {len(self.missing)} op(s) on the relevance path have no rule in preset "
+                         f"'{self.preset}':")
+            lines += [f"  {op} in {mod or '(top level)'}" for op, mod in seen]
+            op = seen[0][0]
+            lines.append(f"register one with @relprop.rule(torch.ops.{op}, preset='{self.preset}') "
+                         "(README, 'Adding a rule')")
+        else:
+            lines.append(f"every op on the relevance path has a rule in preset '{self.preset}'")
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.table() + "\n\n" + self.summary()
+
+    def __repr__(self) -> str:
+        c = self.counts()
+        return (f"Coverage(model='{self.model}', preset='{self.preset}', ops={len(self.ops)}, "
+                f"rule={c['rule']}, shape_only={c['shape-only']}, missing={c['missing']}, blocks={len(self.blocks)})")
+
+
+def relevance_path(captured: Captured, preset: str) -> set:
+    """The nodes that relevance reaches under ``preset``: from the outputs back along every argument
+    a rule may give relevance to (arguments a rule declares in ``no_relevance_to`` are not followed).
+    Nodes with no rule are included (and not followed further)."""
+    a = captured.analysis
+    out_node = next(n for n in captured.graph.nodes if n.op == "output")
+    stack = [n for n in pytree.tree_leaves(out_node.args[0]) if isinstance(n, torch.fx.Node) and n in a.live]
+    seen = set()
+    while stack:
+        node = stack.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        if node in a.sources or node.op != "call_function":
+            continue
+        if node.target is operator.getitem:
+            stack.append(node.args[0])
+            continue
+        fn = registry.lookup(preset, node.target)
+        if fn is None:
+            continue
+        blocked = getattr(fn, "no_relevance_to", ())
+        for i, arg in enumerate(node.args):
+            if i in blocked:
+                continue
+            stack.extend(m for m in pytree.tree_leaves(arg) if isinstance(m, torch.fx.Node) and m in a.live)
+    return seen
+
+
+def report(captured: Captured, preset: str, model_name: str = "model") -> Coverage:
+    """Build the :class:`Coverage` of a captured graph under ``preset``."""
+    registry.get_preset(preset)
+    a = captured.analysis
+    path = relevance_path(captured, preset)
+    sources = set(a.sources)
+    ops = []
+    for node in captured.graph.nodes:
+        if node.op != "call_function":
+            continue
+        rule = None
+        if node in sources:
+            status = "source"
+        elif node not in a.live:
+            status = "constant"
+        elif node not in path:
+            status = "no relevance"
+        elif node.target is operator.getitem:
+            status, rule = "shape-only", "element of a list output"
+        else:
+            rule = registry.describe(preset, node.target)
+            if rule is None:
+                status = "missing"
+            else:
+                status = "shape-only" if rule.endswith("(base)") else "rule"
+        ops.append(OpReport(node.name, op_name(node.target), module_path(node), module_type(node), status, rule))
+    blocks = []
+    for b in a.blocks:
+        v = b.attention.meta.get("val")
+        shape = tuple(v.shape) if isinstance(v, torch.Tensor) else ()
+        heads = _int(shape[-3]) if len(shape) >= 4 else None
+        tokens = _int(shape[-1]) if shape else None
+        blocks.append(BlockReport(b.index, b.name, b.layer, heads, tokens))
+    return Coverage(model_name, preset, a.modality, a.grid, ops, blocks)
+
+
+def coverage(model: torch.nn.Module, inputs: Any, preset: str = "chefer2021") -> Coverage:
+    """Every op of ``model``'s captured graph on ``inputs`` and how ``preset`` handles it.
+
+    Parameters
+    ----------
+    model, inputs : as for :func:`relprop.explain` (the capture is shared with it and cached; the
+        model is not modified and nothing is run but the capture).
+    preset : the rules to report (``relprop.presets()`` lists them).
+
+    Returns
+    -------
+    Coverage : ``print(report)`` shows every op with its module path and handling (rule and preset,
+        shape-only, missing, ...), the attention blocks found and a summary; ``report.missing`` lists
+        the ops explain() has no rule for, ``report.complete`` is True when there are none.
+    """
+    from .. import validation
+    from .capture import CACHE
+    from .inputs import bind_inputs
+
+    registry.get_preset(preset)
+    validation.check_model(model)
+    kwargs = bind_inputs(model, inputs)
+    validation.check_inputs(model, kwargs)
+    captured = validation.capture_checked(CACHE, model, kwargs)
+    return report(captured, preset, type(model).__name__)
+
+
+def _int(s) -> Optional[int]:
+    try:
+        return int(s)
+    except (TypeError, ValueError, RuntimeError):
+        return None
+
+
+def _num(v) -> str:
+    return "?" if v is None else str(v)
+
+
+def _columns(head: tuple, rows: List[tuple]) -> str:
+    widths = [max([len(head[i])] + [len(r[i]) for r in rows]) for i in range(len(head))]
+    fmt = "  ".join(f"{{:<{w}}}" for w in widths[:-1]) + "  {}"
+    lines = [fmt.format(*head), fmt.format(*("-" * w for w in widths))]
+    lines += [fmt.format(*r) for r in rows]
+    return "\n".join(line.rstrip() for line in lines)
