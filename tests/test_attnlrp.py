@@ -379,65 +379,41 @@ def _inputs(name, model, batch=2):
     return models.text_batch(pad_id=1 if "roberta" in name else 0)
 
 
-class TinyGatedDecoder(torch.nn.Module):
-    """LLaMA's building blocks written out by hand, bias-free: RMSNorm as x · rsqrt(mean(x²) + ε),
-    causal softmax attention, a SiLU-gated MLP, a linear head (no model from the zoo has them all)."""
-
-    def __init__(self, vocab=64, d=16, heads=2, classes=3):
-        super().__init__()
-        torch.manual_seed(0)
-        self.emb = torch.nn.Embedding(vocab, d)
-        self.qkv = torch.nn.Linear(d, 3 * d, bias=False)
-        self.out = torch.nn.Linear(d, d, bias=False)
-        self.gate = torch.nn.Linear(d, 2 * d, bias=False)
-        self.up = torch.nn.Linear(d, 2 * d, bias=False)
-        self.down = torch.nn.Linear(2 * d, d, bias=False)
-        self.g1, self.g2 = torch.nn.Parameter(torch.rand(d) + 0.5), torch.nn.Parameter(torch.rand(d) + 0.5)
-        self.head = torch.nn.Linear(d, classes, bias=False)
-        self.heads = heads
-
-    @staticmethod
-    def rms(x, g):
-        return g * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6))
-
-    def forward(self, input_ids):
-        h = self.emb(input_ids)
-        b, t, d = h.shape
-        q, k, v = self.qkv(self.rms(h, self.g1)).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
-        mask = torch.full((t, t), -1e9).triu(1)
-        a = torch.softmax(q @ k.transpose(-1, -2) / math.sqrt(d // self.heads) + mask, -1)
-        h = h + self.out((a @ v).transpose(1, 2).reshape(b, t, d))
-        x = self.rms(h, self.g2)
-        h = h + self.down(torch.nn.functional.silu(self.gate(x)) * self.up(x))
-        return self.head(h[:, -1])
-
-
 @pytest.fixture(scope="module")
-def decoder():
-    return TinyGatedDecoder().eval()
+def decoders():
+    """The tiny decoders of the zoo (LLaMA: RMSNorm written out, rotary embeddings, SiLU-gated MLP,
+    grouped-query attention, no biases; GPT-2), each built once."""
+    cache = {}
+
+    def get(name):
+        if name not in cache:
+            cache[name] = models.DECODERS[name]()
+        return cache[name]
+    return get
+
+
+def _model_and_inputs(zoo, decoders, name):
+    """(model, inputs, target) for a zoo name; decoders explain the next token (LM) or class 1."""
+    if name in models.DECODERS:
+        return decoders(name), models.decoder_batch(), ("next_token" if "llama" in name else 1)
+    model = zoo(name)
+    return model, _inputs(name, model), 1
 
 
 def _remove_biases(model):
     """A copy of ``model`` with every bias (linear, convolution, LayerNorm β) set to zero."""
     import copy
-    m = copy.deepcopy(model)
-    with torch.no_grad():
-        for name, p in m.named_parameters():
-            if name.endswith("bias"):
-                p.zero_()
-    return m
+    return models.zero_biases(copy.deepcopy(model))
 
 
 @pytest.mark.parametrize("preset", PRESETS)
-@pytest.mark.parametrize("name", ["timm_vit_tiny", "hf_vit", "hf_bert_eager", "decoder"])
-def test_fast_path_equals_interpreter(zoo, decoder, name, preset):
+@pytest.mark.parametrize("name", ["timm_vit_tiny", "hf_vit", "hf_bert_eager", "hf_llama", "hf_gpt2_cls"])
+def test_fast_path_equals_interpreter(zoo, decoders, name, preset):
     """One modified-gradient backward gives the interpreter's input relevance (max abs difference
     below 5e-5 of the largest relevance, float32), and the fast path is the one used by default."""
-    model = decoder if name == "decoder" else zoo(name)
-    x = {"input_ids": torch.randint(0, 64, (3, 6), generator=torch.Generator().manual_seed(0))} \
-        if name == "decoder" else _inputs(name, model)
-    fast = relprop.explain(model, x, target=1, method="lrp", preset=preset)
-    ref = relprop.explain(model, x, target=1, method="lrp", preset=preset, fast_path=False)
+    model, x, target = _model_and_inputs(zoo, decoders, name)
+    fast = relprop.explain(model, x, target=target, method="lrp", preset=preset)
+    ref = relprop.explain(model, x, target=target, method="lrp", preset=preset, fast_path=False)
     assert fast.conservation is None and ref.conservation is not None  # which path ran
     assert fast.preset == ref.preset == preset
     scale = float(ref.input_relevance.abs().max())
@@ -448,18 +424,17 @@ def test_fast_path_equals_interpreter(zoo, decoder, name, preset):
 
 
 @pytest.mark.parametrize("preset", PRESETS)
-@pytest.mark.parametrize("name", ["timm_vit_tiny", "hf_vit", "hf_bert_eager", "decoder"])
-def test_conservation_bias_free(zoo, decoder, name, preset):
-    """Bias-free random models (every bias and LayerNorm β zero): per sample, input relevance +
-    absorbed relevance (position embeddings, class token, masks, the softmax's bias term) =
-    injected relevance, relative error < 1e-4, end to end and inside every block."""
-    model = decoder if name == "decoder" else _remove_biases(zoo(name))
-    x = {"input_ids": torch.randint(0, 64, (3, 6), generator=torch.Generator().manual_seed(1))} \
-        if name == "decoder" else _inputs(name, model)
-    e = relprop.explain(model, x, target=0, method="lrp", preset=preset, fast_path=False)
+@pytest.mark.parametrize("name", ["timm_vit_tiny", "hf_vit", "hf_bert_eager", "hf_llama"])
+def test_conservation_bias_free(zoo, decoders, name, preset):
+    """Bias-free random models (every bias and LayerNorm β zero; LLaMA has none): per sample, input
+    relevance + absorbed relevance (position embeddings, class token, masks, the softmax's bias
+    term) = injected relevance, relative error < 1e-4, end to end and inside every block."""
+    model, x, target = _model_and_inputs(zoo, decoders, name)
+    e = relprop.explain(_remove_biases(model), x, target=target, method="lrp", preset=preset, fast_path=False)
     c = e.conservation
     assert torch.allclose(c.injected, torch.ones_like(c.injected))
     assert float(c.error.max()) < 1e-4, c
+    assert len(c.blocks) == 2
     for b in c.blocks:
         assert float(b.error.max()) < 1e-4, (b.name, b.relevance_in, b.relevance_out, b.absorbed)
     biases = [v for k, v in c.absorbed_by.items() if k.endswith("bias")]

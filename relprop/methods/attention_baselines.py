@@ -118,14 +118,18 @@ def ta_second_block(trace):
 # ---------------------------------------------------------------- LRP baselines (plain rules)
 
 @method("lrp",
-        description="LRP to the input with the plain-LRP rules (not conservative): pixels summed over "
-                    "the colour channels, or the token embeddings' relevance",
+        description="LRP to the input, by default with the plain-LRP rules (not conservative; preset='attnlrp' "
+                    "or 'cp_lrp' for AttnLRP/CP-LRP): pixels summed over the colour channels, or the token "
+                    "embeddings' relevance",
         class_specific=True, signed=True, reference="Chefer et al., CVPR 2021, Eq. 4 and supplementary §A",
         needs_relevance=True, preset="lrp", needs_blocks=False)
 def lrp(trace):
     """Full LRP (Eq. 4; supplementary §A, "LRP") under the ``"lrp"`` preset: the rules of the
     authors' LRP baseline (``layers_lrp.py``), whose separate positive/negative denominators make
-    it non-conservative. Images: ``pixels`` = the input relevance summed over the colour channels;
+    it non-conservative. An explicit ``preset=`` replaces them: ``explain(method="lrp",
+    preset="attnlrp")`` is AttnLRP (Achtibat et al., ICML 2024), ``"cp_lrp"`` CP-LRP (Ali et al.,
+    ICML 2022), both computed with one modified-gradient backward pass where possible
+    (:mod:`relprop.graph.modified_gradient`). Images: ``pixels`` = the input relevance summed over the colour channels;
     text: ``tokens`` = the token embeddings' relevance summed over the embedding size. Signed.
     """
     rel = trace.input_relevance
