@@ -82,6 +82,29 @@ def text_methods() -> List[str]:
     return [m for m in all_methods() if m != "vit_cx"]
 
 
+#: method "lrp" under the rule presets of issue #8, reported as rows of their own beside the methods
+#: (AttnLRP: Achtibat et al., ICML 2024; CP-LRP: Ali et al., ICML 2022)
+PRESET_VARIANTS = {"lrp[attnlrp]": ("lrp", "attnlrp"), "lrp[cp_lrp]": ("lrp", "cp_lrp")}
+
+
+def evaluate_variants(model, data, log, what: str, **options) -> Dict[str, "E.EvaluationResult"]:
+    """relprop.evaluation.evaluate of each PRESET_VARIANTS entry (one method under an explicit preset)."""
+    out = {}
+    for name, (method, preset) in PRESET_VARIANTS.items():
+        t = time.time()
+        out[name] = E.evaluate(model, data, [method], preset=preset, **options)
+        log(f"{what}: {name}: {time.time() - t:.0f}s")
+    return out
+
+
+def variant_row(result, name: str) -> Dict:
+    """The table row of a PRESET_VARIANTS result, renamed to the variant."""
+    method = PRESET_VARIANTS[name][0]
+    row = dict(next(r for r in result.table() if r["method"] == method))
+    row["method"] = name
+    return row
+
+
 class Log:
     def __init__(self, path: str):
         self.t0 = time.time()
@@ -135,6 +158,13 @@ def evaluate_text(out: str, data: Dict, cfg: Dict, log) -> Dict:
                           explain_options=opts, progress=False)
     log(f"text: minority-class test on {minority.samples} mixed sentences: {time.time() - t:.0f}s")
     E.write_report(minority, os.path.join(out, "text_minority"))
+    var = evaluate_variants(model, ds, log, "text", target="predicted", batch_size=cfg["text_batch"],
+                            rationale_k=TEXT_K, perturbation_batch_size=128, progress=False)
+    var_min = evaluate_variants(model, ms, log, "text minority", target="label", batch_size=cfg["text_batch"],
+                                rationale_k=TEXT_K, perturbation=False, aopc=False, kendall=False,
+                                conservation=False, progress=False)
+    for name in PRESET_VARIANTS:
+        E.write_report(var[name], os.path.join(out, "text_" + PRESET_VARIANTS[name][1]))
     rows = {}
     base = {r["method"]: r for r in res.table()}
     mrows = {r["method"]: r for r in minority.table()}
@@ -147,7 +177,20 @@ def evaluate_text(out: str, data: Dict, cfg: Dict, log) -> Dict:
             r[f"minority_precision@{k}"] = mrows[m].get(f"precision@{k}")
             r[f"minority_token_f1@{k}"] = mrows[m].get(f"token_f1@{k}")
         rows[m] = r
-    return {"rows": rows, "result": res, "model": model, "tokenizer": tok, "dataset": ds}
+    for name, (method, _) in PRESET_VARIANTS.items():
+        r = variant_row(var[name], name)
+        tau = var[name].text[method].kendall_tau
+        r["kendall_tau_mixed"] = float(np.nanmean(tau[mixed])) if tau is not None and mixed.any() else float("nan")
+        r["kendall_tau_single"] = float(np.nanmean(tau[~mixed])) if tau is not None else float("nan")
+        mr = variant_row(var_min[name], name)
+        for k in TEXT_K:
+            r[f"minority_precision@{k}"] = mr.get(f"precision@{k}")
+            r[f"minority_token_f1@{k}"] = mr.get(f"token_f1@{k}")
+        rows[name] = r
+    conservation = {p: c for v in var.values() for p, c in v.conservation.items()}
+    conservation.update(res.conservation)
+    return {"rows": rows, "result": res, "model": model, "tokenizer": tok, "dataset": ds,
+            "conservation": conservation}
 
 
 # --------------------------------------------------------------------------------------------- vision
@@ -170,6 +213,14 @@ def evaluate_vision(out: str, data: Dict, cfg: Dict, log) -> Dict:
     t = time.time()
     spec = class_specificity(model, data["two"], methods, opts, cfg["vision_batch"])
     log(f"vision: class-specificity on {data['two']['images'].shape[0]} two-object images: {time.time() - t:.0f}s")
+    common.pop("explain_options")
+    var = evaluate_variants(model, folder, log, "vision", target="predicted", **common)
+    var_t = evaluate_variants(model, folder, log, "vision target", target="label", segmentation=False,
+                              conservation=False, **common)
+    for name in PRESET_VARIANTS:
+        E.write_report(var[name], os.path.join(out, "vision_" + PRESET_VARIANTS[name][1]))
+        method, preset = PRESET_VARIANTS[name]
+        spec[name] = class_specificity(model, data["two"], [method], {"preset": preset}, cfg["vision_batch"])[method]
     rows = {}
     p = {r["method"]: r for r in pred.table()}
     q = {r["method"]: r for r in targ.table()}
@@ -179,12 +230,21 @@ def evaluate_vision(out: str, data: Dict, cfg: Dict, log) -> Dict:
         r["negative_auc_target"] = q[m]["negative_auc"]
         r.update(spec[m])
         rows[m] = r
+    for name in PRESET_VARIANTS:
+        r = variant_row(var[name], name)
+        q = variant_row(var_t[name], name)
+        r["positive_auc_target"] = q["positive_auc"]
+        r["negative_auc_target"] = q["negative_auc"]
+        r.update(spec[name])
+        rows[name] = r
+    conservation = {p: c for v in var.values() for p, c in v.conservation.items()}
+    conservation.update(pred.conservation)
     with open(os.path.join(out, "vision_specificity.csv"), "w") as f:
         keys = list(next(iter(spec.values())).keys())
         f.write("method," + ",".join(keys) + "\n")
-        for m in methods:
+        for m in spec:
             f.write(m + "," + ",".join(f"{spec[m][k]:.6g}" for k in keys) + "\n")
-    return {"rows": rows, "result": pred, "model": model, "folder": folder}
+    return {"rows": rows, "result": pred, "model": model, "folder": folder, "conservation": conservation}
 
 
 # -------------------------------------------------------------------------------------------- tables
@@ -240,6 +300,28 @@ def rank_summary(rows: Dict[str, Dict], columns, method: str = "transformer_attr
         out.append(f"{title}: rank {better + 1}/{len(vals)} (best: {leader} {vals[leader]:.3f}, "
                    f"{method} {mine:.3f})")
     return out
+
+
+def variant_ranks(vision_rows: Dict, text_rows: Dict) -> List[str]:
+    """The rank of each PRESET_VARIANTS row per column, images and text."""
+    lines = []
+    for name in PRESET_VARIANTS:
+        lines += [f"{name}'s rank per column:", "", "- images:"]
+        lines += [f"  - {s}" for s in rank_summary(vision_rows, VISION_COLUMNS, name)]
+        lines += ["- text:"] + [f"  - {s}" for s in rank_summary(text_rows, TEXT_COLUMNS, name)] + [""]
+    return lines
+
+
+def conservation_lines(vision: Dict, text: Dict) -> List[str]:
+    """End-to-end conservation of each preset on the trained models: |in - out - absorbed| / |in|, where
+    absorbed is the relevance the biases and other absorbing terms take (relprop.evaluation.conservation)."""
+    lines = ["## Conservation per preset (end to end; trained models with biases)", "",
+             "| model | preset | mean rel. error | max rel. error |", "|---|---|---:|---:|"]
+    for what, part in (("images", vision), ("text", text)):
+        for preset, rep in part["conservation"].items():
+            err = rep.end_to_end.error
+            lines.append(f"| {what} | {preset} | {float(err.mean()):.2e} | {float(err.max()):.2e} |")
+    return lines + [""]
 
 
 # ---------------------------------------------------------------------------------------------- main
@@ -334,7 +416,8 @@ def main(argv=None) -> int:
          [f"- {s}" for s in rank_summary(vision["rows"], VISION_COLUMNS)] + \
          ["", f"## Text ({text['result'].samples} test sentences)", "", markdown_table(text["rows"], TEXT_COLUMNS), "",
           "transformer_attribution's rank per column:", ""] + \
-         [f"- {s}" for s in rank_summary(text["rows"], TEXT_COLUMNS)] + ["", checks_md]
+         [f"- {s}" for s in rank_summary(text["rows"], TEXT_COLUMNS)] + [""] + \
+         variant_ranks(vision["rows"], text["rows"]) + conservation_lines(vision, text) + ["", checks_md]
     with open(os.path.join(out, "summary.md"), "w") as f:
         f.write("\n".join(md) + "\n")
     log(f"done in {timings['total']:.0f}s; wrote {os.path.join(out, 'summary.md')}")

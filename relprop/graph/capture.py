@@ -58,6 +58,8 @@ class Captured:
     primary: str
     #: memo of signed weight splits used by the linear rules (see relprop.rules.linear.signed_split)
     weight_cache: dict = dataclasses.field(default_factory=dict)
+    #: memo of the interpreter's plans for this graph (last uses, rematerializable nodes, segments)
+    plans: dict = dataclasses.field(default_factory=dict)
 
     @property
     def out_spec(self):
@@ -114,8 +116,12 @@ def _export(model, kwargs, dynamic: bool):
         # the inputs that share the explained input's batch (decided before any copy, so that an
         # input of another batch, e.g. the 2 texts CLIP compares 1 image with, stays static)
         keys = {k for k, v in tensors.items() if torch.is_tensor(v) and v.dim() > 0 and v.shape[0] == b}
-        if b == 1:  # torch specializes size-1 dims: export on two copies
-            tensors = {k: (torch.cat([v, v]) if k in keys else v) for k, v in tensors.items()}
+        if b == 1:
+            # torch specializes size-1 dims: export on k copies, k >= 2 and unlike the batch of any
+            # other input (CLIP's 2 images beside 1 text), so that no size is tied to another by chance
+            others = {v.shape[0] for k, v in tensors.items() if k not in keys and torch.is_tensor(v) and v.dim() > 0}
+            k_copies = next(n for n in range(2, 2 + len(others) + 1) if n not in others)
+            tensors = {k: (torch.cat([v] * k_copies) if k in keys else v) for k, v in tensors.items()}
         batch = Dim("batch", min=1, max=1 << 20)
         shapes = {k: ({0: batch} if k in keys else None) for k, v in tensors.items()}
     return torch.export.export(model, (), tensors, strict=False, dynamic_shapes=shapes), list(tensors)
