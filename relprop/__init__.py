@@ -5,7 +5,7 @@ propagates relevance through it with the rules of Chefer, Gur & Wolf, *Transform
 Interpretability Beyond Attention Visualization* (CVPR 2021), and aggregates the per-block
 attention records into token/patch scores.
 """
-from .errors import (CaptureError, InputError, MethodError, RelpropError, TargetError,  # noqa: F401
+from .errors import (CaptureError, InputError, MethodError, OptionError, RelpropError, TargetError,  # noqa: F401
                      UnsupportedOperation)
 from .rules import rule, presets, RuleContext  # noqa: F401
 from .rules.registry import define_preset  # noqa: F401

@@ -9,11 +9,11 @@ import torch.nn.functional as F
 
 from . import targets as _targets
 from . import validation
-from .errors import MethodError, RelpropError
+from .errors import MethodError, OptionError, RelpropError
 from .explanation import Explanation
 from .graph.capture import CACHE
 from .graph.inputs import bind_inputs, with_wrt
-from .graph.interpreter import run
+from .graph.interpreter import MEMORY_MODES, run
 from .graph.modified_gradient import FastPathUnavailable, run_fast
 from .methods import get_method
 from .rules.registry import get_preset
@@ -26,7 +26,8 @@ DEFAULT_PRESET = "chefer2021"
 @with_wrt  # adds wrt=None: the input to explain onto (relprop.graph.inputs.explaining_wrt)
 def explain(model: torch.nn.Module, inputs: Any, target: Any = None, method: str = "transformer_attribution",
             preset: Optional[str] = None, *, eps: float = DEFAULT_EPS, unsupported: str = "error",
-            special_tokens_mask: Optional[torch.Tensor] = None, fast_path: bool = True, **options):
+            special_tokens_mask: Optional[torch.Tensor] = None, fast_path: bool = True, memory: str = "default",
+            **options):
     """Explain the score of class ``target`` of an unmodified ``model`` on ``inputs``.
 
     Parameters
@@ -58,6 +59,14 @@ def explain(model: torch.nn.Module, inputs: Any, target: Any = None, method: str
         backward pass (:mod:`relprop.graph.modified_gradient`); the Explanation then has no
         per-block records and ``conservation`` is None. False: always walk the graph rule by rule
         (the reference, with the conservation bookkeeping).
+    memory : ``"default"`` keeps the forward values the rules read from one forward pass (the
+        attention scores, masks and softmax are computed again during the walk rather than kept).
+        ``"low"`` bounds the peak for long inputs: a forward pass without autograd keeps only the
+        hidden states between attention blocks, then each block is recomputed, from the output
+        back, for its gradients and its part of the relevance walk, and freed; the memo of split
+        weights is not kept. Same results (to float rounding of the gradients), about one more
+        forward pass of time plus the weight splits; the peak holds the block records (A, dA, R_A)
+        and one block. Window attention (Swin) falls back to ``"default"`` with a warning.
     wrt : the input to explain onto, by name, when the model takes several (default: the first of
         ``input_ids``, ``pixel_values``, ``inputs_embeds``, ...). For a CLIP model,
         ``wrt="pixel_values"`` explains the image tower and ``wrt="input_ids"`` (the default) the
@@ -69,6 +78,8 @@ def explain(model: torch.nn.Module, inputs: Any, target: Any = None, method: str
     -------
     Explanation (or a list of them, one per method, when ``method`` is a list)
     """
+    if memory not in MEMORY_MODES:
+        raise OptionError(f"memory={memory!r} is not a choice here. Choices: {list(MEMORY_MODES)}")
     many = isinstance(method, (list, tuple))
     names = list(method) if many else [method]
     if not names:
@@ -105,10 +116,10 @@ def explain(model: torch.nn.Module, inputs: Any, target: Any = None, method: str
             except FastPathUnavailable:
                 pass  # the interpreter below is the reference for every preset
         traces[p] = run(captured, model, kwargs, score_fn, preset=p, relevance=True, eps=eps,
-                        unsupported=unsupported, target_of=target_of)
+                        unsupported=unsupported, target_of=target_of, memory=memory)
     if not traces:
         traces[None] = run(captured, model, kwargs, score_fn, preset=preset or DEFAULT_PRESET, relevance=False,
-                           eps=eps, unsupported=unsupported, target_of=target_of)
+                           eps=eps, unsupported=unsupported, target_of=target_of, memory=memory)
     results = []
     for info in infos:
         key = preset_of(info) if info.needs_relevance else next(iter(traces))

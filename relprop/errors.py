@@ -63,3 +63,7 @@ def op_name(op) -> str:
             return f"{ns}.{base}"
         return f"{ns}.{base}.{overload}"
     return getattr(op, "__name__", repr(op))
+
+
+class OptionError(RelpropError, ValueError):
+    """An option of :func:`relprop.explain` has a value it does not take (the message lists them)."""
