@@ -290,7 +290,7 @@ def _segments(captured) -> List[List[torch.fx.Node]]:
                 if b.layer and b.layer not in first and b.layer in module_paths(n):
                     first[b.layer] = i
         cuts, last = [], 0
-        for b in captured.analysis.blocks:
+        for b in captured.analysis.blocks[1:]:
             i = first.get(b.layer)
             if i is not None and i > last:
                 cuts.append(i)

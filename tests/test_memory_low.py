@@ -1,0 +1,117 @@
+"""``explain(..., memory="low")`` (issue 7): block-by-block recomputation gives the default's results.
+
+The reference is the default path. Every method that reads the per-block records or the relevance
+walk is compared on tiny random models of each segmentable family (timm ViT, HF ViT, HF BERT with
+padding, GPT-2 and LLaMA decoders), with the block records themselves and the conservation
+bookkeeping; the model must be untouched; a bad value is an error that lists the choices; window
+attention (Swin) falls back to the default path with a warning.
+"""
+import warnings
+
+import pytest
+import torch
+
+import models
+import relprop
+from relprop.errors import OptionError
+from relprop.graph import interpreter
+from snapshot import assert_same, snapshot
+
+#: every method that uses the trace of the interpreter (records and/or relevance walk)
+TRACE_METHODS = ["transformer_attribution", "ta_without_gradient", "ta_last_block", "ta_second_block", "rollout",
+                 "raw_attention", "lrp", "partial_lrp", "attention_gradcam", "gradient_rollout", "cat", "attcat",
+                 "grads", "attgrads", "attention_norm", "gradcam"]
+DECODER_METHODS = ["transformer_attribution", "rollout", "lrp", "partial_lrp", "gradient_rollout", "attcat",
+                   "attgrads"]
+
+
+def _cases():
+    return {
+        "timm_vit_tiny": (models.timm_vit_tiny, lambda m: models.image_batch(m), None, TRACE_METHODS),
+        "hf_vit": (models.hf_vit, lambda m: models.image_batch(m), None, TRACE_METHODS),
+        "hf_bert_padded": (lambda: models.hf_bert("eager"), lambda m: models.text_batch(), None, TRACE_METHODS),
+        "hf_gpt2_cls": (models.hf_gpt2_cls, lambda m: models.decoder_batch(), None, DECODER_METHODS),
+        "hf_llama": (models.hf_llama, lambda m: models.decoder_batch(), "next_token", DECODER_METHODS),
+    }
+
+
+def _close(a, b):
+    if a is None or b is None:
+        assert a is None and b is None
+        return
+    assert torch.allclose(a, b, rtol=1e-5, atol=1e-6), (a - b).abs().max().item()
+
+
+@pytest.mark.parametrize("name", list(_cases()))
+def test_low_equals_default(name):
+    build, data, target, methods = _cases()[name]
+    model = build()
+    inputs = data(model)
+    ref = relprop.explain(model, inputs, target=target, method=methods, fast_path=False)
+    before = snapshot(model)
+    forwards = interpreter.STATS["forward"]
+    low = relprop.explain(model, inputs, target=target, method=methods, fast_path=False, memory="low")
+    # one pass per preset (chefer2021, and lrp for lrp/partial_lrp), each one full forward pass:
+    # the segments are recomputed from the values it kept, not by running the graph again
+    assert interpreter.STATS["forward"] - forwards == 2
+    assert_same(before, snapshot(model))
+    captured = next(iter(relprop.graph.capture.CACHE._by_model[model].values()))
+    assert len(interpreter._segments(captured)) == len(captured.analysis.blocks)  # one segment per block
+    for r, lo in zip(ref, low):
+        assert r.method == lo.method
+        _close(r.scores, lo.scores)
+        _close(r.map, lo.map)
+        _close(r.input_relevance, lo.input_relevance)
+        _close(r.target_scores, lo.target_scores)
+    for rb, lb in zip(ref[0].blocks, low[0].blocks):  # the records of transformer_attribution's pass
+        for field in ("attention", "gradient", "relevance", "hidden", "hidden_gradient", "hidden_relevance", "value",
+                      "features", "features_gradient"):
+            _close(getattr(rb, field), getattr(lb, field))
+    rc, lc = ref[0].conservation, low[0].conservation
+    for field in ("injected", "input", "absorbed"):
+        _close(getattr(rc, field), getattr(lc, field))
+    assert rc.absorbed_by.keys() == lc.absorbed_by.keys()
+    for rbc, lbc in zip(rc.blocks, lc.blocks):
+        _close(rbc.relevance_in, lbc.relevance_in)
+        _close(rbc.relevance_out, lbc.relevance_out)
+        _close(rbc.absorbed, lbc.absorbed)
+
+
+def test_low_conserves_on_bias_free_model():
+    model = models.zero_biases(models.hf_bert("eager"))
+    exp = relprop.explain(model, models.text_batch(), memory="low")
+    assert float(exp.conservation.error.max()) < 1e-4
+
+
+def test_bad_memory_value():
+    model = models.timm_vit_tiny()
+    with pytest.raises(OptionError) as err:
+        relprop.explain(model, models.image_batch(model), memory="lowest")
+    assert "'default'" in str(err.value) and "'low'" in str(err.value)
+    assert isinstance(err.value, ValueError)
+
+
+def test_swin_falls_back_with_warning():
+    model = models.timm_swin()
+    images = models.swin_images(model)
+    ref = relprop.explain(model, images)
+    with pytest.warns(UserWarning, match="memory='low' does not segment window attention"):
+        low = relprop.explain(model, images, memory="low")
+    _close(ref.scores, low.scores)
+
+
+def test_default_path_frees_attention_intermediates():
+    """The default forward frees the attention scores (the softmax's input), keeps A itself."""
+    model = models.hf_bert("eager")
+    batch = relprop.graph.inputs.bind_inputs(model, models.text_batch())
+    captured = relprop.graph.capture.CACHE.get(model, batch)
+    remat = interpreter._rematerializable(captured)
+    scores = {b.softmax.args[0] for b in captured.analysis.blocks}
+    assert scores <= remat
+    assert not {b.attention for b in captured.analysis.blocks} & remat
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with torch.no_grad():
+            env, _ = interpreter.forward(captured, model, batch, discard=remat)
+    assert not scores & env.keys()
+    assert {b.attention for b in captured.analysis.blocks} <= env.keys()
