@@ -1,7 +1,9 @@
 """Peak memory of ``transformer_attribution`` vs one forward + backward pass (issue 7, "memory").
 
-Models (random weights; memory does not depend on them): timm ViT-B/16 at batch 8 (224x224), and
-HuggingFace BERT-base at 512 tokens (batch 1). Each measurement runs in a fresh subprocess:
+Models (random weights; memory does not depend on them): timm ViT-B/16 at batch 8 (224x224),
+HuggingFace BERT-base at 512 tokens (batch 1), and (``--model bert2048``) BERT-base at 2048 tokens
+(``max_position_embeddings`` raised in a random config) to show how ``memory="low"`` bounds long
+inputs. Each measurement runs in a fresh subprocess:
 
 * CUDA: ``torch.cuda.max_memory_allocated`` minus what was allocated before the measured call.
 * CPU: tracemalloc does not see torch's CPU tensors, so the peak resident set size (VmHWM of
@@ -11,8 +13,10 @@ HuggingFace BERT-base at 512 tokens (batch 1). Each measurement runs in a fresh 
 
 Measured: ``fwd+bwd`` (the model's forward, then ``backward`` of the target logit, as a training
 step computes it, parameter gradients included), ``fwd+bwd (input only)`` (parameters frozen: the
-gradient reaches only the input) and ``explain`` (``transformer_attribution``). Ratios are to
-``fwd+bwd``; times are wall-clock.
+gradient reaches only the input), ``explain`` (``transformer_attribution``, the first call: it fills
+the memo of split weights, 2x the linear weights, kept for the next calls), ``explain (2nd call)``
+(the same call again in the same process, the memo already there: the steady state) and
+``explain memory=low``. Ratios are to ``fwd+bwd``; times are wall-clock.
 
     python benchmarks/bench_memory.py                 # both models, on CUDA if available
     python benchmarks/bench_memory.py --device cpu --model vit
@@ -38,11 +42,18 @@ def _build(name, device):
         inputs = torch.randn(8, 3, 224, 224, device=device)
     else:
         import transformers
-        cfg = transformers.BertConfig(num_labels=2)
+        n = 2048 if name == "bert2048" else 512
+        cfg = transformers.BertConfig(num_labels=2, max_position_embeddings=max(512, n))
         model = transformers.BertForSequenceClassification(cfg).eval().to(device)
-        ids = torch.randint(1000, 20000, (1, 512), device=device)
+        ids = torch.randint(1000, 20000, (1, n), device=device)
         inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
     return model, inputs
+
+
+def _threads():
+    """OMP_NUM_THREADS when set (e.g. 1 on a shared machine), else up to 4."""
+    env = os.environ.get("OMP_NUM_THREADS")
+    return int(env) if env and env.isdigit() else max(1, min(4, os.cpu_count() or 1))
 
 
 def _rss_kib(field):
@@ -63,10 +74,12 @@ def child(name, what, device):
     from relprop.graph.capture import CACHE
     from relprop.graph.inputs import bind_inputs
 
-    torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
+    torch.set_num_threads(_threads())
     model, inputs = _build(name, device)
     if what.startswith("explain"):
         CACHE.get(model, bind_inputs(model, inputs))  # capture outside the measurement
+    if what == "explain-2nd":
+        relprop.explain(model, inputs, target=1)  # the first call fills the weight memo
     if what == "fwdbwd-input":
         for p in model.parameters():
             p.requires_grad_(False)
@@ -91,7 +104,8 @@ def child(name, what, device):
         logits = out if torch.is_tensor(out) else out.logits
         logits[:, 1].sum().backward()
     else:
-        exp = relprop.explain(model, inputs, target=1)
+        memory = "low" if what == "explain-low" else "default"
+        exp = relprop.explain(model, inputs, target=1, memory=memory)
         del exp
     if cuda:
         torch.cuda.synchronize()
@@ -114,7 +128,8 @@ def measure(name, what, device):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--model", choices=("vit", "bert", "all"), default="all")
+    parser.add_argument("--model", choices=("vit", "bert", "bert2048", "all"), default="all")
+    parser.add_argument("--what", nargs="+", default=None, help="subset of the measurements")
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     parser.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -123,18 +138,22 @@ def main(argv=None):
         return 0
     import torch
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    names = ["vit", "bert"] if args.model == "all" else [args.model]
-    whats = ["fwdbwd", "fwdbwd-input", "explain"]
-    label = {"vit": "ViT-B/16, batch 8, 224x224", "bert": "BERT-base, 512 tokens"}
-    print(f"| model ({device}) | measured | peak MiB | × fwd+bwd | seconds |")
-    print("|---|---|---:|---:|---:|")
+    names = ["vit", "bert", "bert2048"] if args.model == "all" else [args.model]
+    whats = args.what or ["fwdbwd", "fwdbwd-input", "explain", "explain-2nd", "explain-low"]
+    if "fwdbwd" not in whats:
+        whats = ["fwdbwd"] + whats
+    label = {"vit": "ViT-B/16, batch 8, 224x224", "bert": "BERT-base, 512 tokens",
+             "bert2048": "BERT-base, 2048 tokens"}
+    print(f"| model ({device}, {_threads()} threads) | measured | peak MiB | × fwd+bwd | seconds "
+          f"| time × fwd+bwd |")
+    print("|---|---|---:|---:|---:|---:|")
     for name in names:
         rows = {w: measure(name, w, device) for w in whats}
-        ref = rows["fwdbwd"]["peak_bytes"]
+        ref = rows["fwdbwd"]
         for w in whats:
             r = rows[w]
-            print(f"| {label[name]} | {w} | {r['peak_bytes'] / 2**20:.0f} | {r['peak_bytes'] / ref:.2f} | "
-                  f"{r['seconds']:.2f} |", flush=True)
+            print(f"| {label[name]} | {w} | {r['peak_bytes'] / 2**20:.0f} | {r['peak_bytes'] / ref['peak_bytes']:.2f} | "
+                  f"{r['seconds']:.2f} | {r['seconds'] / ref['seconds']:.1f} |", flush=True)
     return 0
 
 

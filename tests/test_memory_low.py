@@ -4,7 +4,7 @@ The reference is the default path. Every method that reads the per-block records
 walk is compared on tiny random models of each segmentable family (timm ViT, HF ViT, HF BERT with
 padding, GPT-2 and LLaMA decoders), with the block records themselves and the conservation
 bookkeeping; the model must be untouched; a bad value is an error that lists the choices; window
-attention (Swin) falls back to the default path with a warning.
+attention (Swin) falls back to the default path with a warning; CLIP's two towers segment as well.
 """
 import warnings
 
@@ -115,3 +115,15 @@ def test_default_path_frees_attention_intermediates():
             env, _ = interpreter.forward(captured, model, batch, discard=remat)
     assert not scores & env.keys()
     assert {b.attention for b in captured.analysis.blocks} <= env.keys()
+
+
+def test_clip_two_towers(wrt="input_ids"):
+    """CLIP: the other tower's layers are constants of the explanation; they fall in the segments
+    like any other node and the results are the default's (checked by hand for the image tower too)."""
+    model, batch = models.hf_clip(), models.clip_batch()
+    methods = ["transformer_attribution", "attcat"]
+    ref = relprop.explain(model, batch, wrt=wrt, method=methods)
+    low = relprop.explain(model, batch, wrt=wrt, method=methods, memory="low")
+    for r, lo in zip(ref, low):
+        _close(r.scores, lo.scores)
+    _close(ref[0].conservation.input, low[0].conservation.input)
