@@ -4,9 +4,28 @@ A half-precision model runs its forward pass in its own dtype; the rules upcast 
 every relevance tensor is float32 (DESIGN §2). The tolerance, documented in the README: the
 Spearman rank correlation between the token scores of the half-precision model and those of the
 same model in float32 is at least 0.99 for every sample, except for the bfloat16 ViT, where it is
-at least 0.98 (measured 0.984-0.996): with its 8-bit mantissa the bfloat16 forward pass itself
-already differs from float32 by about 1% in the attention maps and 3% in their gradients, before
-any relevance is computed; relprop cannot remove that without changing the model's arithmetic.
+at least 0.975 (measured per sample 0.980, 0.984, 0.989 with torch 2.15 / timm 1.0.31; 0.984-0.996
+with earlier versions). Where the loss comes from (the three samples, transformer_attribution):
+
+* bfloat16-rounded weights in float32 arithmetic (``model.to(bfloat16).float()``): 0.996, 0.999,
+  0.998. Rounding the weights costs little; explaining that float32 copy is the recipe for users
+  who want float32 results from a bfloat16 checkpoint (tested below).
+* the relevance walk adds nothing: every rule computes in float32 on upcast values (weights
+  included), so the only bfloat16 arithmetic is the model's forward pass and its autograd
+  gradients. Simulating that forward (each value the model rounds to bfloat16 rounded, the walk and
+  the gradients in float32) loses as much, min 0.981 (0.996, 0.981, 0.990); rounding the gradients
+  too: 0.995, 0.980, 0.990. Which sample loses most depends on the exact rounding pattern.
+  Recomputing the residual denominators in float32 from the operands changes nothing.
+* of the two factors of E_h[(dA ⊙ R_A)⁺]: the fp32 maps with only dA taken from the bfloat16 model
+  give 0.999, 1.000, 0.999; with only R_A taken from it, 0.980, 0.977, 0.990. The loss is in R_A
+  (relative change 1.9% and 2.9% in the two blocks; A moves by 1.1% and 1.6%, dA by 3.2% and 0.9%).
+* R_A comes from the z-rule of the attention-value product A·V (Lemma 1), whose denominator
+  Z = A·V sums terms of both signs; where it nearly cancels, the 8-bit-mantissa rounding of V and of
+  the hidden states (rounding only the embedding output, or only the LayerNorm outputs, already
+  costs 0.978 / 0.980 on one sample) is amplified. Stabilizing the z-rule of the attention
+  products alone with eps=1e-2 instead of 1e-9 (in both models) gives 0.999, 0.998, 0.997; not
+  done: it changes the method of the paper.
+  relprop cannot remove this without changing the model's arithmetic or the method.
 
 The test models are the zoo's tiny random models with more tokens (64 patches, 48 word pieces) and
 with their query/key weights scaled by :data:`SHARPEN`: at initialization the attention of a random
@@ -26,7 +45,7 @@ import relprop
 SHARPEN = 6.0
 MIN_RANK_CORRELATION = 0.99
 #: the documented exceptions to MIN_RANK_CORRELATION (see the module docstring)
-TOLERANCE = {("timm_vit_128px", torch.bfloat16): 0.98}
+TOLERANCE = {("timm_vit_128px", torch.bfloat16): 0.975}
 HALF = [torch.float16, torch.bfloat16]
 
 
@@ -94,6 +113,17 @@ def test_half_precision_ranks_match_float32(name, dtype, capsys):
     assert e.conservation.injected.dtype == torch.float32
     assert float(e.conservation.error.max()) < 1e-4
     assert next(hm.parameters()).dtype == dtype  # the model was not converted
+
+
+def test_bfloat16_weights_in_float32_arithmetic_rank_match():
+    """The documented recipe for float32 results from a bfloat16 model: explain a float32 copy of it
+    (bfloat16-rounded weights, float32 arithmetic); the loss of the bfloat16 ViT (module docstring)
+    is then gone."""
+    model, inputs = _case("timm_vit_128px")
+    ref = relprop.explain(model, inputs, target=1)
+    hm, hx = _half(model, inputs, torch.bfloat16)
+    e = relprop.explain(copy.deepcopy(hm).float(), hx.float(), target=1)
+    assert min(rank_correlations(ref, e)) >= MIN_RANK_CORRELATION
 
 
 def test_half_precision_every_method_is_finite():
