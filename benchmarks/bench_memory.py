@@ -11,12 +11,13 @@ inputs. Each measurement runs in a fresh subprocess:
   the inputs and the captured graph exist; glibc is told to serve every allocation over 128 KiB
   with mmap (``MALLOC_MMAP_THRESHOLD_``), so that freed tensors leave the resident set at once.
 
-Measured: ``fwd+bwd`` (the model's forward, then ``backward`` of the target logit, as a training
-step computes it, parameter gradients included), ``fwd+bwd (input only)`` (parameters frozen: the
-gradient reaches only the input), ``explain`` (``transformer_attribution``, the first call: it fills
-the memo of split weights, 2x the linear weights, kept for the next calls), ``explain (2nd call)``
-(the same call again in the same process, the memo already there: the steady state) and
-``explain memory=low``. Ratios are to ``fwd+bwd``; times are wall-clock.
+Measured: ``fwdbwd`` (the model's forward, then ``backward`` of the target logit, as a training
+step computes it, parameter gradients included), ``fwdbwd-input`` (parameters frozen: the gradient
+reaches only the input), ``explain`` (``transformer_attribution``, ``memory="default"``),
+``explain-low`` (``memory="low"``), ``explain-high`` (``memory="high"``, the first call: it fills
+the per-model memo of split weights, 2x the linear weights) and ``explain-high-2nd`` (the same call
+again in the same process, the memo already there). Ratios are to ``fwdbwd``; times are wall-clock
+(one call each: noisy on a shared machine; bench_engine.py times repeated calls).
 
     python benchmarks/bench_memory.py                 # both models, on CUDA if available
     python benchmarks/bench_memory.py --device cpu --model vit
@@ -78,8 +79,8 @@ def child(name, what, device):
     model, inputs = _build(name, device)
     if what.startswith("explain"):
         CACHE.get(model, bind_inputs(model, inputs))  # capture outside the measurement
-    if what == "explain-2nd":
-        relprop.explain(model, inputs, target=1)  # the first call fills the weight memo
+    if what == "explain-high-2nd":
+        relprop.explain(model, inputs, target=1, memory="high")  # the first call fills the weight memo
     if what == "fwdbwd-input":
         for p in model.parameters():
             p.requires_grad_(False)
@@ -104,7 +105,7 @@ def child(name, what, device):
         logits = out if torch.is_tensor(out) else out.logits
         logits[:, 1].sum().backward()
     else:
-        memory = "low" if what == "explain-low" else "default"
+        memory = {"explain-low": "low", "explain-high": "high", "explain-high-2nd": "high"}.get(what, "default")
         exp = relprop.explain(model, inputs, target=1, memory=memory)
         del exp
     if cuda:
@@ -139,7 +140,7 @@ def main(argv=None):
     import torch
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     names = ["vit", "bert", "bert2048"] if args.model == "all" else [args.model]
-    whats = args.what or ["fwdbwd", "fwdbwd-input", "explain", "explain-2nd", "explain-low"]
+    whats = args.what or ["fwdbwd", "fwdbwd-input", "explain", "explain-low", "explain-high", "explain-high-2nd"]
     if "fwdbwd" not in whats:
         whats = ["fwdbwd"] + whats
     label = {"vit": "ViT-B/16, batch 8, 224x224", "bert": "BERT-base, 512 tokens",

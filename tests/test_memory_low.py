@@ -87,8 +87,31 @@ def test_bad_memory_value():
     model = models.timm_vit_tiny()
     with pytest.raises(OptionError) as err:
         relprop.explain(model, models.image_batch(model), memory="lowest")
-    assert "'default'" in str(err.value) and "'low'" in str(err.value)
+    assert "'default'" in str(err.value) and "'low'" in str(err.value) and "'high'" in str(err.value)
     assert isinstance(err.value, ValueError)
+
+
+def test_weight_memo_only_under_high_and_once_per_model():
+    """memory="default" keeps no split weights between calls; memory="high" keeps one W⁺/W⁻ split per
+    linear weight of the model, shared by every input shape, and gives the same numbers."""
+    model = models.hf_bert("eager")
+    relprop.clear_cache(model)
+    short, long = models.text_batch(lengths=(5, 3)), models.text_batch(lengths=(9, 7))
+    ref = relprop.explain(model, short)
+    memo = next(iter(relprop.graph.capture.CACHE._by_model[model].values())).weight_cache
+    assert memo == {}
+    high = relprop.explain(model, short, memory="high")
+    _close(ref.scores, high.scores)
+    n_linear = sum(isinstance(m, torch.nn.Linear) for m in model.modules())
+    assert 0 < len(memo) <= n_linear
+    relprop.explain(model, long, memory="high")  # another shape: another capture, the same memo
+    captures = list(relprop.graph.capture.CACHE._by_model[model].values())
+    assert len(captures) == 2 and all(c.weight_cache is memo for c in captures)
+    assert len(memo) <= n_linear
+    with torch.no_grad():  # an in-place update of a weight is seen at once
+        model.classifier.weight.mul_(-1)
+    again = relprop.explain(model, short, memory="high")
+    _close(relprop.explain(model, short).scores, again.scores)
 
 
 def test_swin_falls_back_with_warning():

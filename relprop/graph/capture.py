@@ -56,7 +56,8 @@ class Captured:
     batch_dynamic: bool
     analysis: GraphAnalysis
     primary: str
-    #: memo of signed weight splits used by the linear rules (see relprop.rules.linear.signed_split)
+    #: memo of signed weight splits used by the linear rules under ``explain(..., memory="high")``
+    #: (see relprop.rules.linear.signed_split); one dict per model, shared by all its captures
     weight_cache: dict = dataclasses.field(default_factory=dict)
     #: memo of the interpreter's plans for this graph (last uses, rematerializable nodes, segments)
     plans: dict = dataclasses.field(default_factory=dict)
@@ -72,6 +73,7 @@ class CaptureCache:
     def __init__(self, size: int = CACHE_SIZE):
         self.size = size
         self._by_model: "weakref.WeakKeyDictionary[torch.nn.Module, collections.OrderedDict]" = weakref.WeakKeyDictionary()
+        self._memos: "weakref.WeakKeyDictionary[torch.nn.Module, dict]" = weakref.WeakKeyDictionary()
         self._lock = threading.RLock()
         self.traces = 0  # number of exports performed (tests read it)
 
@@ -85,6 +87,7 @@ class CaptureCache:
                     per_model.move_to_end(key)
                     return hit
             captured = capture(model, kwargs)
+            captured.weight_cache = self._memos.setdefault(model, {})  # one memo per model, not per shape
             self.traces += 1
             per_model[signature(kwargs, captured.batch_dynamic)] = captured
             while len(per_model) > self.size:
@@ -95,8 +98,10 @@ class CaptureCache:
         with self._lock:
             if model is None:
                 self._by_model.clear()
+                self._memos.clear()
             else:
                 self._by_model.pop(model, None)
+                self._memos.pop(model, None)
 
 
 CACHE = CaptureCache()

@@ -221,6 +221,7 @@ def run(captured: Captured, model: torch.nn.Module, kwargs: Dict[str, Any],
         with torch.no_grad():
             seed = {**grad, **_output_seed(captured, env, score_fn, out_nodes)}
             rel_at, conservation, input_rel = _walk(captured, env, seed, out_nodes, preset, eps, unsupported, batch,
+                                                    captured.weight_cache if memory == "high" else None,
                                                     remat)
     return _trace(captured, model, kwargs, score_fn, env, outputs, scores, target, grad, rel_at, conservation,
                   input_rel, windows)
@@ -268,7 +269,7 @@ def _trace(captured, model, kwargs, score_fn, env, outputs, scores, target, grad
 
 
 #: the values of ``explain(..., memory=...)``
-MEMORY_MODES = ("default", "low")
+MEMORY_MODES = ("default", "low", "high")
 
 
 def check_memory(memory) -> None:
@@ -349,7 +350,7 @@ def _run_low(captured, model, kwargs, score_fn, target_of, out_nodes, wrt, remat
     walker = None
     if relevance:
         walker = _Walker(captured, env, {**seed}, out_nodes, preset, eps, unsupported, batch, remat,
-                         weight_cache=None)  # no memo of 2x every weight here
+                         weight_cache=None)  # no memo of 2x every weight here (memory="high" only)
     needed_later = _read_after_walk(a)
     last = _last_uses(captured)
     for seg in reversed(_segments(captured)):
@@ -566,8 +567,8 @@ def _logits(outputs):
     return None
 
 
-def _walk(captured, env, grad, out_nodes, preset, eps, unsupported, batch, remat=frozenset()):
-    walker = _Walker(captured, env, grad, out_nodes, preset, eps, unsupported, batch, remat)
+def _walk(captured, env, grad, out_nodes, preset, eps, unsupported, batch, weight_cache, remat=frozenset()):
+    walker = _Walker(captured, env, grad, out_nodes, preset, eps, unsupported, batch, remat, weight_cache=weight_cache)
     for node in reversed(captured.graph.nodes):
         walker.visit(node)
     return walker.finish()
@@ -580,7 +581,7 @@ class _Walker:
     """
 
     def __init__(self, captured, env, grad, out_nodes, preset, eps, unsupported, batch, remat=frozenset(),
-                 needed_later=None, weight_cache="shared"):
+                 needed_later=None, weight_cache=None):
         a = captured.analysis
         self.captured, self.a, self.env, self.preset, self.eps = captured, a, env, preset, eps
         self.unsupported, self.batch, self.remat = unsupported, batch, remat
@@ -599,7 +600,7 @@ class _Walker:
         self.absorbed_by: Dict[str, torch.Tensor] = {}
         self.rel_at: Dict[torch.fx.Node, torch.Tensor] = {}
         self.options = {"reads_pixels": a.pixel_convs,
-                        "weight_cache": captured.weight_cache if weight_cache == "shared" else weight_cache}
+                        "weight_cache": weight_cache}
         self.R: Dict[torch.fx.Node, Any] = {}
         self.dev = dev = grad[out_nodes[0]].device if out_nodes else torch.device("cpu")
         self.per_block_absorbed = {b.layer: torch.zeros(batch, device=dev) for b in a.blocks}

@@ -30,11 +30,14 @@ aten = torch.ops.aten
 def signed_split(w: torch.Tensor, cache: dict = None, key=None) -> torch.Tensor:
     """``cat([W⁺, W⁻], dim=-1)`` for ``w`` of shape [..., out, in] (memoized in ``cache``).
 
-    The memo is keyed by the weight's storage, shape and version counter, so an in-place update
-    of the parameter, or a new parameter object, is seen at once.
+    The memo is keyed by the weight's memory (address, shape, strides, dtype, device), so all the
+    captures of one model share an entry per weight, and checked against the version counter, so
+    an in-place update of the parameter is seen at once. ``key`` (the graph node) only says the
+    caller wants the memo used.
     """
     if cache is not None and key is not None:
-        stamp = (w.data_ptr(), w._version, tuple(w.shape), w.stride(), w.dtype, w.device)
+        key = (w.data_ptr(), tuple(w.shape), w.stride(), w.dtype, w.device)
+        stamp = w._version
         hit = cache.get(key)
         if hit is not None and hit[0] == stamp:
             return hit[1]
