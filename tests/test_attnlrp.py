@@ -502,3 +502,50 @@ def test_fast_path_leaves_the_model_untouched(zoo):
     before = snapshot(model)
     relprop.explain(model, models.image_batch(model), target=2, method="lrp", preset="attnlrp")
     assert_same(before, snapshot(model))
+
+
+def _family(name):
+    """(model, inputs, target) of the families beyond the ones above (issue 8: every family)."""
+    if name == "timm_deit_tiny_distilled":
+        m = models.timm_deit_tiny_distilled()
+        return m, models.image_batch(m), 1
+    if name == "hf_deit":
+        m = models.hf_deit()
+        return m, models.image_batch(m), 1
+    if name in ("hf_roberta", "hf_distilbert"):
+        return getattr(models, name)(), models.text_batch(), 1
+    if name in ("timm_swin", "hf_swin"):
+        m = getattr(models, name)()
+        return m, models.swin_images(m), 1
+    if name == "hf_clip_image":
+        return models.hf_clip(), models.clip_batch(), 0
+    if name == "hf_gpt2_lm":
+        return models.hf_gpt2_lm(), models.decoder_batch(), "next_token"
+    if name == "timm_vit_reg4_gap":
+        m = models.timm_vit_reg4_gap()
+        return m, models.sized_images(m), 1
+    raise KeyError(name)
+
+
+FAMILIES = ["timm_deit_tiny_distilled", "hf_deit", "hf_roberta", "hf_distilbert", "timm_swin", "hf_swin",
+            "hf_clip_image", "hf_gpt2_lm", "timm_vit_reg4_gap"]
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+@pytest.mark.parametrize("name", FAMILIES)
+def test_every_family_conserves_and_fast_path_agrees(name, preset):
+    """Every other family of the engine under both presets, biases removed: the interpreter conserves
+    (input + absorbed = injected, < 1e-4) and the fast path gives its input relevance (< 1e-4 of the
+    largest), finite, with the model untouched."""
+    from snapshot import assert_same, snapshot
+    model, x, target = _family(name)
+    model = models.zero_biases(model)
+    before = snapshot(model)
+    ref = relprop.explain(model, x, target=target, method="lrp", preset=preset, fast_path=False)
+    fast = relprop.explain(model, x, target=target, method="lrp", preset=preset)
+    assert_same(before, snapshot(model))
+    assert torch.isfinite(ref.scores).all() and torch.isfinite(fast.scores).all()
+    assert float(ref.conservation.error.max()) < 1e-4, ref.conservation
+    scale = float(ref.input_relevance.abs().max())
+    assert scale > 0
+    assert float((fast.input_relevance - ref.input_relevance).abs().max()) < 1e-4 * scale
