@@ -339,8 +339,14 @@ def main(argv=None) -> int:
     p.add_argument("--reuse-models", action="store_true",
                    help="skip training where OUT/models already holds a model (same data seed)")
     p.add_argument("--skip-checks", action="store_true", help="skip the diagnostics of checks.py")
+    p.add_argument("--text-test", type=int, help="test sentences (overrides the configuration)")
+    p.add_argument("--vision-test", type=int, help="one-object test images (overrides the configuration)")
+    p.add_argument("--vision-two", type=int, help="two-object test images (overrides the configuration)")
     args = p.parse_args(argv)
     cfg = dict(CONFIGS["quick" if args.quick else "full"])
+    for key in ("text_test", "vision_test", "vision_two"):
+        if getattr(args, key) is not None:
+            cfg[key] = getattr(args, key)
     out = args.out
     os.makedirs(out, exist_ok=True)
     log = Log(os.path.join(out, "run.log"))
