@@ -38,6 +38,7 @@ import argparse
 import json
 import math
 import os
+import shutil
 import sys
 import time
 from typing import Dict, List
@@ -125,6 +126,7 @@ class Log:
 # ----------------------------------------------------------------------------------------------- data
 def make_data(out: str, cfg: Dict, seed: int) -> Dict:
     d = os.path.join(out, "data")
+    shutil.rmtree(d, ignore_errors=True)  # a folder left by a run with other sizes would mix with this one
     train = synth.text_dataset(cfg["text_train"], seed + 1)
     test = synth.text_dataset(cfg["text_test"], seed + 2)
     synth.write_jsonl(train, os.path.join(d, "text", "train.jsonl"))
