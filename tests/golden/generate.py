@@ -1,0 +1,243 @@
+"""Record what ``relprop.explain`` returns on the tiny test models, every method, into a golden file.
+
+The golden file pins the library's numbers across refactorings: :mod:`tests.test_golden` explains
+the same models again and compares every tensor of every Explanation with the recorded one, bit
+for bit when the environment is the one that recorded it (same torch, transformers and timm
+versions, CPU capability and thread count), to float32 rounding otherwise.
+
+Run from the repository root (it overwrites the file; do so only when a change of numbers is
+intended, and say why in the commit message)::
+
+    python tests/golden/generate.py            # every case
+    python tests/golden/generate.py --check    # compare with the file instead of writing it
+
+Outputs of the sampling methods use few samples (``n_samples=3``, ``n_steps=3``) to stay small.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))  # tests/ (models.py)
+
+import models  # noqa: E402
+
+import relprop  # noqa: E402
+
+GOLDEN = os.path.join(HERE, "explain_outputs.pkl.gz")
+#: random projections kept per tensor (with its sha256 and float64 sums): enough to tell a change of
+#: numbers from float rounding without storing the tensors themselves
+PROJECTIONS = 4
+#: fields of an Explanation compared (tensors; conservation and blocks are flattened below)
+FIELDS = ("scores", "map", "mask", "matrix", "input_relevance", "target", "target_scores", "logits")
+BLOCK_FIELDS = ("attention", "gradient", "relevance", "hidden", "hidden_gradient", "hidden_relevance", "value",
+                "features", "features_gradient", "out_proj_weight")
+SAMPLING_OPTIONS = {"smoothgrad": {"n_samples": 3}, "integrated_gradients": {"n_steps": 3}}
+
+
+def save(data: dict, path: str = GOLDEN) -> None:
+    import gzip
+    import pickle
+    with gzip.open(path, "wb") as f:
+        pickle.dump(data, f, protocol=4)
+
+
+def load(path: str = GOLDEN) -> dict:
+    import gzip
+    import pickle
+    with gzip.open(path, "rb") as f:
+        return pickle.load(f)
+
+
+def environment() -> dict:
+    """What decides whether two runs can agree bit for bit."""
+    import timm
+    import transformers
+    return {"torch": torch.__version__, "transformers": transformers.__version__, "timm": timm.__version__,
+            "cpu": torch.backends.cpu.get_cpu_capability(), "threads": torch.get_num_threads()}
+
+
+def _clip_similarity_to_text(j):
+    return lambda o: o.logits_per_image[:, j]
+
+
+def _clip_similarity_to_image(i):
+    return lambda o: o.logits_per_text[:, i]
+
+
+def cases():
+    """(case name, model factory, inputs factory, explain keywords) for every model of the zoo."""
+    out = []
+    for name, make in models.VISION.items():
+        out.append((name, make, models.image_batch, {}))
+    for name, make in models.TEXT.items():
+        out.append((name, make, lambda m: models.text_batch(), {}))
+    for name, make in models.SWIN.items():
+        out.append((name, make, models.swin_images, {}))
+    out.append(("hf_clip_image", models.hf_clip, lambda m: models.clip_batch(),
+                {"wrt": "pixel_values", "target": _clip_similarity_to_text(1)}))
+    out.append(("hf_clip_text", models.hf_clip, lambda m: models.clip_batch(),
+                {"target": _clip_similarity_to_image(0)}))
+    for name, make in models.DECODERS.items():
+        kw = {} if "cls" in name else {"target": "next_token"}
+        out.append((name, make, lambda m: models.decoder_batch(), kw))
+    for name, make in models.SIZES.items():
+        out.append((name, make, models.sized_images, {}))
+    return out
+
+
+#: extra (label, explain keywords) per case beyond one call per method
+VARIANTS = [
+    ("lrp@attnlrp", {"method": "lrp", "preset": "attnlrp"}),
+    ("lrp@attnlrp/interpreter", {"method": "lrp", "preset": "attnlrp", "fast_path": False}),
+    ("lrp@cp_lrp", {"method": "lrp", "preset": "cp_lrp"}),
+    ("lrp@cp_lrp/interpreter", {"method": "lrp", "preset": "cp_lrp", "fast_path": False}),
+    ("transformer_attribution/memory=low", {"method": "transformer_attribution", "memory": "low"}),
+    ("transformer_attribution/memory=high", {"method": "transformer_attribution", "memory": "high"}),
+    ("transformer_attribution/start_block=1,normalize_rows", {"method": "transformer_attribution",
+                                                              "start_block": 1, "normalize_rows": True}),
+]
+
+
+def fingerprint(t: torch.Tensor, keep: bool = False) -> dict:
+    """What the golden file keeps of a tensor: shape, dtype, the sha256 of its bytes (bit identity),
+    float64 sum, sum of absolute values, L2 norm and :data:`PROJECTIONS` projections on fixed random
+    vectors (closeness when the bytes differ); with ``keep`` (the scores) the tensor itself too."""
+    import hashlib
+    t = t.detach().cpu().contiguous()
+    d = t.double().flatten()
+    g = torch.Generator().manual_seed(d.numel())
+    proj = torch.randn(PROJECTIONS, d.numel(), generator=g, dtype=torch.float64) @ d if d.numel() else d.new_zeros(0)
+    return {"shape": tuple(t.shape), "dtype": str(t.dtype),
+            "sha256": hashlib.sha256(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"").hexdigest(),
+            "stats": [float(d.sum()), float(d.abs().sum()), float(d.norm())],
+            "projections": proj.tolist(), "values": t.double().tolist() if keep else None}
+
+
+def flatten(exp) -> dict:
+    """Every tensor of an Explanation under a stable key (as :func:`fingerprint`)."""
+    out = {}
+    for f in FIELDS:
+        v = getattr(exp, f)
+        if torch.is_tensor(v):
+            out[f] = v
+    c = exp.conservation
+    if c is not None:
+        out["conservation.injected"] = c.injected
+        out["conservation.input"] = c.input
+        out["conservation.absorbed"] = c.absorbed
+        for i, bc in enumerate(c.blocks):
+            out[f"conservation.block{i}.in"] = bc.relevance_in
+            out[f"conservation.block{i}.out"] = bc.relevance_out
+            out[f"conservation.block{i}.absorbed"] = bc.absorbed
+    for i, b in enumerate(exp.blocks):
+        for f in BLOCK_FIELDS:
+            v = getattr(b, f)
+            if torch.is_tensor(v):
+                out[f"block{i}.{f}"] = v
+    out = {k: fingerprint(v, keep=k == "scores") for k, v in out.items()}
+    out["meta"] = {"preset": exp.preset, "modality": exp.modality, "grid": exp.grid,
+                   "prefix_tokens": exp.prefix_tokens, "signed": exp.signed, "class_specific": exp.class_specific,
+                   "blocks": [(b.index, b.name, b.layer) for b in exp.blocks]}
+    return out
+
+
+def record(case, progress=print) -> dict:
+    """{label: flattened Explanation, or ("error", class name)} for one case."""
+    name, make, inputs_of, kw = case
+    model = make()
+    x = inputs_of(model)
+    results = {}
+    calls = [(m, {"method": m, **SAMPLING_OPTIONS.get(m, {})}) for m in relprop.methods()] + VARIANTS
+    for label, extra in calls:
+        try:
+            exp = relprop.explain(model, x, **kw, **extra)
+            results[label] = flatten(exp)
+        except relprop.RelpropError as e:
+            results[label] = ("error", type(e).__name__)
+    progress(f"{name}: {sum(not isinstance(v, tuple) for v in results.values())} results, "
+             f"{sum(isinstance(v, tuple) for v in results.values())} refusals")
+    return results
+
+
+def generate() -> dict:
+    torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))  # as tests/conftest.py
+    return {"environment": environment(), "cases": {c[0]: record(c) for c in cases()}}
+
+
+def compare(expected: dict, got: dict, exact: bool, rtol: float = 1e-4) -> list:
+    """Differences between two recordings of one case (an empty list when they agree): bit for bit
+    (the sha256 of every tensor) when ``exact``, else the float64 summaries agree to ``rtol`` of the
+    tensor's scale (its sum of absolute values)."""
+    problems = []
+    for label in expected:
+        e, g = expected[label], got.get(label)
+        if g is None:
+            problems.append(f"{label}: not recorded now")
+            continue
+        if isinstance(e, tuple) or isinstance(g, tuple):
+            if e != g:
+                problems.append(f"{label}: was {e if isinstance(e, tuple) else 'a result'}, "
+                                f"now {g if isinstance(g, tuple) else 'a result'}")
+            continue
+        if e.keys() != g.keys():
+            problems.append(f"{label}: fields {sorted(set(e) ^ set(g))} differ")
+            continue
+        for k, v in e.items():
+            w = g[k]
+            if k == "meta":
+                if v != w:
+                    problems.append(f"{label}.{k}: {v} != {w}")
+                continue
+            if v["shape"] != w["shape"] or v["dtype"] != w["dtype"]:
+                problems.append(f"{label}.{k}: {v['shape']} {v['dtype']} != {w['shape']} {w['dtype']}")
+                continue
+            if v["sha256"] == w["sha256"]:
+                continue
+            detail = ""
+            if v["values"] is not None and w["values"] is not None:
+                diff = (torch.tensor(v["values"]) - torch.tensor(w["values"])).abs().max().item()
+                detail = f" (max abs diff {diff:.3g})"
+            if exact:
+                problems.append(f"{label}.{k}: not bit-identical{detail}")
+                continue
+            scale = max(v["stats"][1], 1e-30)
+            worst = max(abs(a - b) for a, b in zip(v["stats"] + v["projections"], w["stats"] + w["projections"]))
+            if worst > rtol * scale:
+                problems.append(f"{label}.{k}: summaries differ by {worst / scale:.3g} of the tensor's scale{detail}")
+    return problems
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--check", action="store_true", help="compare with the golden file instead of writing it")
+    p.add_argument("--only", nargs="*", help="case names (default: every case)")
+    args = p.parse_args(argv)
+    if not args.check:
+        data = generate()
+        save(data)
+        print(f"wrote {GOLDEN} ({os.path.getsize(GOLDEN) / 2**20:.1f} MiB) in environment {data['environment']}")
+        return 0
+    torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+    golden = load()
+    exact = golden["environment"] == environment()
+    print(f"golden environment {golden['environment']}; now {environment()}; "
+          f"{'bit-identical' if exact else 'to float32 rounding'} comparison")
+    failed = 0
+    for case in cases():
+        if args.only and case[0] not in args.only:
+            continue
+        problems = compare(golden["cases"][case[0]], record(case, progress=lambda s: None), exact)
+        n = len(golden["cases"][case[0]])
+        print(f"{case[0]}: {n - len({p.split(':')[0].split('.')[0] for p in problems})}/{n} calls identical"
+              + ("" if not problems else "\n  " + "\n  ".join(problems[:20])))
+        failed += bool(problems)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
