@@ -2,7 +2,7 @@
 
 Issue 8: AttnLRP's input relevance should cost at most 1.3x one forward+backward pass of the same
 model (ViT-B/16 at batch 1, BERT-base at 128 tokens, a small LLaMA). ``explain`` computes it as one
-modified-gradient backward pass (:mod:`relprop.graph.modified_gradient`); the rule-by-rule
+modified-gradient backward pass (:mod:`relprop.engine.fast_path`); the rule-by-rule
 interpreter (``fast_path=False``, the reference) is timed alongside, and so is ``"cp_lrp"``.
 Models have random weights (built from their configs). Timings on a shared CPU are noisy, so every
 quantity is measured in the same run, interleaved, and the median of ``--repeats`` runs is reported.

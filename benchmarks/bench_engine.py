@@ -1,6 +1,6 @@
 """Cost of relprop.explain() relative to one forward+backward pass of the same model.
 
-DESIGN §6 "Fast": the paper's method should cost at most 2.5x one forward+backward pass. Timings on
+The paper's method should cost at most 2.5x one forward+backward pass. Timings on
 a shared CPU are noisy, so both are measured in the same run, interleaved, and the median of
 ``--repeats`` runs is reported. Models have random weights (built from their configs).
 

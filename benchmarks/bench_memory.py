@@ -1,4 +1,4 @@
-"""Peak memory of ``transformer_attribution`` vs one forward + backward pass (issue 7, "memory").
+"""Peak memory of ``transformer_attribution`` vs one forward + backward pass ("memory").
 
 Models (random weights; memory does not depend on them): timm ViT-B/16 at batch 8 (224x224),
 HuggingFace BERT-base at 512 tokens (batch 1), and (``--model bert2048``) BERT-base at 2048 tokens
@@ -153,7 +153,8 @@ def main(argv=None):
         ref = rows["fwdbwd"]
         for w in whats:
             r = rows[w]
-            print(f"| {label[name]} | {w} | {r['peak_bytes'] / 2**20:.0f} | {r['peak_bytes'] / ref['peak_bytes']:.2f} | "
+            peak, ratio = r['peak_bytes'] / 2**20, r['peak_bytes'] / ref['peak_bytes']
+            print(f"| {label[name]} | {w} | {peak:.0f} | {ratio:.2f} | "
                   f"{r['seconds']:.2f} | {r['seconds'] / ref['seconds']:.1f} |", flush=True)
     return 0
 

@@ -1,4 +1,4 @@
-"""Time of every method divided by one forward+backward pass of the same model (issue #3).
+"""Time of every method divided by one forward+backward pass of the same model.
 
 Models with random weights: timm vit_base_patch16_224 at batch 1 and 8, BERT-base at 128 tokens.
 Both timings are taken in the same run, interleaved, median of ``--repeats``. Attention-only methods
@@ -50,8 +50,8 @@ def bench(label, model, inputs, names, repeats):
             relprop.explain(model, inputs, target=target, method=name)
             times.append(time.perf_counter() - t)
         f = statistics.median(base + fb)
-        m = relprop.methods()[name]
-        kind = "sampling/perturbation" if name in SAMPLING else ("relevance" if name in RELEVANCE else "attention/gradient")
+        kind = ("sampling/perturbation" if name in SAMPLING
+                else ("relevance" if name in RELEVANCE else "attention/gradient"))
         print(f"| {label} | {name} | {kind} | {statistics.median(times) * 1000:9.1f} | {f * 1000:8.1f} | "
               f"{statistics.median(times) / f:6.2f} |", flush=True)
 
@@ -84,7 +84,8 @@ def main():
         del vit
     if "bert" in wanted:
         bert = transformers.BertForSequenceClassification(transformers.BertConfig(num_labels=2)).eval()
-        ids = {"input_ids": torch.randint(1000, 30000, (1, 128)), "attention_mask": torch.ones(1, 128, dtype=torch.long)}
+        ids = {"input_ids": torch.randint(1000, 30000, (1, 128)),
+               "attention_mask": torch.ones(1, 128, dtype=torch.long)}
         bench("BERT-base 128 tokens", bert, ids, names, args.repeats)
 
 

@@ -1,6 +1,6 @@
 """Conservation error and batch invariance of ``explain()`` for every supported model family.
 
-Figures for issue #2: per family (tiny random models built from configs), the end-to-end relative
+Per family (tiny random models built from configs), the end-to-end relative
 conservation error |injected - input - absorbed| / injected under ``"chefer2021"`` (max over the
 samples), the worst per-block error, and the max abs difference between explaining a batch of 4
 (text: different lengths, padded) and explaining each sample alone.
@@ -37,11 +37,13 @@ def batch_invariance(model, name):
 
 
 def main():
-    print("| family | end-to-end rel. error | worst block rel. error | absorbed share | batch-invariance max abs diff |")
+    print("| family | end-to-end rel. error | worst block rel. error | absorbed share "
+          "| batch-invariance max abs diff |")
     print("|---|---:|---:|---:|---:|")
     for name, make in {**models.VISION, **models.TEXT}.items():
         model = make()
-        x = models.image_batch(model) if name in models.VISION else models.text_batch(pad_id=1 if "roberta" in name else 0)
+        x = (models.image_batch(model) if name in models.VISION
+             else models.text_batch(pad_id=1 if "roberta" in name else 0))
         c = relprop.explain(model, x, target=1).conservation
         block = max(float(b.error.max()) for b in c.blocks)
         print(f"| {name} | {float(c.error.max()):.1e} | {block:.1e} | {float((c.absorbed / c.injected).mean()):.2f} "

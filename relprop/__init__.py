@@ -4,23 +4,31 @@
 propagates relevance through it with the rules of Chefer, Gur & Wolf, *Transformer
 Interpretability Beyond Attention Visualization* (CVPR 2021), and aggregates the per-block
 attention records into token/patch scores.
+
+The package is built as one-way layers (``docs/architecture.md``): ``errors`` → ``graph`` →
+``rules`` → ``engine`` → ``methods`` → ``viz`` → ``explanation`` → ``api`` → ``evaluation`` →
+``cli``; this module only gathers the public names.
 """
-from .errors import (CaptureError, InputError, MethodError, OptionError, RelpropError, TargetError,  # noqa: F401
-                     UnsupportedOperation)
-from .rules import rule, presets, RuleContext  # noqa: F401
-from .rules.registry import define_preset  # noqa: F401
-from .graph.capture import clear_cache, CACHE_SIZE  # noqa: F401
-from .explanation import Explanation  # noqa: F401
-from .api import explain  # noqa: F401
-from .graph.coverage import Coverage, coverage  # noqa: F401
-from .methods import all_methods as _all_methods
+from . import methods
+from .api import coverage, explain
+from .engine import Conservation, Coverage, Trace
+from .errors import (CaptureError, InputError, MethodError, OptionError, PresetError, RelpropError, RelpropWarning,
+                     TargetError, UnsupportedOperation)
+from .explanation import Explanation
+from .graph.capture import CACHE_SIZE, clear_cache
+from .rules import Preset, RuleContext, get_preset, presets, rule
+from .version import __version__
 
 
-def methods():
-    """Every method name with its description, class-specificity, sign and reference."""
-    return {name: {"description": m.description, "class_specific": m.class_specific, "signed": m.signed,
-                   "reference": m.reference}
-            for name, m in _all_methods().items()}
-
-
-__version__ = "0.1.0"
+__all__ = [
+    # explaining
+    "explain", "coverage", "methods", "Explanation", "Conservation", "Coverage", "Trace",
+    # rules and presets
+    "Preset", "RuleContext", "get_preset", "presets", "rule",
+    # the capture cache
+    "CACHE_SIZE", "clear_cache",
+    # errors and warnings
+    "RelpropError", "CaptureError", "InputError", "MethodError", "OptionError", "PresetError", "TargetError",
+    "UnsupportedOperation", "RelpropWarning",
+    "__version__",
+]

@@ -67,3 +67,13 @@ def op_name(op) -> str:
 
 class OptionError(RelpropError, ValueError):
     """An option of :func:`relprop.explain` has a value it does not take (the message lists them)."""
+
+
+class PresetError(RelpropError, ValueError):
+    """A preset or rule registration that cannot be honoured: an unknown preset, a name taken
+    already, a rule registered over another without ``replace=True``."""
+
+
+class RelpropWarning(UserWarning):
+    """Something relprop did differently from what was asked, and why (e.g. the fast path was asked
+    for and not taken; a built-in rule was replaced for the whole process)."""

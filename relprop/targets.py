@@ -10,38 +10,64 @@ exactly the one-hot vector of that class (CVPR 2021, §3.3: relevance 1 at the t
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Optional, Tuple
+from typing import Any, Callable, NamedTuple, Optional
 
 import torch
 
 from .errors import TargetError
 
 
-def logits_of(outputs: Any) -> torch.Tensor:
-    """The class scores of a model output: a tensor, ``outputs.logits`` or ``outputs[0]``; for CLIP
-    (``logits_per_image`` and ``logits_per_text``) the similarities of the explained tower's items
-    with the other tower's: ``logits_per_image`` with ``wrt="pixel_values"``, else ``logits_per_text``."""
+class Target(NamedTuple):
+    """A resolved target: ``score(outputs)`` -> [batch] differentiable target scores, and
+    ``classes(outputs)`` -> [batch] class indices explained (None for a callable target)."""
+
+    score: Callable[[Any], torch.Tensor]
+    classes: Callable[[Any], Optional[torch.Tensor]]
+
+
+def find_logits(outputs: Any) -> Optional[torch.Tensor]:
+    """The class scores of a classifier's output: the output itself when it is a tensor,
+    ``outputs.logits``, or the first entry of a tuple; None when there are none (a CLIP model's
+    similarity matrices are read by :func:`logits_of`, which knows the explained tower)."""
     if torch.is_tensor(outputs):
         return outputs
     logits = getattr(outputs, "logits", None)
     if torch.is_tensor(logits):
         return logits
+    if isinstance(outputs, (tuple, list)) and outputs and torch.is_tensor(outputs[0]):
+        return outputs[0]
+    return None
+
+
+def require_input_dependence(scores: torch.Tensor) -> None:
+    """Refuse target scores that do not depend on the explained input (nothing to explain)."""
+    if not scores.requires_grad:
+        raise TargetError("the target score does not depend on the explained input; nothing to explain. "
+                          "A callable target must compute its score from the model's outputs")
+
+
+def logits_of(outputs: Any, wrt: Optional[str] = None) -> torch.Tensor:
+    """The class scores of a model output: a tensor, ``outputs.logits`` or ``outputs[0]``; for CLIP
+    (``logits_per_image`` and ``logits_per_text``) the similarities of the explained tower's items
+    with the other tower's: ``logits_per_image`` when the explained input ``wrt`` is
+    ``"pixel_values"``, else ``logits_per_text``."""
+    found = find_logits(outputs)
+    if found is not None:
+        return found
     per_image, per_text = getattr(outputs, "logits_per_image", None), getattr(outputs, "logits_per_text", None)
     if torch.is_tensor(per_image) and torch.is_tensor(per_text):
         # CLIP: the similarities of the explained tower's items (rows) with the other tower's (classes)
-        from .graph.inputs import _WRT
-        return per_image if _WRT.get() == "pixel_values" else per_text
-    if isinstance(outputs, (tuple, list)) and outputs and torch.is_tensor(outputs[0]):
-        return outputs[0]
+        return per_image if wrt == "pixel_values" else per_text
     raise TargetError(
         f"cannot find class scores in the model's output ({type(outputs).__name__}); "
         "pass target=callable(outputs) -> [batch] scores"
     )
 
 
-def resolve(target: Any, batch: int) -> Tuple[Callable, Callable]:
-    """Return ``(score_fn, target_of)``: the [batch] target scores and the [batch] class indices
-    (None for a callable target) as functions of the model's outputs."""
+def resolve(target: Any, batch: int, wrt: Optional[str] = None) -> Target:
+    """The :class:`Target` of ``explain(target=...)``: the [batch] target scores and the [batch]
+    class indices (None for a callable target) as functions of the model's outputs; ``wrt`` is the
+    explained input (it decides which similarity matrix of a CLIP model holds the classes)."""
     if callable(target) and not torch.is_tensor(target):
         def score_fn(outputs):
             s = target(outputs)
@@ -49,10 +75,10 @@ def resolve(target: Any, batch: int) -> Tuple[Callable, Callable]:
                 shape = tuple(s.shape) if torch.is_tensor(s) else type(s).__name__
                 raise TargetError(f"target callable must return one score per sample, shape [{batch}]; got {shape}")
             return s
-        return score_fn, lambda outputs: None
+        return Target(score_fn, lambda outputs: None)
 
     def target_of(outputs) -> torch.Tensor:
-        logits = logits_of(outputs)
+        logits = logits_of(outputs, wrt)
         if logits.dim() != 2:
             raise TargetError(
                 f"the model's class scores have shape {tuple(logits.shape)}, not [batch, classes]; "
@@ -76,7 +102,8 @@ def resolve(target: Any, batch: int) -> Tuple[Callable, Callable]:
             try:
                 t = torch.as_tensor(target, device=logits.device)
             except (TypeError, ValueError):
-                raise TargetError(f"target must be an int, ints per sample or a callable, not {type(target).__name__}") from None
+                raise TargetError(f"target must be an int, ints per sample or a callable, "
+                                  f"not {type(target).__name__}") from None
             if t.dtype.is_floating_point or t.dtype == torch.bool:
                 raise TargetError(f"target indices must be integers, got dtype {t.dtype}")
             t = t.long().reshape(-1)
@@ -92,10 +119,19 @@ def resolve(target: Any, batch: int) -> Tuple[Callable, Callable]:
 
     def score_fn(outputs):
         t = target_of(outputs)
-        logits = logits_of(outputs)
+        logits = logits_of(outputs, wrt)
         return logits.gather(1, t[:, None]).squeeze(1)
 
-    return score_fn, target_of
+    return Target(score_fn, target_of)
+
+
+def fixed(classes: torch.Tensor, wrt: Optional[str] = None) -> Target:
+    """The target ``logits[b, classes[b]]`` for fixed class indices (e.g. the classes an
+    explanation was computed for, when a method re-runs the model on perturbed inputs)."""
+    def score(outputs):
+        logits = logits_of(outputs, wrt)
+        return logits.gather(1, classes[:, None].to(logits.device)).squeeze(1)
+    return Target(score, lambda outputs: classes)
 
 
 def last_positions(attention_mask: Optional[torch.Tensor], batch: int, length: int) -> torch.Tensor:

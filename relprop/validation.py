@@ -16,7 +16,6 @@ from typing import Any, Dict, Iterable
 import torch
 
 from .errors import CaptureError, InputError, RelpropError
-from .graph.inputs import primary_input
 from .graph.state import eval_mode
 
 #: inputs that hold one row per sample and one column per token, like ``input_ids``
@@ -29,16 +28,15 @@ def check_model(model: Any) -> None:
         raise InputError(f"model must be a torch.nn.Module, not {type(model).__name__}")
 
 
-def check_inputs(model: torch.nn.Module, kwargs: Dict[str, Any]) -> None:
+def check_inputs(model: torch.nn.Module, kwargs: Dict[str, Any], primary: str) -> None:
     """Raise :class:`InputError` for inputs the model cannot take or relprop cannot explain.
 
     Checked: an empty batch; per-token inputs (attention mask, token types) shaped unlike the token
     ids; token ids that are not integers, lack a batch dimension or fall outside the vocabulary;
     integer pixels; floating inputs whose dtype differs from the model's; inputs on another device
     than the model; NaN or ±inf values; samples whose attention mask is all zero (nothing to
-    explain).
+    explain). ``primary`` names the explained input.
     """
-    primary = primary_input(kwargs)
     x = kwargs[primary]
     if x.dim() == 0:
         raise InputError(f"input '{primary}' is a scalar; it needs a batch dimension first")
@@ -102,12 +100,12 @@ def _check_finite(name: str, v: torch.Tensor) -> None:
                          "computed from non-finite inputs: clean or drop those samples")
 
 
-def capture_checked(cache, model: torch.nn.Module, kwargs: Dict[str, Any]):
-    """``cache.get(model, kwargs)``; when the capture fails, tell a model that rejects its inputs
-    (an :class:`InputError` with the model's own message) from a model torch.export cannot trace
-    (the :class:`CaptureError` as raised)."""
+def capture_checked(cache, model: torch.nn.Module, kwargs: Dict[str, Any], primary: str):
+    """``cache.get(model, kwargs, primary)``; when the capture fails, tell a model that rejects its
+    inputs (an :class:`InputError` with the model's own message) from a model torch.export cannot
+    trace (the :class:`CaptureError` as raised)."""
     try:
-        return cache.get(model, kwargs)
+        return cache.get(model, kwargs, primary)
     except CaptureError:
         problem = eager_failure(model, kwargs)
         if problem is not None:

@@ -58,7 +58,8 @@ def _text_cfg(cls, **kw):
 
 def hf_bert(attn="eager"):
     torch.manual_seed(0)
-    return transformers.BertForSequenceClassification(_text_cfg(transformers.BertConfig, attn_implementation=attn)).eval()
+    cfg = _text_cfg(transformers.BertConfig, attn_implementation=attn)
+    return transformers.BertForSequenceClassification(cfg).eval()
 
 
 def hf_roberta(attn="eager"):
@@ -112,7 +113,7 @@ def text_batch(lengths=(7, 5, 9, 3), seed=0, pad_id=0, first_id=2):
     return {"input_ids": ids, "attention_mask": mask}
 
 
-# ------------------------------------------------------------------ Swin and CLIP (issue 6)
+# ------------------------------------------------------------------ Swin and CLIP
 # Swin: a 32x32 image, patch 4 -> an 8x8 grid, windows of 2x2 tokens, two stages (8x8 then 4x4
 # after patch merging), two blocks each (the second one with shifted windows).
 
@@ -175,7 +176,7 @@ def clip_batch(images=2, lengths=(6, 4, 8), seed=0):
     return {**clip_texts(lengths, seed), "pixel_values": torch.randn(images, 3, 32, 32, generator=g)}
 
 
-# ------------------------------------------------------------------ decoders, other input/patch sizes, register tokens (issue 6)
+# ------------------------------------------------------------------ decoders, other input/patch sizes, register tokens
 # Decoders: bos/eos/pad ids below 3, so that the ids of decoder_batch (>= 3) are all ordinary tokens.
 
 def zero_biases(model):

@@ -5,7 +5,8 @@ import torch
 def snapshot(model: torch.nn.Module):
     state = {}
     for name, p in model.named_parameters():
-        state["param:" + name] = (p.detach().clone(), p.requires_grad, None if p.grad is None else p.grad.clone(), id(p))
+        grad = None if p.grad is None else p.grad.clone()
+        state["param:" + name] = (p.detach().clone(), p.requires_grad, grad, id(p))
     for name, b in model.named_buffers():
         state["buffer:" + name] = (b.detach().clone(), id(b))
     for name, m in model.named_modules():

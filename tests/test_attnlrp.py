@@ -1,5 +1,5 @@
 """The ``"attnlrp"`` (Achtibat et al., ICML 2024) and ``"cp_lrp"`` (Ali et al., ICML 2022) presets
-and their one-backward fast path (issue 8).
+and their one-backward fast path.
 
 * every rule against a slow reference written from its formula with Python loops (float64);
 * the gradient forms against independent autograd implementations;
@@ -21,7 +21,7 @@ import relprop
 from relprop.errors import MethodError
 from relprop.graph.capture import CACHE
 from relprop.graph.inputs import bind_inputs
-from relprop.graph.modified_gradient import supports
+from relprop.engine import supports
 from relprop.rules import registry
 from relprop.rules.context import RuleContext
 from relprop.rules.gradient_forms import _LayerNormConstStd, _RMSNormConstRMS
@@ -37,7 +37,7 @@ PRESETS = ["attnlrp", "cp_lrp"]
 # helpers
 # ------------------------------------------------------------------------------------------------
 def sdiv(num: float, den: float, eps: float = EPS) -> float:
-    """DESIGN §3 stabilizer on Python floats: 0 where den is 0/not finite, else num/(den ± eps)."""
+    """The safe_divide stabilizer on Python floats: 0 where den is 0/not finite, else num/(den ± eps)."""
     if den == 0 or not math.isfinite(den):
         return 0.0
     return num / (den + eps) if den >= 0 else num / (den - eps)
@@ -109,7 +109,8 @@ def test_epsilon_convolution_matches_reference():
     X, Wn, B, Rn, Y = np64(x), np64(w), np64(b), np64(R), np64(y)
     rx, rb = np.zeros(X.shape), np.zeros(Y.shape)
     for n, o, h, v in np.ndindex(*Y.shape):
-        z = B[o] + sum(X[n, c, 2 * h + i, 2 * v + k] * Wn[o, c, i, k] for c in range(3) for i in range(2) for k in range(2))
+        z = B[o] + sum(X[n, c, 2 * h + i, 2 * v + k] * Wn[o, c, i, k]
+                       for c in range(3) for i in range(2) for k in range(2))
         for c, i, k in np.ndindex(3, 2, 2):
             rx[n, c, 2 * h + i, 2 * v + k] += sdiv(X[n, c, 2 * h + i, 2 * v + k] * Wn[o, c, i, k] * Rn[n, o, h, v], z)
         rb[n, o, h, v] = sdiv(B[o] * Rn[n, o, h, v], z)
@@ -217,7 +218,8 @@ def test_products_uniform_constant_gate_and_statistic():
     assert torch.equal(r[0], R) and r[1] is None
     # CP-LRP: gelu(g) * u, the gate is constant
     g = rand((2, 3, 4), 23)
-    nodes = _graph(("g", None, (), g), ("u", None, (), u), ("a", aten.gelu.default, ("g",), torch.nn.functional.gelu(g)),
+    nodes = _graph(("g", None, (), g), ("u", None, (), u),
+                   ("a", aten.gelu.default, ("g",), torch.nn.functional.gelu(g)),
                    ("y", mul, ("a", "u"), None))
     gate = torch.nn.functional.gelu(g)
     r = rule_of(mul, "cp_lrp")(make_ctx(mul, (gate, u), gate * u, (True, True), preset="cp_lrp", node=nodes["y"]), R)
@@ -283,7 +285,8 @@ def test_softmax_rule_matches_reference(op, extra):
     for n, t in np.ndindex(2, 3):
         tot = sum(Rn[n, t, j] for j in range(5))
         for i in range(5):
-            ref[n, t, i] = 0.0 if S[n, t, i] == 0 and Rn[n, t, i] == 0 else X[n, t, i] * (Rn[n, t, i] - S[n, t, i] * tot)
+            zero = S[n, t, i] == 0 and Rn[n, t, i] == 0
+            ref[n, t, i] = 0.0 if zero else X[n, t, i] * (Rn[n, t, i] - S[n, t, i] * tot)
     torch.testing.assert_close(out[0], torch.from_numpy(ref), **F64)
     torch.testing.assert_close(out[0] + out[1], R, **F64)
     assert torch.isfinite(out[0]).all() and out[0][0, 1, 3] == 0
@@ -505,7 +508,7 @@ def test_fast_path_leaves_the_model_untouched(zoo):
 
 
 def _family(name):
-    """(model, inputs, target) of the families beyond the ones above (issue 8: every family)."""
+    """(model, inputs, target) of the families beyond the ones above (every family)."""
     if name == "timm_deit_tiny_distilled":
         m = models.timm_deit_tiny_distilled()
         return m, models.image_batch(m), 1

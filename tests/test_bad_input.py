@@ -1,4 +1,4 @@
-"""Wrong things thrown at ``explain()`` (issue 7, "bad input").
+"""Wrong things thrown at ``explain()`` ("bad input").
 
 Every case ends either in a correct result (finite scores of the right shape; for a model in train
 mode, the eval-mode result) or in a :class:`relprop.RelpropError` whose message names the problem;

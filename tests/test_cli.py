@@ -1,4 +1,4 @@
-"""The command line (issue #5), through ``python -m relprop`` in subprocesses: ``explain`` on tiny random
+"""The command line, through ``python -m relprop`` in subprocesses: ``explain`` on tiny random
 models saved to a temporary folder (HuggingFace BERT + tokenizer, HuggingFace ViT + image processor, a
 timm ViT saved with save_for_hf), ``demo`` on the real all-MiniLM-L6-v2 checkpoint, ``methods``, and every
 documented error path (one line on stderr, its exit status, no traceback).

@@ -1,4 +1,4 @@
-"""Determinism and threads (issue 7).
+"""Determinism and threads.
 
 * Same inputs, same outputs, bit for bit on CPU: twice in a row, and after the capture cache was
   cleared (a fresh torch.export of the model).
@@ -14,7 +14,7 @@ import torch
 
 import models
 import relprop
-from relprop.graph import interpreter
+from relprop.engine import forward as interpreter
 from relprop.graph.capture import CACHE, CACHE_SIZE, CaptureCache
 from snapshot import assert_same, snapshot
 

@@ -1,4 +1,4 @@
-"""relprop.coverage (issue 6): every op of the captured graph with its module path and handling, the
+"""relprop.coverage: every op of the captured graph with its module path and handling, the
 attention blocks found, and `relprop explain --coverage` on the command line."""
 import os
 
@@ -59,7 +59,7 @@ def test_no_missing_op_and_blocks_found(name):
     captured = CACHE.get(model, relprop.graph.inputs.bind_inputs(model, x))
     calls = [n.name for n in captured.graph.nodes if n.op == "call_function"]
     assert [o.node for o in report.ops] == calls
-    assert {o.status for o in report.ops} <= set(relprop.graph.coverage.STATUSES)
+    assert {o.status for o in report.ops} <= set(relprop.engine.coverage.STATUSES)
     text = str(report)
     assert "every op on the relevance path has a rule" in text and report.blocks[0].name in text
 

@@ -1,4 +1,4 @@
-"""Causal decoders (issue 6): GPT-2 (sequence classification and language model) and LLaMA
+"""Causal decoders: GPT-2 (sequence classification and language model) and LLaMA
 (RMSNorm, rotary embeddings, gated SiLU MLP, grouped-query attention), unmodified, eager and SDPA.
 
 Per family: explain() runs for every applicable method, conservation under chefer2021 on bias-free
@@ -15,11 +15,11 @@ import models
 import relprop
 from relprop.graph.capture import CACHE
 from relprop.graph.inputs import bind_inputs
-from relprop.graph.interpreter import run
+from relprop.engine import Request, run
 from relprop.methods.query import is_causal, query_weights
 from relprop.rules import registry
 from relprop.rules.context import RuleContext
-from relprop.targets import next_token, resolve
+from relprop.targets import Target, next_token, resolve
 from snapshot import assert_same, snapshot
 
 aten = torch.ops.aten
@@ -128,7 +128,7 @@ def query_positions(trace):
 def query_positions_of(model, x, target):
     kw = bind_inputs(model, x)
     score, tgt = resolve(target, x["input_ids"].shape[0])
-    return query_positions(run(CACHE.get(model, kw), model, kw, score, relevance=False, target_of=tgt))
+    return query_positions(run(Request(CACHE.get(model, kw), model, kw, Target(score, tgt), relevance=False)))
 
 
 @pytest.mark.parametrize("name", ["hf_gpt2_cls", "hf_llama_eager"])
@@ -149,7 +149,7 @@ def test_query_is_the_last_real_token(dec):
     x = models.decoder_batch()
     kw = bind_inputs(model, x)
     score, tgt = resolve(1, 4)
-    trace = run(CACHE.get(model, kw), model, kw, score, relevance=False, target_of=tgt)
+    trace = run(Request(CACHE.get(model, kw), model, kw, Target(score, tgt), relevance=False))
     assert is_causal(trace)
     assert query_positions(trace).tolist() == [n - 1 for n in LENGTHS]
     e = relprop.explain(model, x, target=1)
@@ -202,7 +202,7 @@ def test_next_token_target(dec):
 def test_sdpa_capture_matches_the_model(dec, name):
     """GPT-2 with SDPA is captured (the decomposition keeps the fused op's output layout) and the
     captured graph computes the model's logits; blocks are named by module, input to output."""
-    from relprop.graph.interpreter import forward
+    from relprop.engine.forward import forward
     model = dec(name)
     x = models.decoder_batch()
     kw = bind_inputs(model, x)
@@ -232,7 +232,7 @@ class _Net(torch.nn.Module):
 def _input_relevance(model, x, target=1):
     kw = bind_inputs(model, x)
     score, tgt = resolve(target, x.shape[0])
-    tr = run(CACHE.get(model, kw), model, kw, score, target_of=tgt)
+    tr = run(Request(CACHE.get(model, kw), model, kw, Target(score, tgt)))
     return tr.input_relevance, tr.conservation
 
 

@@ -1,5 +1,5 @@
-"""End-to-end properties of the engine on tiny random models of every supported family
-(DESIGN §6 "Correct" and issue #2)."""
+"""End-to-end properties of the engine on tiny random models of every supported family: conservation,
+batch invariance, the model untouched, clear errors, the capture cached."""
 import copy
 
 import pytest
@@ -177,9 +177,9 @@ def test_user_registered_rule_is_used():
         return (relevance,)
 
     try:
-        from relprop.graph.interpreter import run
+        from relprop.engine import Request, run
         from relprop.graph.inputs import bind_inputs
-        from relprop.targets import resolve
+        from relprop.targets import Target, resolve
         model = Net().eval()
         with torch.no_grad():  # positive weights: every z_j > 0, so alpha1-beta0 loses nothing
             model.a.weight.uniform_(0.1, 1.0)
@@ -187,7 +187,7 @@ def test_user_registered_rule_is_used():
         kw = bind_inputs(model, torch.rand(2, 3) + 0.1)
         cap = CACHE.get(model, kw)
         score, tgt = resolve(0, 2)
-        trace = run(cap, model, kw, score, preset="chefer2021", target_of=tgt)
+        trace = run(Request(cap, model, kw, Target(score, tgt), preset="chefer2021"))
         assert float(trace.conservation.error.max()) < 1e-5
     finally:
         from relprop.rules.registry import get_preset
@@ -207,7 +207,8 @@ def test_capture_is_cached_and_batch_dynamic(zoo):
 
 @pytest.mark.parametrize("name, first, n", [
     ("timm_vit_tiny", "blocks.0.attn", 2), ("hf_bert_eager", "bert.encoder.layer.0.attention.self", 2),
-    ("hf_bert_sdpa", "bert.encoder.layer.0.attention.self", 2), ("hf_distilbert", "distilbert.transformer.layer.0.attention", 2),
+    ("hf_bert_sdpa", "bert.encoder.layer.0.attention.self", 2),
+    ("hf_distilbert", "distilbert.transformer.layer.0.attention", 2),
     ("hf_vit", "vit.layers.0.attention", 2),
 ])
 def test_blocks_found_structurally(zoo, name, first, n):
@@ -260,12 +261,12 @@ def test_explanation_shapes_vision(zoo):
 def test_lrp_preset_is_not_conservative(zoo):
     """The paper's LRP baseline rules (authors' layers_lrp.py) do not conserve relevance."""
     from relprop.graph.inputs import bind_inputs
-    from relprop.graph.interpreter import run
-    from relprop.targets import resolve
+    from relprop.engine import Request, run
+    from relprop.targets import Target, resolve
     model = zoo("timm_vit_tiny")
     kw = bind_inputs(model, models.image_batch(model))
     score, tgt = resolve(0, 2)
-    trace = run(CACHE.get(model, kw), model, kw, score, preset="lrp", target_of=tgt)
+    trace = run(Request(CACHE.get(model, kw), model, kw, Target(score, tgt), preset="lrp"))
     assert float(trace.conservation.error.min()) > 1e-2
 
 

@@ -1,4 +1,4 @@
-"""``relprop evaluate`` at scale (issue 7): sharded over processes with torchrun, resumable.
+"""``relprop evaluate`` at scale: sharded over processes with torchrun, resumable.
 
 On a generated folder of 6 images with masks and a saved tiny HuggingFace ViT, in batches of 2:
 
@@ -17,7 +17,8 @@ import pytest
 import torch
 
 import models
-from relprop.evaluation import command, datasets, report, runner
+from relprop.cli import evaluate as command
+from relprop.evaluation import datasets, report, runner
 from relprop.evaluation.sharded import merge
 from test_evaluation import _write_image_folder
 

@@ -1,4 +1,4 @@
-"""The evaluation API (issue #4): the papers' metrics on hand-made cases with known answers, batch
+"""The evaluation API: the papers' metrics on hand-made cases with known answers, batch
 invariance, the datasets on disk and the ``relprop evaluate`` command on tiny generated data."""
 import csv
 import json
@@ -11,7 +11,7 @@ import torch
 import models
 import relprop
 import relprop.evaluation as E
-from relprop.evaluation import command
+from relprop.cli import evaluate as command
 
 
 # ------------------------------------------------------------------------------------------ toy models
@@ -134,7 +134,7 @@ def test_text_removal_never_touches_special_tokens_and_delete_updates_the_mask()
 
 
 def test_perturbation_is_batch_invariant(zoo):
-    """Per-sample evaluation: a batch gives what its samples give alone, for any chunk size (DESIGN §2)."""
+    """Per-sample evaluation: a batch gives what its samples give alone, for any chunk size."""
     model = zoo("hf_vit")
     x = models.image_batch(model, batch=3, seed=1)
     exp = relprop.explain(model, x, method="rollout")
@@ -228,7 +228,7 @@ def test_aopc_of_a_random_ranking_lies_between_best_and_worst():
 
 # ---------------------------------------------------------------------------------------- conservation
 def test_conservation_report_rows_per_block_and_end_to_end(zoo):
-    """DESIGN §5: Σ relevance in = out + absorbed per block and end to end under chefer2021; not under lrp."""
+    """Σ relevance in = out + absorbed per block and end to end under chefer2021; not under lrp."""
     model = zoo("hf_vit")
     x = models.image_batch(model, batch=2)
     ta, lrp = relprop.explain(model, x, method=["transformer_attribution", "lrp"])

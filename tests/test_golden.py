@@ -29,5 +29,6 @@ def _params():
 @pytest.mark.parametrize("name", list(_params()))
 def test_explain_matches_golden(name):
     problems = generate.compare(GOLDEN["cases"][name], generate.record(CASES[name], progress=lambda s: None), EXACT)
-    assert not problems, (f"{len(problems)} difference(s) from the golden file "
-                          f"({'bit-identical' if EXACT else 'float32 rounding'} comparison):\n" + "\n".join(problems[:30]))
+    how = "bit-identical" if EXACT else "float32 rounding"
+    assert not problems, (f"{len(problems)} difference(s) from the golden file ({how} comparison):\n"
+                          + "\n".join(problems[:30]))

@@ -177,7 +177,7 @@ def test_registered_add_conservation(bshape, seed, preset):
 
 
 # ------------------------------------------------------------------------------------------------
-# per-sample independence (DESIGN §3: no statistic crosses the batch)
+# per-sample independence (no statistic crosses the batch)
 # ------------------------------------------------------------------------------------------------
 @PROPS
 @given(bshape=batched_shapes, seed=seeds, source=st.sampled_from(["z_rule", "arbitrary"]))
@@ -236,7 +236,7 @@ def test_alpha1_beta0_conserves_and_is_nonnegative(lead, n_in, n_out, seed, zero
     # every term is ≥ 0, so exactly Σ_j R_j z_j / (z_j + eps) arrives (0 for z_j = 0) ...
     exact = float((R * z / (z + EPS)).sum())
     assert abs(float(rx.sum()) - exact) <= 1e-10 * (1 + float(R.abs().sum()))
-    # ... which is Σ_j R_j over z_j ≠ 0 (outputs with z_j = 0 are dropped, DESIGN §3)
+    # ... which is Σ_j R_j over z_j ≠ 0 (outputs with z_j = 0 are dropped)
     passed = torch.where(z != 0, R, torch.zeros((), dtype=torch.float64))
     assert abs(float(rx.sum() - passed.sum())) <= stab_tol(passed, z)
     if bool((z != 0).all()):
@@ -350,7 +350,7 @@ def test_conv_alpha1_beta0_conserves_and_lrp_conv_total(N, C, H, k, stride, O, s
 @given(data=st.data(), dtype=st.sampled_from([np.float32, np.float64]), n=st.integers(1, 16),
        eps=st.sampled_from([DEFAULT_EPS, 1e-6, 1e-3]))
 def test_safe_divide_is_finite(data, dtype, n, eps):
-    """DESIGN §3 stabilizer: safe_divide(num, den) is finite for finite num and any den (0, ±inf,
+    """The safe_divide stabilizer: safe_divide(num, den) is finite for finite num and any den (0, ±inf,
     NaN, subnormal, huge); 0 where den is 0 or not finite; num / (den ± eps) elsewhere."""
     width = 32 if dtype == np.float32 else 64
     den = data.draw(hnp.arrays(dtype, n, elements=st.one_of(

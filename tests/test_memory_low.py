@@ -1,4 +1,4 @@
-"""``explain(..., memory="low")`` (issue 7): block-by-block recomputation gives the default's results.
+"""``explain(..., memory="low")``: block-by-block recomputation gives the default's results.
 
 The reference is the default path. Every method that reads the per-block records or the relevance
 walk is compared on tiny random models of each segmentable family (timm ViT, HF ViT, HF BERT with
@@ -14,7 +14,8 @@ import torch
 import models
 import relprop
 from relprop.errors import OptionError
-from relprop.graph import interpreter
+from relprop.engine import forward as engine_forward
+from relprop.engine import memory
 from snapshot import assert_same, snapshot
 
 #: every method that uses the trace of the interpreter (records and/or relevance walk)
@@ -49,14 +50,14 @@ def test_low_equals_default(name):
     inputs = data(model)
     ref = relprop.explain(model, inputs, target=target, method=methods, fast_path=False)
     before = snapshot(model)
-    forwards = interpreter.STATS["forward"]
+    forwards = engine_forward.STATS["forward"]
     low = relprop.explain(model, inputs, target=target, method=methods, fast_path=False, memory="low")
     # one pass per preset (chefer2021, and lrp for lrp/partial_lrp), each one full forward pass:
     # the segments are recomputed from the values it kept, not by running the graph again
-    assert interpreter.STATS["forward"] - forwards == 2
+    assert engine_forward.STATS["forward"] - forwards == 2
     assert_same(before, snapshot(model))
     captured = next(iter(relprop.graph.capture.CACHE._by_model[model].values()))
-    assert len(interpreter._segments(captured)) == len(captured.analysis.blocks)  # one segment per block
+    assert len(memory.segments(captured)) == len(captured.analysis.blocks)  # one segment per block
     for r, lo in zip(ref, low):
         assert r.method == lo.method
         _close(r.scores, lo.scores)
@@ -128,14 +129,14 @@ def test_default_path_frees_attention_intermediates():
     model = models.hf_bert("eager")
     batch = relprop.graph.inputs.bind_inputs(model, models.text_batch())
     captured = relprop.graph.capture.CACHE.get(model, batch)
-    remat = interpreter._rematerializable(captured)
+    remat = memory.rematerializable(captured)
     scores = {b.softmax.args[0] for b in captured.analysis.blocks}
     assert scores <= remat
     assert not {b.attention for b in captured.analysis.blocks} & remat
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         with torch.no_grad():
-            env, _ = interpreter.forward(captured, model, batch, discard=remat)
+            env, _ = engine_forward.forward(captured, model, batch, discard=remat)
     assert not scores & env.keys()
     assert {b.attention for b in captured.analysis.blocks} <= env.keys()
 

@@ -12,9 +12,9 @@ import models
 import relprop
 from relprop.graph.capture import CACHE
 from relprop.graph.inputs import bind_inputs
-from relprop.graph.interpreter import run
+from relprop.engine import Request, run
 from relprop.methods import get_method
-from relprop.targets import resolve
+from relprop.targets import Target, resolve
 
 METHODS = ["cat", "attcat", "grads", "attgrads", "attention_norm", "gradcam"]
 
@@ -308,7 +308,7 @@ def test_signs(zoo, family):
 def _trace(model, x):
     kw = bind_inputs(model, x)
     score, tgt = resolve(0, x.shape[0])
-    return run(CACHE.get(model, kw), model, kw, score, relevance=False, target_of=tgt)
+    return run(Request(CACHE.get(model, kw), model, kw, Target(score, tgt), relevance=False))
 
 
 def test_missing_records_raise_method_error(zoo):

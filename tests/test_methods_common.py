@@ -1,4 +1,4 @@
-"""Properties every explanation method shares (issue #3): the registry describes each one, methods
+"""Properties every explanation method shares: the registry describes each one, methods
 asked for together share one forward pass, class-specific methods depend on the target and
 class-agnostic ones do not, and a batch explains like its samples one by one."""
 import pytest
@@ -6,7 +6,7 @@ import torch
 
 import models
 import relprop
-from relprop.graph.interpreter import STATS
+from relprop.engine.forward import STATS
 
 EXPECTED = {
     "transformer_attribution", "ta_without_gradient", "ta_last_block", "ta_second_block", "lrp", "partial_lrp",

@@ -1,4 +1,4 @@
-"""Input-level gradient and perturbation methods (DESIGN §4, survey §2): input_x_gradient,
+"""Input-level gradient and perturbation methods (survey §2): input_x_gradient,
 smoothgrad, integrated_gradients, value_zeroing, vit_cx.
 
 Each reference below is written from the method's formula with plain PyTorch on a float64 deepcopy

@@ -3,7 +3,7 @@
 The references below never call the fast paths in ``relprop.rules`` or ``torch.autograd``: they
 enumerate, with Python loops, every elementary contribution ``x_i w_ij`` of every output ``j`` and
 distribute ``R_j`` over them by the rule's formula (CVPR 2021 Eq. 5, Eq. 6 + Lemma 2, Lemma 1,
-supplementary §B), using the stabilizer of DESIGN §3 (denominator pushed ``eps`` away from 0 in the
+supplementary §B), using the safe_divide stabilizer (denominator pushed ``eps`` away from 0 in the
 direction of its sign; exactly 0 relevance where the denominator is 0 or not finite).
 Helpers that take tensors as they are (``alpha1_beta0``, ``z_box``, ...) are checked in float64;
 the registered rules cast to float32, so they are checked in float32 with atol ~1e-5.
@@ -19,7 +19,6 @@ import pytest
 import torch
 import torch.fx
 
-from relprop.errors import UnsupportedOperation
 from relprop.rules import registry
 from relprop.rules.context import RuleContext
 from relprop.rules.convolution import z_box
@@ -38,7 +37,7 @@ F32 = dict(rtol=1e-4, atol=1e-5)
 # reference building blocks (plain Python floats)
 # ------------------------------------------------------------------------------------------------
 def sdiv(num: float, den: float, eps: float) -> float:
-    """The stabilizer of DESIGN §3 on Python floats: 0 where den is 0/not finite, else num/(den±eps)."""
+    """The safe_divide stabilizer on Python floats: 0 where den is 0/not finite, else num/(den±eps)."""
     if den == 0 or not math.isfinite(den):
         return 0.0
     return num / (den + eps) if den >= 0 else num / (den - eps)
@@ -219,7 +218,7 @@ def test_reference_conv_index_map_is_the_convolution(p, xs, ws):
 # safe_divide
 # ------------------------------------------------------------------------------------------------
 def test_safe_divide_matches_reference_elementwise():
-    """DESIGN §3 stabilizer: num/(den ± eps), 0 where den is 0, ±inf or NaN."""
+    """The safe_divide stabilizer: num/(den ± eps), 0 where den is 0, ±inf or NaN."""
     den = torch.tensor([2.0, -2.0, 0.0, -0.0, 1e-300, -1e-300, math.inf, -math.inf, math.nan, 1e-9, -1e-9],
                        dtype=torch.float64)
     num = torch.linspace(-3, 3, den.numel(), dtype=torch.float64)
@@ -258,7 +257,7 @@ def test_lrp_baseline_matches_reference(xs, ws, seed):
 
 @pytest.mark.parametrize("fn, rule", [(alpha1_beta0, "ab"), (lrp_baseline, "lrp")])
 def test_linear_edge_cases_zero_inputs_and_zero_denominators(fn, rule):
-    """Eq. 5 + DESIGN §3 stabilizer: x_i = 0 gets exactly 0; z_j = 0 gives 0 (never NaN/inf)."""
+    """Eq. 5 + the safe_divide stabilizer: x_i = 0 gets exactly 0; z_j = 0 gives 0 (never NaN/inf)."""
     x = torch.tensor([[0.0, 1.0, -1.0, 0.0], [0.0, 0.0, 0.0, 0.0], [-2.0, -1.0, -0.5, -3.0]],
                      dtype=torch.float64)
     # column 0: x⁺ meets only w⁻ and x⁻ only w⁺ for row 0 -> z = 0; column 2: all-zero weights
@@ -314,7 +313,7 @@ def test_z_rule_matmul_matches_reference(as_, bs, seed):
 
 
 def test_z_rule_matmul_zero_denominator_and_zero_entries():
-    """Lemma 1 z-rule with DESIGN §3 stabilizer: z_kl = 0 gives 0; zero entries get 0; no NaN."""
+    """Lemma 1 z-rule with the safe_divide stabilizer: z_kl = 0 gives 0; zero entries get 0; no NaN."""
     a = torch.tensor([[1.0, -1.0, 0.0], [0.0, 0.0, 0.0], [2.0, 0.5, -1.0]], dtype=torch.float64)
     b = torch.tensor([[2.0, 1.0], [2.0, -3.0], [5.0, 0.0]], dtype=torch.float64)
     z = a @ b  # z[0, 0] == 0 exactly, row 1 all zero
@@ -358,7 +357,7 @@ def test_registered_matmul_halves_z_rule(op, as_, bs):
     """Lemma 1 (ii) + §3.2: attention product A·V / Q·Kᵀ: z-rule on each operand, both halved.
 
     Shares may come back in the broadcast shape; they are summed onto the operand as the
-    interpreter's ``_fit`` does before comparing.
+    engine's walk (``relprop.engine.walk._fit``) does before comparing.
     """
     a, b = rand(as_, 7, torch.float32), rand(bs, 8, torch.float32)
     out = torch.matmul(a, b)
@@ -428,7 +427,7 @@ def ref_sum_shares(u, v, R, eps):
 
 
 def ref_normalize(ru, rv, R, eps, batch_dim=0):
-    """The normalization after Eq. 9, per sample b (DESIGN §3):
+    """The normalization after Eq. 9, per sample b:
     R̄_u = R_u · |ΣR_u| / (|ΣR_u| + |ΣR_v|) · ΣR / ΣR_u (and the same for v)."""
     RU, RV, RR = np64(ru), np64(rv), np64(R)
     out_u, out_v = RU.copy(), RV.copy()
@@ -465,7 +464,7 @@ def test_z_rule_sum_matches_reference(shape, seed):
 
 
 def test_z_rule_sum_zero_denominator():
-    """Eq. 6 with DESIGN §3: z = u + v = 0 gives 0 relevance to both operands (no NaN/inf)."""
+    """Eq. 6: z = u + v = 0 gives 0 relevance to both operands (no NaN/inf)."""
     u = torch.tensor([[0.0, 1.0, -1.0, 2.0, -math.inf]], dtype=torch.float64)
     v = torch.tensor([[0.0, -1.0, 1.0, 1.0, 0.0]], dtype=torch.float64)
     z = u + v
@@ -491,7 +490,7 @@ def test_normalize_shares_matches_reference(shape, batch_dim, seed):
 
 
 def test_normalize_shares_zero_share_and_zero_total():
-    """Lemma 2 with DESIGN §3: an all-zero share stays 0, the other gets ΣR; all-zero → 0, no NaN."""
+    """Lemma 2: an all-zero share stays 0, the other gets ΣR; all-zero → 0, no NaN."""
     ru = torch.tensor([[0.0, 0.0], [0.0, 0.0], [1.0, -1.0]], dtype=torch.float64)
     rv = torch.tensor([[2.0, 1.0], [0.0, 0.0], [3.0, 0.0]], dtype=torch.float64)
     R = torch.tensor([[0.5, 0.5], [1.0, 1.0], [2.0, 0.0]], dtype=torch.float64)
@@ -545,7 +544,7 @@ def test_registered_sums_match_reference(us, vs, live, op, sign, alpha, preset):
 
 @pytest.mark.parametrize("preset", ["chefer2021", "lrp"])
 def test_registered_add_zero_denominator_and_zero_operand(preset):
-    """Eq. 6 (+ Lemma 2) with DESIGN §3: z = 0 gives 0; u = 0 gets 0 relevance; never NaN/inf."""
+    """Eq. 6 (+ Lemma 2): z = 0 gives 0; u = 0 gets 0 relevance; never NaN/inf."""
     u = torch.tensor([[0.0, 1.0, -1.0, 0.0], [0.0, 0.0, 0.0, 0.0]])
     v = torch.tensor([[0.0, -1.0, 1.0, 2.0], [1.0, 2.0, -1.0, 3.0]])
     out = u + v
@@ -782,7 +781,7 @@ ROUTE_CASES = [
 
 @pytest.mark.parametrize("name, op, args", ROUTE_CASES, ids=[c[0] for c in ROUTE_CASES])
 def test_routing_rules_match_index_bookkeeping(name, op, args):
-    """DESIGN §3 shape-only ops: R_in[i] = Σ_{o copied from i} R_out[o] (dropped elements get 0)."""
+    """Shape-only ops: R_in[i] = Σ_{o copied from i} R_out[o] (dropped elements get 0)."""
     r, ref = _route_case(op, args, [0])
     assert r[0].shape == args[0].shape
     torch.testing.assert_close(r[0].double(), ref[0], rtol=1e-6, atol=1e-6)
@@ -790,7 +789,8 @@ def test_routing_rules_match_index_bookkeeping(name, op, args):
 
 
 CAT_CASES = [
-    ("cat_lastdim", [rand((2, 3), 1, torch.float32), rand((2, 1), 2, torch.float32), rand((2, 4), 3, torch.float32)], -1),
+    ("cat_lastdim",
+     [rand((2, 3), 1, torch.float32), rand((2, 1), 2, torch.float32), rand((2, 4), 3, torch.float32)], -1),
     ("cat_dim0", [rand((1, 3), 1, torch.float32), rand((2, 3), 2, torch.float32)], 0),
     ("cat_zero_size", [rand((2, 0), 1, torch.float32), rand((2, 3), 2, torch.float32)], 1),
     ("cat_legacy_empty", [torch.empty(0), rand((2, 3), 2, torch.float32)], 0),
@@ -799,7 +799,7 @@ CAT_CASES = [
 
 @pytest.mark.parametrize("name, tensors, dim", CAT_CASES, ids=[c[0] for c in CAT_CASES])
 def test_cat_rule_matches_index_bookkeeping(name, tensors, dim):
-    """DESIGN §3 (cat, e.g. [CLS]; patches): each piece gets back its slice of the relevance."""
+    """(cat, e.g. [CLS]; patches): each piece gets back its slice of the relevance."""
     out = aten.cat.default(tensors, dim)
     R = rand(out.shape, 72, torch.float32)
     r = registry.lookup("chefer2021", aten.cat.default)(
@@ -837,7 +837,7 @@ WHERE_CASES = [
 
 @pytest.mark.parametrize("name, cs, as_, bs", WHERE_CASES, ids=[c[0] for c in WHERE_CASES])
 def test_where_rule_matches_index_bookkeeping(name, cs, as_, bs):
-    """DESIGN §3 (where, e.g. SDPA's masked rows): each element's R goes to the operand it came from."""
+    """(where, e.g. SDPA's masked rows): each element's R goes to the operand it came from."""
     g = torch.Generator().manual_seed(5)
     cond = torch.rand(cs, generator=g) < 0.5
     a, b = rand(as_, 73, torch.float32), rand(bs, 74, torch.float32)

@@ -1,6 +1,6 @@
 """Swin (timm and HuggingFace), unmodified: window attention mapped onto the token grid of each
 stage, patch merging between stages, the pooled output as the query, the window ops' rules
-(issue 6). Tiny random models: 32x32 images, patch 4 (8x8 then 4x4 tokens), windows of 2x2."""
+. Tiny random models: 32x32 images, patch 4 (8x8 then 4x4 tokens), windows of 2x2."""
 import copy
 
 import pytest
@@ -108,12 +108,12 @@ def test_patch_merging_matrix_matches_2x2_grouping(swin, name):
     """The stage link is D[j, i] = 1/4 for the 2x2 tokens i merged into token j (Swin §3.1)."""
     model = swin(name)
     e = relprop.explain(model, models.swin_images(model), target=0, method="transformer_attribution")
-    from relprop.graph.interpreter import run
+    from relprop.engine import Request, run
     from relprop.graph.capture import CACHE
     from relprop.graph.inputs import bind_inputs
     from relprop.targets import resolve
     kwargs = bind_inputs(model, models.swin_images(model))
-    trace = run(CACHE.get(model, kwargs), model, kwargs, resolve(0, 2)[0])
+    trace = run(Request(CACHE.get(model, kwargs), model, kwargs, resolve(0, 2)))
     assert trace.stages.tokens == [64, 64, 16, 16] and set(trace.stages.links) == {1}
     ref = torch.zeros(16, 64)
     for r in range(8):
@@ -142,7 +142,8 @@ def test_every_applicable_method_runs(swin, name):
 @pytest.mark.parametrize("method", sorted(NOT_APPLICABLE))
 def test_methods_that_do_not_apply_say_so(swin, method):
     model = swin("timm_swin")
-    with pytest.raises(relprop.MethodError, match="does not apply.*windows.*Methods that apply: .*transformer_attribution"):
+    expected = "does not apply.*windows.*Methods that apply: .*transformer_attribution"
+    with pytest.raises(relprop.MethodError, match=expected):
         relprop.explain(model, models.swin_images(model), target=0, method=method)
 
 
@@ -318,6 +319,6 @@ def test_every_op_on_the_relevance_path_has_a_rule(swin, name, preset):
     """No op of the captured Swin graph lacks a rule (what the coverage report calls 'missing')."""
     from relprop.graph.capture import CACHE
     from relprop.graph.inputs import bind_inputs
-    from relprop.graph.interpreter import check_rules
+    from relprop.engine.walk import check_rules
     model = swin(name)
     check_rules(CACHE.get(model, bind_inputs(model, models.swin_images(model))), preset, "error")

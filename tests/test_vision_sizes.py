@@ -1,4 +1,4 @@
-"""Vision transformers at other input and patch sizes, and with register tokens (issue 6): nothing
+"""Vision transformers at other input and patch sizes, and with register tokens: nothing
 may assume a 14x14 grid, 224 pixels or a single prefix token.
 
 Models (tests/models.py): timm ViT at 384x384 with patch 32 (12x12), timm ViT on 96x64 (a 6x4 grid),
@@ -13,9 +13,9 @@ import models
 import relprop
 from relprop.graph.capture import CACHE
 from relprop.graph.inputs import bind_inputs
-from relprop.graph.interpreter import run
+from relprop.engine import Request, run
 from relprop.methods.query import query_weights
-from relprop.targets import resolve
+from relprop.targets import Target, resolve
 from snapshot import assert_same, snapshot
 
 SIZES = list(models.SIZES)
@@ -121,7 +121,7 @@ def test_model_untouched(sized, name):
 def _trace(model, x, target):
     kw = bind_inputs(model, x)
     score, tgt = resolve(target, x.shape[0])
-    return run(CACHE.get(model, kw), model, kw, score, relevance=False, target_of=tgt)
+    return run(Request(CACHE.get(model, kw), model, kw, Target(score, tgt), relevance=False))
 
 
 def test_pooled_model_without_class_token_reads_the_mean_of_its_patches(sized):

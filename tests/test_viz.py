@@ -1,4 +1,4 @@
-"""The renderers (issue #5): image overlays and method grids (PNG opened with Pillow: size, not blank,
+"""The renderers: image overlays and method grids (PNG opened with Pillow: size, not blank,
 the right colour conventions), HTML pages (parsed: one element per token, colours), word-piece merging,
 coloured terminal output, the per-block heatmap, and Explanation.show/save's functions."""
 import html.parser
@@ -11,7 +11,8 @@ from PIL import Image
 
 import models
 import relprop
-from relprop import viz, viz_api
+from relprop import viz
+from relprop.viz import api as viz_api
 from relprop.viz import image as vimg
 from relprop.viz import text as vtext
 

@@ -331,7 +331,8 @@ def black_baseline(vision: Dict, two, cfg) -> List[Dict]:
                              "2-obj share": main["spec_share"], "2-obj AP own": main["spec_ap_own"]})
                 continue
             r = E.evaluate(model, folder, [m], target="predicted", batch_size=cfg["vision_batch"],
-                           perturbation_batch_size=256, conservation=False, explain_options=o, progress=False).table()[0]
+                           perturbation_batch_size=256, conservation=False, explain_options=o,
+                           progress=False).table()[0]
             s = class_specificity(model, two, [m], o, cfg["vision_batch"])[m]
             rows.append({"method": m, "baseline": label, "pos. AUC": r["positive_auc"], "neg. AUC": r["negative_auc"],
                          "mIoU": r["miou"], "mAP": r["map"], "2-obj share": s["spec_share"],
@@ -451,7 +452,8 @@ def run_all(out: str, text: Dict, vision: Dict, data: Dict, cfg: Dict, log) -> s
     md += ["### 1. Definition variants of transformer_attribution", "",
            f"Text ({text['result'].samples} test sentences; minority P@1 on the mixed ones):", "",
            _md(res["text_variants"], ["variant", "P@1", "token-F1@3", "AOPC", "log-odds", "Kendall-τ", "minority P@1"]),
-           "", f"Images ({vision['result'].samples} one-object images; {two['images'].shape[0]} two-object images):", "",
+           "", f"Images ({vision['result'].samples} one-object images; "
+               f"{two['images'].shape[0]} two-object images):", "",
            _md(res["vision_variants"], ["variant", "pos. AUC", "neg. AUC", "mIoU", "mAP", "2-obj share",
                                          "2-obj AP own", "2-obj AP other"]), "",
            "### 2. Is the rollout of TA doing anything?", "",

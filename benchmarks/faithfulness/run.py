@@ -1,4 +1,4 @@
-"""The faithfulness benchmark of issue #4: every explanation method of relprop, on every metric of
+"""The faithfulness benchmark: every explanation method of relprop, on every metric of
 relprop.evaluation, on two models trained here, offline, on data whose ground truth is known.
 
     python benchmarks/faithfulness/run.py --out benchmarks/faithfulness/out            # ~20-25 min, 2 cores
@@ -25,8 +25,8 @@ relprop.evaluation, on two models trained here, offline, on data whose ground tr
 
 The models can then be evaluated from the command line too (see benchmarks/RESULTS.md):
 
-    python -m relprop.evaluation.command OUT/data/text/test.jsonl --model OUT/models/text --out DIR
-    python -m relprop.evaluation.command OUT/data/vision/test --model timm:vit_tiny_patch16_224 \
+    relprop evaluate OUT/data/text/test.jsonl --model OUT/models/text --out DIR
+    relprop evaluate OUT/data/vision/test --model timm:vit_tiny_patch16_224 \
         --checkpoint OUT/models/vision/vit.pth --timm-kwargs "$(cat OUT/models/vision/timm_kwargs.json)" \
         --mean 0.5,0.5,0.5 --std 0.5,0.5,0.5 --out DIR
 
@@ -83,7 +83,7 @@ def text_methods() -> List[str]:
     return [m for m in all_methods() if m != "vit_cx"]
 
 
-#: method "lrp" under the rule presets of issue #8, reported as rows of their own beside the methods
+#: method "lrp" under the AttnLRP and CP-LRP presets, reported as rows of their own beside the methods
 #: (AttnLRP: Achtibat et al., ICML 2024; CP-LRP: Ali et al., ICML 2022)
 PRESET_VARIANTS = {"lrp[attnlrp]": ("lrp", "attnlrp"), "lrp[cp_lrp]": ("lrp", "cp_lrp")}
 
@@ -424,7 +424,8 @@ def main(argv=None) -> int:
           f"n={vision_acc['one_object']['n']}); both classes in the top 2 on "
           f"{vision_acc['two_objects']['top2_accuracy']:.3f} of the two-object images", "",
           f"## Images ({vision['result'].samples} one-object test images; "
-          f"{data['two']['images'].shape[0]} two-object images)", "", markdown_table(vision["rows"], VISION_COLUMNS), "",
+          f"{data['two']['images'].shape[0]} two-object images)", "",
+          markdown_table(vision["rows"], VISION_COLUMNS), "",
           "transformer_attribution's rank per column:", ""] + \
          [f"- {s}" for s in rank_summary(vision["rows"], VISION_COLUMNS)] + \
          ["", f"## Text ({text['result'].samples} test sentences)", "", markdown_table(text["rows"], TEXT_COLUMNS), "",

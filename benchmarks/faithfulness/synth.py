@@ -1,4 +1,4 @@
-"""Synthetic data with known ground truth for the faithfulness benchmark (issue #4).
+"""Synthetic data with known ground truth for the faithfulness benchmark.
 
 Text: sentences from a small template grammar. Each sentence holds 1-3 keywords of its class (the
 rationale) inside neutral clauses, plus distractor words that occur equally often in every class.

@@ -1,4 +1,4 @@
-"""Evaluate explanations the way the papers do (issue #4; DESIGN §5).
+"""Evaluate explanations the way the papers do.
 
 =====================  ================================================================================
 module                 what it measures
@@ -13,7 +13,9 @@ module                 what it measures
 ``runner``             :func:`evaluate`: every metric, every method, over a dataset (one explain call
                        per batch for all the methods)
 ``report``             markdown and CSV tables, a plot of the perturbation curves
-``command``            ``relprop evaluate`` (``add_parser`` / ``run``)
+``config``             :class:`EvaluationConfig`: every setting of :func:`evaluate`, validated
+``removal``            what removing a pixel, patch or token means in the perturbation tests
+``sharded``            :func:`evaluate` batch by batch, resumable, shared among torchrun processes
 =====================  ================================================================================
 
 Everything is computed per sample, batched, on the device of the inputs; the only statistics across
@@ -22,16 +24,26 @@ samples are the dataset averages.
 >>> exp = relprop.explain(model, images, method="transformer_attribution")
 >>> relprop.evaluation.perturbation_curve(model, images, exp, mode="positive").auc
 """
-from ._util import resolve_normalization  # noqa: F401
-from .perturbation import (DEFAULT_STEPS, PerturbationResult, perturbation_curve,  # noqa: F401
-                           removal_ranks, removal_token)
-from .segmentation import SegmentationResult, segmentation_scores  # noqa: F401
-from .text import (AOPC_STEPS, FaithfulnessResult, aopc, kendall_tau, log_odds,  # noqa: F401
-                   precision_at_k, token_f1, top_k)
-from .conservation import ConservationReport, ConservationRow, conservation_report  # noqa: F401
-from .datasets import (ImageMaskFolder, RationaleJSONL, load_dataset, model_image_size,  # noqa: F401
-                       model_normalization, rationale_spans)
-from .runner import (EvaluationResult, TextScores, evaluate, evaluate_perturbation,  # noqa: F401
-                     evaluate_segmentation, evaluate_text)
-from .report import (plot_perturbation, summary_rows, to_markdown, to_markdown_table,  # noqa: F401
-                     write_csv, write_markdown, write_report)
+from ._util import resolve_normalization
+from .config import EvaluationConfig
+from .conservation import ConservationReport, ConservationRow, conservation_report
+from .datasets import (ImageMaskFolder, RationaleJSONL, load_dataset, model_image_size, model_normalization,
+                       rationale_spans)
+from .perturbation import DEFAULT_STEPS, PerturbationResult, perturbation_curve, removal_ranks
+from .removal import removal_token
+from .report import (plot_perturbation, summary_rows, to_markdown, to_markdown_table, write_csv, write_markdown,
+                     write_report)
+from .runner import (EvaluationResult, TextScores, evaluate, evaluate_perturbation, evaluate_segmentation,
+                     evaluate_text)
+from .segmentation import SegmentationResult, segmentation_scores
+from .text import AOPC_STEPS, FaithfulnessResult, aopc, kendall_tau, log_odds, precision_at_k, token_f1, top_k
+
+__all__ = [
+    "AOPC_STEPS", "ConservationReport", "ConservationRow", "DEFAULT_STEPS", "EvaluationConfig", "EvaluationResult",
+    "FaithfulnessResult", "ImageMaskFolder", "PerturbationResult", "RationaleJSONL", "SegmentationResult",
+    "TextScores", "aopc", "conservation_report", "evaluate", "evaluate_perturbation", "evaluate_segmentation",
+    "evaluate_text", "kendall_tau", "load_dataset", "log_odds", "model_image_size", "model_normalization",
+    "perturbation_curve", "plot_perturbation", "precision_at_k", "rationale_spans", "removal_ranks",
+    "removal_token", "resolve_normalization", "segmentation_scores", "summary_rows", "to_markdown",
+    "to_markdown_table", "token_f1", "top_k", "write_csv", "write_markdown", "write_report",
+]

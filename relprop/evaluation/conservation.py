@@ -1,5 +1,5 @@
-"""Conservation report: where the relevance went, per attention block and end to end (DESIGN §3 and
-§5; CVPR 2021 Eq. 3, Lemmas 1–2).
+"""Conservation report: where the relevance went, per attention block and end to end (CVPR 2021
+Eq. 3, Lemmas 1–2).
 
 Under a conservative preset (``"chefer2021"``), per sample, the relevance entering a block from the
 output side equals the relevance leaving it at its input plus what constants inside it absorbed,

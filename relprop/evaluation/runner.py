@@ -18,12 +18,15 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence
 import numpy as np
 import torch
 
+from ..api import explain
 from ..errors import InputError
 from . import _util
 from .conservation import ConservationReport, conservation_report
-from .perturbation import DEFAULT_STEPS, MODES, PerturbationResult, perturbation_curve
+from .config import EvaluationConfig
+from .perturbation import PerturbationResult, perturbation_curve
+from .report import summary_rows, to_markdown_table
 from .segmentation import SegmentationResult, segmentation_scores
-from .text import AOPC_STEPS, FaithfulnessResult, aopc as _aopc, kendall_tau, log_odds as _log_odds
+from .text import FaithfulnessResult, aopc as _aopc, kendall_tau, log_odds as _log_odds
 from .text import precision_at_k, token_f1
 
 
@@ -67,23 +70,14 @@ class EvaluationResult:
 
     def table(self) -> List[Dict[str, Any]]:
         """One row per method: the dataset averages (see :func:`relprop.evaluation.report.summary_rows`)."""
-        from .report import summary_rows
         return summary_rows(self)
 
     def __repr__(self) -> str:
-        from .report import to_markdown_table
         return f"EvaluationResult({self.modality}, samples={self.samples})\n{to_markdown_table(self)}"
 
 
-def evaluate(model: torch.nn.Module, data: Any, methods: Sequence[str] = ("transformer_attribution",), *,
-             target: str = "predicted", batch_size: int = 8, perturbation: bool = True,
-             modes: Sequence[str] = MODES, steps: Sequence[float] = DEFAULT_STEPS, baseline: Any = None,
-             normalization: Any = None, unit: str = "pixel", removal: Any = "pad", tokenizer: Any = None,
-             perturbation_batch_size: Optional[int] = None, segmentation: bool = True,
-             rationale_k: Sequence[int] = (5,), aopc: bool = True, aopc_removal: Any = "delete",
-             log_odds_removal: Any = "pad", aopc_steps: Sequence[float] = AOPC_STEPS, kendall: bool = True,
-             conservation: bool = True, progress: bool = True, explain_options: Optional[Dict[str, Any]] = None,
-             preset: Optional[str] = None) -> EvaluationResult:
+def evaluate(model: torch.nn.Module, data: Any, methods: Sequence[str] = ("transformer_attribution",),
+             config: Optional[EvaluationConfig] = None, **settings) -> EvaluationResult:
     """Evaluate ``methods`` on ``data`` with the papers' protocols.
 
     Parameters
@@ -94,45 +88,30 @@ def evaluate(model: torch.nn.Module, data: Any, methods: Sequence[str] = ("trans
         ``inputs`` and optionally ``labels`` [batch], ``masks`` [batch, H, W], ``rationales``
         [batch, positions] and ``special_tokens_mask`` [batch, positions].
     methods : explanation method names (``relprop.methods()``).
-    target : ``"predicted"`` (explain and score the predicted class: the paper's "predicted" rows) or
-        ``"label"`` (the dataset's labels: its "target" rows).
-    batch_size : samples explained together.
-    perturbation, modes, steps, baseline, normalization, unit, removal : the perturbation tests
-        (:func:`perturbation_curve`); ``normalization`` defaults to the dataset's.
-    tokenizer : texts: where the [PAD]/[MASK] ids come from (default: the dataset's).
-    perturbation_batch_size : perturbed copies per forward pass (default 64).
-    segmentation : score the maps against the masks (images with masks).
-    rationale_k : the k of token-F1 and Precision@K (texts with rationales).
-    aopc, aopc_removal, log_odds_removal, aopc_steps : AOPC (deletion) and log-odds ([PAD]) for texts.
-    kendall : texts: Kendall-τ between the scores for the explained class and the runner-up class
-        (the highest-scoring other class: for two classes, the other one), which costs one more
-        explain call per batch.
-    conservation : collect the conservation report of each relevance preset.
-    progress : a tqdm progress bar over the samples.
-    explain_options : more keyword arguments for :func:`relprop.explain` (method options, ``eps``, …).
-    preset : the relevance preset (:func:`relprop.explain`): None (default) lets each method use its
-        own (``"lrp"`` for the LRP baselines, else ``"chefer2021"``); a preset given here applies to
-        every method.
+    config : an :class:`relprop.evaluation.EvaluationConfig` (default: the papers' settings).
+    **settings : fields of :class:`relprop.evaluation.EvaluationConfig` replacing those of ``config``
+        (``target="label"``, ``batch_size=16``, ``steps=[...]``, ...); an unknown one is an error.
 
     Returns
     -------
     EvaluationResult
     """
-    from .. import explain
-    from tqdm.auto import tqdm
+    from tqdm.auto import tqdm  # optional dependency (relprop[eval])
 
+    cfg = EvaluationConfig.of(config, **settings)
+    target, batch_size, modes, steps = cfg.target, cfg.batch_size, cfg.modes, cfg.steps
+    baseline, unit, removal, rationale_k = cfg.baseline, cfg.unit, cfg.removal, cfg.rationale_k
+    aopc_removal, log_odds_removal, aopc_steps = cfg.aopc_removal, cfg.log_odds_removal, cfg.aopc_steps
+    preset = cfg.preset
+    perturbation, segmentation, aopc, kendall, conservation = (cfg.perturbation, cfg.segmentation, cfg.aopc,
+                                                               cfg.kendall, cfg.conservation)
     methods = [methods] if isinstance(methods, str) else list(methods)
     if not methods:
         raise InputError("no method to evaluate")
-    if target not in ("predicted", "label"):
-        raise InputError(f"target '{target}' is not a choice. Choices: ['predicted', 'label']")
-    for m in modes:
-        if m not in MODES:
-            raise InputError(f"mode '{m}' is not a choice. Choices: {list(MODES)}")
-    normalization = normalization if normalization is not None else getattr(data, "normalization", None)
-    tokenizer = tokenizer if tokenizer is not None else getattr(data, "tokenizer", None)
-    pbs = int(perturbation_batch_size or 64)
-    options = dict(explain_options or {})
+    normalization = cfg.normalization if cfg.normalization is not None else getattr(data, "normalization", None)
+    tokenizer = cfg.tokenizer if cfg.tokenizer is not None else getattr(data, "tokenizer", None)
+    pbs = int(cfg.perturbation_batch_size or 64)
+    options = dict(cfg.explain_options)
     device = _util.model_device(model)
     batches, total = _batches(data, batch_size)
 
@@ -148,7 +127,7 @@ def evaluate(model: torch.nn.Module, data: Any, methods: Sequence[str] = ("trans
     modality, samples = None, 0
     has_masks = has_rationales = False
 
-    bar = tqdm(total=total, unit="sample", desc="relprop evaluate", disable=not progress)
+    bar = tqdm(total=total, unit="sample", desc="relprop evaluate", disable=not cfg.progress)
     try:
         for batch in batches:
             inputs = _to_device(batch["inputs"], device)
@@ -214,7 +193,9 @@ def evaluate(model: torch.nn.Module, data: Any, methods: Sequence[str] = ("trans
     if modality is None:
         raise InputError("the data holds no batch")
 
-    cat = lambda arrays: np.concatenate(arrays) if arrays else None  # noqa: E731
+    def cat(arrays):
+        return np.concatenate(arrays) if arrays else None
+
     text = {}
     if modality == "text":
         for m in methods:
@@ -224,15 +205,15 @@ def evaluate(model: torch.nn.Module, data: Any, methods: Sequence[str] = ("trans
                 aopc=FaithfulnessResult.concat(aopcs[m]) if aopcs[m] else None,
                 log_odds=FaithfulnessResult.concat(lodds[m]) if lodds[m] else None,
                 kendall_tau=cat(taus[m]))
-    settings = {"target": target, "steps": [float(s) for s in steps], "modes": list(modes),
+    described = {"target": target, "steps": [float(s) for s in steps], "modes": list(modes),
                 "batch_size": batch_size}
     if modality == "vision":
         norm = _util.resolve_normalization(normalization)
-        settings.update(unit=unit, baseline=_describe(baseline if baseline is not None else 0.0),
+        described.update(unit=unit, baseline=_describe(baseline if baseline is not None else 0.0),
                         normalization=("none (baseline in the model's input space)" if norm is None else
                                        f"mean={list(norm[0])}, std={list(norm[1])}"))
     else:
-        settings.update(removal=str(removal), rationale_k=list(rationale_k), aopc_removal=str(aopc_removal),
+        described.update(removal=str(removal), rationale_k=list(rationale_k), aopc_removal=str(aopc_removal),
                         log_odds_removal=str(log_odds_removal), aopc_steps=[float(s) for s in aopc_steps])
     return EvaluationResult(
         methods=methods, modality=modality, samples=samples,
@@ -241,7 +222,7 @@ def evaluate(model: torch.nn.Module, data: Any, methods: Sequence[str] = ("trans
         segmentation={m: SegmentationResult.concat(segs[m]) for m in methods} if has_masks else {},
         text=text,
         conservation={p: ConservationReport.concat(r) for p, r in cons.items()},
-        presets=presets, settings=settings)
+        presets=presets, settings=described)
 
 
 def evaluate_perturbation(model: torch.nn.Module, data: Any, methods: Sequence[str] = ("transformer_attribution",),

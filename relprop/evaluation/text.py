@@ -27,7 +27,7 @@ from scipy.stats import kendalltau
 
 from ..errors import InputError
 from . import _util
-from .perturbation import PerturbationResult, perturbation_curve
+from .perturbation import PerturbationResult, perturbation_curve, removal_ranks
 
 #: AttCAT's removed fractions, 0 %, 10 %, …, 100 %
 AOPC_STEPS = tuple(round(0.1 * i, 1) for i in range(0, 11))
@@ -47,7 +47,6 @@ def _scores_and_mask(scores: Any, mask: Optional[Any]):
 def top_k(scores: Any, k: int, mask: Optional[Any] = None) -> torch.Tensor:
     """[texts, positions] bool: the k highest-scored positions of each text among ``mask`` (ties: the
     earlier position; fewer when a text has fewer than k tokens)."""
-    from .perturbation import removal_ranks
     s, m = _scores_and_mask(scores, mask)
     if int(k) < 0:
         raise InputError(f"k must be non-negative, got {k}")

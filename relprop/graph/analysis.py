@@ -22,7 +22,8 @@ from typing import Dict, List, Optional, Set, Tuple
 import torch
 import torch.fx
 
-from ..rules.context import module_path, module_paths
+from . import windows
+from .nodes import module_path, module_paths, output_node
 
 aten = torch.ops.aten
 
@@ -108,7 +109,8 @@ def analyze(program, graph: torch.fx.Graph, bindings, primary_name: str, static_
     def traces_to_primary(n) -> bool:
         seen = 0
         while n is not primary:
-            if not isinstance(n, torch.fx.Node) or n.op != "call_function" or n.target not in INDEX_ROUTING or seen > 16:
+            if not isinstance(n, torch.fx.Node) or n.op != "call_function" or n.target not in INDEX_ROUTING \
+                    or seen > 16:
                 return False
             n = n.args[0]
             seen += 1
@@ -138,10 +140,7 @@ def analyze(program, graph: torch.fx.Graph, bindings, primary_name: str, static_
         if _is_float(v) and any(m in live for m in _input_nodes(n)):
             live.add(n)
 
-    output_node = next(n for n in graph.nodes if n.op == "output")
-    outputs = [a for a in torch.fx.node.map_arg(output_node.args[0], lambda x: x).__iter__()] \
-        if isinstance(output_node.args[0], (list, tuple)) else [output_node.args[0]]
-    outputs = [o for o in outputs if isinstance(o, torch.fx.Node)]
+    outputs = [o for o in _top_level_outputs(graph) if isinstance(o, torch.fx.Node)]
 
     relevant: Set[torch.fx.Node] = set()
     stack = [o for o in outputs if o in live]
@@ -193,11 +192,16 @@ def analyze(program, graph: torch.fx.Graph, bindings, primary_name: str, static_
             if len(shape) == 4:
                 grid = (int(shape[2]), int(shape[3]))
             break
-    from . import windows
     window_maps = windows.find_window_maps(blocks, live)
     links = windows.find_stage_links(blocks, live) if window_maps else {}
     return GraphAnalysis(primary, modality, sources, live, relevant, batch_dim, pixel_convs, blocks, grid, outputs,
                          window_maps, links)
+
+
+def _top_level_outputs(graph) -> list:
+    """The entries of the output node's argument (a list or tuple of them, or a single value)."""
+    out = output_node(graph).args[0]
+    return list(out) if isinstance(out, (list, tuple)) else [out]
 
 
 def _batch_major(expr, batch_expr) -> bool:

@@ -1,4 +1,4 @@
-"""Capture the compute graph of an unmodified model with ``torch.export`` (DESIGN §2).
+"""Capture the compute graph of an unmodified model with ``torch.export``.
 
 * ``torch.export.export(model, (), kwargs, strict=False)`` of the model in eval mode (the flags are
   restored afterwards, see :mod:`relprop.graph.state`); nothing of the model is patched.
@@ -59,12 +59,30 @@ class Captured:
     #: memo of signed weight splits used by the linear rules under ``explain(..., memory="high")``
     #: (see relprop.rules.linear.signed_split); one dict per model, shared by all its captures
     weight_cache: dict = dataclasses.field(default_factory=dict)
-    #: memo of the interpreter's plans for this graph (last uses, rematerializable nodes, segments)
+    #: memo of the engine's plans for this graph (last uses, rematerializable nodes, segments,
+    #: modified-gradient replacements), filled by the engine on first use
     plans: dict = dataclasses.field(default_factory=dict)
 
     @property
     def out_spec(self):
         return self.program.call_spec.out_spec
+
+    def bind(self, model: torch.nn.Module, kwargs: Dict[str, Any]) -> Dict[torch.fx.Node, Any]:
+        """Placeholder values: the model's *current* parameters and buffers (detached, read by name
+        at each call, so a fine-tuned model is explained with its current weights), the program's
+        lifted constants and the user's inputs."""
+        env = {}
+        for node, kind, target in self.bindings:
+            if kind == "param":
+                env[node] = model.get_parameter(target).detach()
+            elif kind == "buffer":
+                env[node] = model.get_buffer(target).detach()
+            elif kind == "constant":
+                env[node] = self.program.constants[target]
+            else:
+                v = kwargs[target]
+                env[node] = v.detach() if torch.is_tensor(v) else v
+        return env
 
 
 class CaptureCache:
@@ -72,24 +90,28 @@ class CaptureCache:
 
     def __init__(self, size: int = CACHE_SIZE):
         self.size = size
-        self._by_model: "weakref.WeakKeyDictionary[torch.nn.Module, collections.OrderedDict]" = weakref.WeakKeyDictionary()
+        self._by_model: "weakref.WeakKeyDictionary[torch.nn.Module, collections.OrderedDict]" = \
+            weakref.WeakKeyDictionary()
         self._memos: "weakref.WeakKeyDictionary[torch.nn.Module, dict]" = weakref.WeakKeyDictionary()
         self._lock = threading.RLock()
         self.traces = 0  # number of exports performed (tests read it)
 
-    def get(self, model: torch.nn.Module, kwargs: Dict[str, Any]) -> Captured:
+    def get(self, model: torch.nn.Module, kwargs: Dict[str, Any], primary: Optional[str] = None) -> Captured:
+        """The captured program of ``model`` on inputs like ``kwargs`` explained onto ``primary``
+        (default: :func:`relprop.graph.inputs.primary_input`), captured on the first call."""
+        primary = primary if primary is not None else primary_input(kwargs)
         with self._lock:
             per_model = self._by_model.setdefault(model, collections.OrderedDict())
             for dynamic in (True, False):
-                key = signature(kwargs, dynamic)
+                key = signature(kwargs, dynamic, primary)
                 hit = per_model.get(key)
                 if hit is not None and hit.batch_dynamic == dynamic:
                     per_model.move_to_end(key)
                     return hit
-            captured = capture(model, kwargs)
+            captured = capture(model, kwargs, primary)
             captured.weight_cache = self._memos.setdefault(model, {})  # one memo per model, not per shape
             self.traces += 1
-            per_model[signature(kwargs, captured.batch_dynamic)] = captured
+            per_model[signature(kwargs, captured.batch_dynamic, primary)] = captured
             while len(per_model) > self.size:
                 per_model.popitem(last=False)
             return captured
@@ -113,8 +135,8 @@ def clear_cache(model: Optional[torch.nn.Module] = None) -> None:
     CACHE.clear(model)
 
 
-def _export(model, kwargs, dynamic: bool):
-    b = batch_size_of(kwargs)
+def _export(model, kwargs, dynamic: bool, primary: str):
+    b = batch_size_of(kwargs, primary)
     tensors = {k: v for k, v in kwargs.items() if v is not None}
     shapes = None
     if dynamic:
@@ -132,8 +154,9 @@ def _export(model, kwargs, dynamic: bool):
     return torch.export.export(model, (), tensors, strict=False, dynamic_shapes=shapes), list(tensors)
 
 
-def capture(model: torch.nn.Module, kwargs: Dict[str, Any]) -> Captured:
-    """Export ``model`` called with ``kwargs`` and decompose it so attention probabilities are nodes."""
+def capture(model: torch.nn.Module, kwargs: Dict[str, Any], primary: str) -> Captured:
+    """Export ``model`` called with ``kwargs`` and decompose it so attention probabilities are nodes;
+    ``primary`` names the input relevance is explained onto."""
     errors = []
     ep = names = None
     dynamic = False
@@ -144,7 +167,7 @@ def capture(model: torch.nn.Module, kwargs: Dict[str, Any]) -> Captured:
     with eval_mode(model), torch.no_grad():
         for dynamic in (True, False):
             try:
-                ep, names = _export(model, kwargs, dynamic)
+                ep, names = _export(model, kwargs, dynamic, primary)
                 ep = ep.run_decompositions(table)
                 break
             except Exception as e:  # noqa: BLE001 - torch raises many kinds; we report them all
@@ -174,8 +197,7 @@ def capture(model: torch.nn.Module, kwargs: Dict[str, Any]) -> Captured:
             bindings.append((node, "user", next(user_names)))
         else:
             raise CaptureError(f"unsupported graph input {node.name} of kind {spec.kind}")
-    primary = primary_input(kwargs)
-    analysis = analyze(ep, graph, bindings, primary, batch_size_of(kwargs) if not dynamic else None)
+    analysis = analyze(ep, graph, bindings, primary, batch_size_of(kwargs, primary) if not dynamic else None)
     return Captured(ep, graph, bindings, names, dynamic, analysis, primary)
 
 

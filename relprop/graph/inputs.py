@@ -1,9 +1,6 @@
 """Turn what the user passed as ``inputs`` into keyword arguments of the model's forward."""
 from __future__ import annotations
 
-import contextlib
-import contextvars
-import functools
 import inspect
 from collections.abc import Mapping
 from typing import Any, Dict, Optional, Tuple
@@ -57,45 +54,13 @@ def bind_inputs(model: torch.nn.Module, inputs: Any) -> Dict[str, Any]:
     return out
 
 
-#: the input chosen with ``explain(..., wrt=name)`` for the duration of that call (None: automatic)
-_WRT: "contextvars.ContextVar[Optional[str]]" = contextvars.ContextVar("relprop_wrt", default=None)
-
-
-@contextlib.contextmanager
-def explaining_wrt(name: Optional[str]):
-    """Within this context, :func:`primary_input` is ``name`` (when not None): the input relevance
-    and gradients are explained onto, e.g. ``"pixel_values"`` or ``"input_ids"`` of a CLIP model
-    (its image or its text tower). Captures are cached per chosen input."""
-    if name is not None and not isinstance(name, str):
-        raise InputError(f"wrt must be the name of a tensor input of the model (a str), not {type(name).__name__}")
-    token = _WRT.set(name)
-    try:
-        yield
-    finally:
-        _WRT.reset(token)
-
-
-def with_wrt(fn):
-    """Give ``fn`` (``relprop.explain``) a keyword argument ``wrt=None`` that runs it within
-    :func:`explaining_wrt` (the signature shown by ``help()`` includes it)."""
-    @functools.wraps(fn)
-    def wrapper(*args, wrt: Optional[str] = None, **kwargs):
-        with explaining_wrt(wrt):
-            return fn(*args, **kwargs)
-
-    sig = inspect.signature(fn)
-    params = [p for p in sig.parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD]
-    params.append(inspect.Parameter("wrt", inspect.Parameter.KEYWORD_ONLY, default=None, annotation="Optional[str]"))
-    params += [p for p in sig.parameters.values() if p.kind is inspect.Parameter.VAR_KEYWORD]
-    wrapper.__signature__ = sig.replace(parameters=params)
-    return wrapper
-
-
-def primary_input(kwargs: Dict[str, Any]) -> str:
-    """Name of the input that relevance is explained onto (pixels, token ids or embeddings): the
-    one chosen with ``explain(..., wrt=...)``, else the first of :data:`PRIMARY_INPUT_NAMES`."""
-    wrt = _WRT.get()
+def primary_input(kwargs: Dict[str, Any], wrt: Optional[str] = None) -> str:
+    """Name of the input that relevance is explained onto (pixels, token ids or embeddings):
+    ``wrt`` when given (``explain(..., wrt=...)``, e.g. ``"pixel_values"`` or ``"input_ids"`` of a
+    CLIP model: its image or its text tower), else the first of :data:`PRIMARY_INPUT_NAMES`."""
     if wrt is not None:
+        if not isinstance(wrt, str):
+            raise InputError(f"wrt must be the name of a tensor input of the model (a str), not {type(wrt).__name__}")
         if not torch.is_tensor(kwargs.get(wrt)):
             names = sorted(k for k, v in kwargs.items() if torch.is_tensor(v))
             raise InputError(f"wrt={wrt!r} is not a tensor input of this call; choices: {names}")
@@ -109,17 +74,18 @@ def primary_input(kwargs: Dict[str, Any]) -> str:
     return next(k for k, v in kwargs.items() if torch.is_tensor(v))
 
 
-def batch_size_of(kwargs: Dict[str, Any]) -> int:
-    t = kwargs[primary_input(kwargs)]
+def batch_size_of(kwargs: Dict[str, Any], primary: str) -> int:
+    """The number of samples: the first dimension of the explained input ``kwargs[primary]``."""
+    t = kwargs[primary]
     if t.dim() == 0:
-        raise InputError(f"input '{primary_input(kwargs)}' is a scalar; it needs a batch dimension first")
+        raise InputError(f"input '{primary}' is a scalar; it needs a batch dimension first")
     return t.shape[0]
 
 
-def signature(kwargs: Dict[str, Any], batch_dynamic: bool) -> Tuple:
+def signature(kwargs: Dict[str, Any], batch_dynamic: bool, primary: str) -> Tuple:
     """Hashable description of the inputs: names, dtypes, devices and shapes (batch as -1 when the
-    captured graph takes any batch size)."""
-    b = batch_size_of(kwargs)
+    captured graph takes any batch size), and which input is explained."""
+    b = batch_size_of(kwargs, primary)
     sig = []
     for name in sorted(kwargs):
         v = kwargs[name]
@@ -128,8 +94,9 @@ def signature(kwargs: Dict[str, Any], batch_dynamic: bool) -> Tuple:
                           for i, s in enumerate(v.shape))
             sig.append((name, str(v.dtype), v.device.type, shape))
         else:
-            sig.append((name, type(v).__name__, repr(v) if isinstance(v, (int, float, bool, str, type(None))) else id(v)))
-    sig.append(("<explained input>", primary_input(kwargs)))  # one capture per choice of wrt
+            plain = isinstance(v, (int, float, bool, str, type(None)))
+            sig.append((name, type(v).__name__, repr(v) if plain else id(v)))
+    sig.append(("<explained input>", primary))  # one capture per choice of wrt
     return tuple(sig)
 
 

@@ -27,7 +27,7 @@ Nothing here knows Swin's code. Both facts are read off the captured graph:
 
 With these, the rollout methods multiply the block maps of a stage and step to the next stage with
 D (:func:`relprop.methods.rollout_utils.chain`), and the pooled output of a model without a class
-token is the mean of the rows of the last stage (:mod:`relprop.methods.pooled`).
+token is the mean of the rows of the last stage (:func:`relprop.methods.query.query_rows`).
 """
 from __future__ import annotations
 
@@ -39,6 +39,7 @@ import torch
 import torch.fx
 
 from ..errors import RelpropError
+from .nodes import evaluate
 
 aten = torch.ops.aten
 
@@ -183,11 +184,14 @@ def _trace_indices(start, nodes, env) -> dict:
     idx = torch.arange(1, tokens + 1, dtype=torch.float64, device=v.device).reshape((1,) + tuple(grid) + (1,))
     local = {start: idx.expand(v.shape).contiguous()}
     for n in nodes:
-        args, kw = torch.fx.node.map_arg((n.args, n.kwargs), lambda m: local[m] if m in local else env[m])
-        if n.target is aten._to_copy.default:
-            kw = {k: w for k, w in kw.items() if k != "dtype"}
-        local[n] = n.target(*args, **kw)
+        local[n] = evaluate(n, lambda m: local[m] if m in local else env[m],
+                            _copy_in_float64 if n.target is aten._to_copy.default else None)
     return local, tokens
+
+
+def _copy_in_float64(x, *args, **kwargs):
+    """``_to_copy`` that keeps the float64 of the traced indices (any other conversion is kept)."""
+    return aten._to_copy.default(x, *args, **{k: v for k, v in kwargs.items() if k != "dtype"})
 
 
 def window_positions(wm: WindowMap, env, batch: int):
@@ -303,7 +307,9 @@ def globalize(layout: Optional[WindowLayout], records, batch: int):
             raise RelpropError(f"the windows of block {rec.index} ('{rec.name}') do not cover each token of its "
                                "stage exactly once; relprop maps only non-overlapping window attention")
         tokens.append(n)
-        g = lambda t: to_global(t, pos, batch, n) if t is not None else None  # noqa: E731
+        def g(t, pos=pos, n=n):
+            return to_global(t, pos, batch, n) if t is not None else None
+
         out.append(dataclasses.replace(rec, attention=g(rec.attention), gradient=g(rec.gradient),
                                        relevance=g(rec.relevance), value=None, features=None,
                                        features_gradient=None))

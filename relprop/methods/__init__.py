@@ -1,4 +1,4 @@
-"""Explanation methods, each a small pure function of the per-block records (DESIGN §4).
+"""Explanation methods, each a small pure function of the per-block records of a trace.
 
 =========================  ============================================================
 module                     methods
@@ -14,7 +14,29 @@ module                     methods
 A method is ``fn(trace, **options) -> dict`` with ``"tokens"`` ([batch, tokens]: every token of the
 graph, class/distillation tokens included, for images; every position for text), optionally
 ``"matrix"`` ([batch, tokens, tokens]) or, for input-level methods on images, ``"pixels"``
-([batch, H, W]). :func:`relprop.explain` turns that into an :class:`relprop.Explanation`.
+([batch, H, W]). :mod:`relprop.explanation` turns that into an :class:`relprop.Explanation`.
+
+``relprop.methods`` is this package; called, ``relprop.methods()``, it returns the table of methods
+(:func:`relprop.methods.registry.table`).
 """
-from .registry import all_methods, get_method, method, MethodInfo  # noqa: F401
-from . import transformer_attribution, attention_baselines, attcat, gradients, perturbation  # noqa: F401,E402
+import sys
+import types
+
+# the method modules register their methods when imported, in the order relprop.methods() lists them
+from . import transformer_attribution, attention_baselines, attcat, gradients, perturbation
+from .apply import apply
+from .registry import MethodInfo, all_methods, get_method, method, table
+
+__all__ = ["MethodInfo", "all_methods", "apply", "get_method", "method", "table",
+           "attcat", "attention_baselines", "gradients", "perturbation", "transformer_attribution"]
+
+
+class _CallableModule(types.ModuleType):
+    """The ``relprop.methods`` package, which is also the function ``relprop.methods()``."""
+
+    def __call__(self):
+        """Every method name with its description, class-specificity, sign and reference."""
+        return table()
+
+
+sys.modules[__name__].__class__ = _CallableModule

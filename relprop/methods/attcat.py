@@ -1,10 +1,11 @@
 """Class-activation methods of the AttCAT paper and two attention/feature baselines of the survey.
 
 From Qiang et al., "AttCAT: Explaining Transformers via Attentive Class Activation Tokens"
-(NeurIPS 2022; ``shared/papers/attcat-*``, §4 and Fig. 2), with its authors' code
+(NeurIPS 2022, §4 and Fig. 2), with its authors' code
 (github.com/qiangyao1988/AttCAT, ``BERT_explainability/modules/BERT/ExplanationGenerator.py``):
 ``cat``, ``attcat``, and its baselines ``grads`` and ``attgrads`` (Grad-SAM, Barkan et al. 2021).
-From the survey (``shared/papers/survey-*``): ``attention_norm`` (Kobayashi et al. 2020) and
+From the survey of transformer explainability methods that relprop follows ("the survey": §1 attention-based
+methods, §2 methods for vision transformers): ``attention_norm`` (Kobayashi et al. 2020) and
 ``gradcam`` on token features.
 
 Notation: blocks are counted from the input (0-based; the papers' "last layer" is
@@ -203,8 +204,8 @@ def attgrads(trace, token_scores: str = "rows"):
         update of token i draws, with a positive gradient, on the tokens it attends to. Grad-SAM
         also divides by the number of tokens n, s_i = 1/(L·H·n) Σ_l Σ_h Σ_j H_lh[i, j] (this
         reading of its row reduction is taken from public implementations of Grad-SAM, including
-        the one next to the AttCAT authors' code in ContrastCAT; the Grad-SAM paper itself is not in
-        ``shared/papers``). The 1/n is left out here: with padding n would be the padded length,
+        the one next to the AttCAT authors' code in ContrastCAT). The 1/n is left out here: with padding n
+        would be the padded length,
         and a padded batch would no longer explain like each text alone.
     ``"cls"``: the class token's row of M, M[0, j], like the attention baselines.
 

@@ -1,4 +1,4 @@
-"""Input-level gradient methods (survey §2.1; DESIGN §4): input × gradient, SmoothGrad and
+"""Input-level gradient methods (survey §2.1): input × gradient, SmoothGrad and
 Integrated Gradients.
 
 All three work on the *source* of the captured graph, the tensor relevance and gradients stop at:
@@ -29,11 +29,10 @@ from __future__ import annotations
 from typing import List, Optional, Sequence, Tuple, Union
 
 import torch
-from tqdm.auto import tqdm
 
+from ..engine.session import Session
 from ..errors import MethodError
-from ..graph.interpreter import Session
-from ..targets import logits_of
+from .progress import progress_bar
 from .registry import method
 
 
@@ -123,21 +122,10 @@ class Reruns:
         """A session whose batch is ``rows`` of the explained batch, scoring each row's own target."""
         if rows.numel() == self.batch and bool((rows == torch.arange(self.batch)).all()):
             return self.session
-        s = self.session
-        b = self.batch
-        kwargs = {k: (v.index_select(0, rows.to(v.device))
-                      if torch.is_tensor(v) and v.dim() > 0 and v.shape[0] == b else v)
-                  for k, v in s.kwargs.items()}
-        target = self.target[rows.to(self.target.device)]
-
-        def score(outputs):
-            logits = logits_of(outputs)
-            return logits.gather(1, target[:, None].to(logits.device)).squeeze(1)
-
-        return Session(s.captured, s.model, kwargs, score, None)
+        return self.session.subset(rows, self.target[rows.to(self.target.device)], self.batch)
 
     def progress(self, total: int, desc: str):
-        return tqdm(total=total, desc=desc, disable=None, leave=False)
+        return progress_bar(total, desc)
 
 
 # ---------------------------------------------------------------- input × gradient

@@ -1,4 +1,4 @@
-"""Perturbation methods (survey §2.2–2.3; DESIGN §4): Value Zeroing and ViT-CX.
+"""Perturbation methods (survey §2.2–2.3): Value Zeroing and ViT-CX.
 
 =================  ==================================================================================
 method             definition
@@ -21,15 +21,14 @@ from __future__ import annotations
 
 from typing import List, Union
 
-import numpy as np
 import torch
 import torch.nn.functional as F
-from tqdm.auto import tqdm
 
 from ..errors import MethodError
 from .gradients import Reruns
-from .registry import method
+from .progress import progress_bar
 from .query import query_rows
+from .registry import method
 
 
 # ---------------------------------------------------------------- Value Zeroing
@@ -91,7 +90,7 @@ def value_zeroing(trace):
     env = session.base_env()
     joint = None
     n = blocks[0].attention.shape[-1]
-    with tqdm(total=len(blocks) * n, desc="value_zeroing", disable=None, leave=False) as bar:
+    with progress_bar(len(blocks) * n, "value_zeroing") as bar:
         for blk in blocks:
             v = blk.value  # [batch, heads, tokens, head_dim]
             bsz, tokens = v.shape[0], v.shape[-2]
@@ -138,6 +137,7 @@ def vitcx_masks(maps: torch.Tensor, gram: torch.Tensor, distance_threshold: floa
     agglomerative clustering of the upsampled channel maps (cosine distance, average linkage,
     ``distance_threshold``, no fixed number of clusters), and the mean map of each cluster.
     Upsampling is linear, so the mean of upsampled maps is the upsampled mean."""
+    import numpy as np  # optional dependencies of vit_cx (relprop[eval])
     from sklearn.cluster import AgglomerativeClustering
 
     maps = maps.double()
@@ -238,7 +238,7 @@ def vit_cx(trace, distance_threshold: float = 0.1, baseline: Union[str, float] =
     counts = [m.shape[0] for m in masks]
     scores = [x.new_zeros(c) for c in counts]
     reruns = Reruns(trace, batch_size)
-    with tqdm(total=sum(counts), desc="vit_cx", disable=None, leave=False) as bar:
+    with progress_bar(sum(counts), "vit_cx") as bar:
         for rows, copies, ok in reruns.plan(counts):
             keep = [k for k in range(rows.numel()) if bool(ok[k])]
             if not keep:

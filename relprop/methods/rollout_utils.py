@@ -5,6 +5,9 @@ from typing import List, Optional
 
 import torch
 
+from ..errors import MethodError
+from .query import query_rows
+
 
 def head_mean(t: torch.Tensor) -> torch.Tensor:
     """E_h: mean over the heads of a [batch, heads, tokens, tokens] map."""
@@ -50,9 +53,7 @@ def query_row(trace, joint: torch.Tensor, query: str = "cls") -> torch.Tensor:
     ``"cls"`` → the classification token's row (row 0), or for a causal decoder the row of the
     position its target reads (:mod:`relprop.methods.query`); ``"mean"`` → the mean of the rows of
     the real (non-padding) tokens."""
-    from ..errors import MethodError
     if query == "cls":
-        from .query import query_rows
         return query_rows(trace, joint)
     if query == "mean":
         mask = trace.token_mask

@@ -22,6 +22,7 @@ raise :class:`relprop.MethodError` for these models (:data:`NOT_APPLICABLE`).
 from __future__ import annotations
 
 from ..errors import MethodError
+from .registry import all_methods
 
 #: method → why it does not apply to window attention
 NOT_APPLICABLE = {
@@ -37,14 +38,13 @@ NOT_APPLICABLE = {
 
 def applicable_methods():
     """Names of the registered methods that apply to models with window attention."""
-    from .registry import all_methods
     return sorted(n for n in all_methods() if n not in NOT_APPLICABLE)
 
 
-def check_applicable(info, model) -> None:
+def check_applicable(info, model_name: str) -> None:
     """Raise :class:`MethodError` when method ``info`` does not apply to a windowed model."""
     reason = NOT_APPLICABLE.get(info.name)
     if reason is None:
         return
-    raise MethodError(f"method '{info.name}' does not apply to {type(model).__name__}, whose attention works on "
+    raise MethodError(f"method '{info.name}' does not apply to {model_name}, whose attention works on "
                       f"windows (Swin): {reason}. Methods that apply: {applicable_methods()}")

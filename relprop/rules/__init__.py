@@ -18,9 +18,17 @@ module              ops
 ``gradient_forms``  rules as modified gradients (autograd functions) for the one-backward fast path
 ==================  ======================================================================
 """
-from .registry import define_preset, describe, get_preset, lookup, presets, rule  # noqa: F401
-from .context import RuleContext  # noqa: F401
-from . import routing, passthrough, linear, products, residual, convolution, reductions  # noqa: F401,E402
-from . import pointwise, normalization  # noqa: F401,E402
-from . import windows  # noqa: F401,E402
-from . import attnlrp, cp_lrp  # noqa: F401,E402
+# the rule modules register their rules when imported; a preset's table is complete after the last
+from . import routing, passthrough, linear, products, residual, convolution, reductions
+from . import pointwise, normalization, windows, attnlrp, cp_lrp
+from .context import RuleContext
+from .gradient_forms import gradient_form
+from .registry import Preset, describe, get_preset, lookup, override, presets, rule, seal_builtins
+
+seal_builtins(presets())
+
+__all__ = ["Preset", "RuleContext", "describe", "get_preset", "gradient_form", "lookup", "override", "presets",
+           "rule",
+           # the rule modules, one per op family
+           "attnlrp", "convolution", "cp_lrp", "linear", "normalization", "passthrough", "pointwise", "products",
+           "reductions", "residual", "routing", "windows"]

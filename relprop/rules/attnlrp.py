@@ -39,23 +39,22 @@ import types
 
 import torch
 
-from .convolution import _conv_t
+from .convolution import conv_input_adjoint
 from .gradient_forms import (constant_operand, gradient_form, identity_rule, half_gradient,
                              layer_norm_const_std, plain, rms_norm_const_rms, uniform_product)
-from .linear import _require_constant_weight
+from .linear import require_constant_weight
+from .normalization import is_statistic
 from .reductions import pooling_z_rule
-from .registry import define_preset, rule
+from .registry import BASE, Preset, rule
 from .stabilize import finite, safe_divide
 
 aten = torch.ops.aten
 
-define_preset(
-    "attnlrp",
-    "AttnLRP (Achtibat et al., ICML 2024): epsilon-rule linear layers and sums, identity rule on "
-    "element-wise non-linearities and normalization statistics, uniform rule on bilinear products, "
-    "the softmax rule of Prop. 3.1; conservative up to absorbed (bias) relevance",
-    parents=("base",),
-)
+ATTNLRP = Preset(
+    "attnlrp", extends=BASE, modified_gradient=True,
+    description="AttnLRP (Achtibat et al., ICML 2024): epsilon-rule linear layers and sums, identity rule on "
+                "element-wise non-linearities and normalization statistics, uniform rule on bilinear products, "
+                "the softmax rule of Prop. 3.1; conservative up to absorbed (bias) relevance")
 PRESET = "attnlrp"
 
 
@@ -74,7 +73,7 @@ def _f(t):
 def epsilon_linear(ctx, relevance):
     """``y = x Wᵀ + b``: ε-rule (AttnLRP Eq. 8; Bach et al. 2015 Eq. 58),
     R_x = x ⊙ (R / y) W with y including the bias; the bias absorbs b ⊙ R / y."""
-    _require_constant_weight(ctx, 1)
+    require_constant_weight(ctx, 1)
     x, w = _f(ctx.args[0]), _f(ctx.args[1])
     s = safe_divide(relevance, _f(ctx.out), ctx.eps)
     out = [x * (s @ w), None]
@@ -88,7 +87,7 @@ def epsilon_linear(ctx, relevance):
 @gradient_form(plain)
 def epsilon_addmm(ctx, relevance):
     """``y = β b + α x W`` (GPT-2's Conv1D): ε-rule (AttnLRP Eq. 8), the bias absorbs β b ⊙ R / y."""
-    _require_constant_weight(ctx, 2)
+    require_constant_weight(ctx, 2)
     b, x, w = ctx.args[:3]
     beta = ctx.kwargs.get("beta", 1)
     alpha = ctx.kwargs.get("alpha", 1)
@@ -106,7 +105,7 @@ def epsilon_convolution(ctx, relevance):
     x, w = _f(ctx.args[0]), _f(ctx.args[1])
     p = tuple(ctx.args[3:9])
     s = safe_divide(relevance, _f(ctx.out), ctx.eps)
-    rx = x * _conv_t(s, w, x.shape, p)
+    rx = x * conv_input_adjoint(s, w, x.shape, p)
     b = ctx.args[2]
     rb = None
     if torch.is_tensor(b):
@@ -270,13 +269,6 @@ def rms_norm(ctx, relevance):
     """``rms_norm``: AttnLRP Prop. 3.4, the RMS is a constant, so y = γ ⊙ x / rms is linear without
     bias and its ε-rule (Eq. 8) passes R unchanged: R_x = R_y."""
     return (relevance,) + (None,) * (len(ctx.args) - 1)
-
-
-def is_statistic(ctx, position: int) -> bool:
-    """Whether factor ``position`` of a product is a normalizing statistic of the input (RMSNorm's
-    ``rsqrt(mean(x²) + ε)``), as :func:`relprop.rules.normalization.is_statistic` decides."""
-    from .normalization import is_statistic as _is_statistic
-    return _is_statistic(ctx, position)
 
 
 def product_kind(ctx) -> str:

@@ -7,6 +7,10 @@ from typing import Any, Optional, Sequence
 import torch
 import torch.fx
 
+from ..errors import RelpropError
+from ..graph.nodes import module_path
+from .registry import lookup
+
 
 @dataclasses.dataclass
 class RuleContext:
@@ -23,8 +27,11 @@ class RuleContext:
     batch_dim : the dimension of ``out`` that indexes samples (None if ``out`` has none).
     batch_size : number of samples.
     eps : stabilizer added to denominators (``relprop.rules.stabilize.safe_divide``).
-    preset : name of the active preset.
-    options : extra per-call options (``explain(..., rule_options={...})``).
+    preset : name of the active preset, for messages and for :meth:`rule_for`; a rule never
+        chooses its formula by it (each preset's table names its own rules).
+    options : what the engine knows of this call beyond the node: ``reads_pixels`` (node name ->
+        whether the convolution reads the pixel input, for the z^B rule) and ``weight_cache`` (the
+        memo of split weights under ``explain(..., memory="high")``, else None).
     """
 
     node: torch.fx.Node
@@ -38,20 +45,25 @@ class RuleContext:
     preset: str = "chefer2021"
     options: dict = dataclasses.field(default_factory=dict)
 
-    # -- provenance -----------------------------------------------------------------------------
     @property
     def module_path(self) -> str:
         """Dotted path of the innermost module the node came from ('' at top level)."""
         return module_path(self.node)
 
+    def rule_for(self, op):
+        """The rule the active preset applies to ``op`` (e.g. the product with a constant matrix
+        applies the preset's rule for ``aten.linear``), or None."""
+        return lookup(self.preset, op)
+
     # -- per-sample statistics ------------------------------------------------------------------
     def sample_sum(self, t: torch.Tensor) -> torch.Tensor:
         """Sum of ``t`` (shaped like :attr:`out`) over everything but the batch: shape [batch].
 
-        DESIGN §2: no statistic ever crosses the batch dimension.
+        No statistic ever crosses the batch dimension, so that a batch explains exactly like its
+        samples one by one.
         """
         if self.batch_dim is None:
-            raise RuntimeError(f"node {self.node.name} has no batch dimension; cannot sum per sample")
+            raise RelpropError(f"node {self.node.name} has no batch dimension; cannot sum per sample")
         t = t.movedim(self.batch_dim, 0)
         # a batch dimension may fold k groups per sample, batch-major (Swin's [batch·windows, ...])
         return t.reshape(self.batch_size, -1).sum(1)
@@ -69,34 +81,3 @@ class RuleContext:
     def live_tensor_args(self) -> Sequence[int]:
         """Positions of positional arguments that are input-dependent tensors."""
         return [i for i, (a, l) in enumerate(zip(self.args, self.live)) if l is True and torch.is_tensor(a)]
-
-
-def module_path(node: torch.fx.Node) -> str:
-    """The innermost ``nn_module_stack`` entry of ``node`` ('' if none)."""
-    stack = node.meta.get("nn_module_stack") or {}
-    if not stack:
-        return ""
-    path, _ = list(stack.values())[-1]
-    return _clean_path(path)
-
-
-def module_type(node: torch.fx.Node) -> str:
-    stack = node.meta.get("nn_module_stack") or {}
-    if not stack:
-        return "top level"
-    _, typ = list(stack.values())[-1]
-    return typ if isinstance(typ, str) else getattr(typ, "__qualname__", str(typ))
-
-
-def module_paths(node: torch.fx.Node) -> list:
-    """Every enclosing module path of ``node``, outermost first."""
-    stack = node.meta.get("nn_module_stack") or {}
-    return [_clean_path(p) for p, _ in stack.values()]
-
-
-def _clean_path(path: str) -> str:
-    # non-strict export writes paths like "L['self'].blocks[3].attn" in some versions
-    if path.startswith("L['self']"):
-        path = path[len("L['self']"):].lstrip(".")
-        path = path.replace("[", ".").replace("]", "").replace("'", "")
-    return path

@@ -25,7 +25,7 @@ def _conv(x, w, p):
     return aten.convolution.default(x, w, None, *p)
 
 
-def _conv_t(s, w, x_shape, p):
+def conv_input_adjoint(s, w, x_shape, p):
     """Adjoint of the convolution w.r.t. its input (the gradient with ``s`` as output gradient)."""
     stride, padding, dilation, transposed, output_padding, groups = p
     x = torch.empty(x_shape, dtype=s.dtype, device=s.device)
@@ -40,7 +40,8 @@ def z_box(x, w, p, relevance, eps, low, high):
     hi = high.expand_as(x)
     z = _conv(x, w, p) - _conv(lo, wp, p) - _conv(hi, wn, p)
     s = safe_divide(relevance, z, eps)
-    return x * _conv_t(s, w, x.shape, p) - lo * _conv_t(s, wp, x.shape, p) - hi * _conv_t(s, wn, x.shape, p)
+    return (x * conv_input_adjoint(s, w, x.shape, p) - lo * conv_input_adjoint(s, wp, x.shape, p)
+            - hi * conv_input_adjoint(s, wn, x.shape, p))
 
 
 def conv_alpha1_beta0(x, w, p, relevance, eps, joint=True):
@@ -50,12 +51,11 @@ def conv_alpha1_beta0(x, w, p, relevance, eps, joint=True):
     z1, z2 = _conv(xp, wp, p), _conv(xn, wn, p)
     s1 = safe_divide(relevance, z1 + z2 if joint else z1, eps)
     s2 = safe_divide(relevance, z1 + z2 if joint else z2, eps)
-    return xp * _conv_t(s1, wp, x.shape, p) + xn * _conv_t(s2, wn, x.shape, p)
+    return xp * conv_input_adjoint(s1, wp, x.shape, p) + xn * conv_input_adjoint(s2, wn, x.shape, p)
 
 
-@rule(aten.convolution.default, preset=("chefer2021", "lrp"))
-def convolution(ctx, relevance):
-    """Patch embedding: z^B on pixels (supplementary §B); otherwise the preset's linear rule."""
+def _convolution(ctx, relevance, joint: bool):
+    """z^B on a convolution that reads the pixels (per-sample bounds), else alpha1-beta0."""
     x, w = ctx.args[0].float(), ctx.args[1].float()
     p = tuple(ctx.args[3:9])
     if ctx.options.get("reads_pixels", {}).get(ctx.node.name, False):
@@ -64,5 +64,19 @@ def convolution(ctx, relevance):
         high = x.amax(dim=dims, keepdim=True)
         rx = z_box(x, w, p, relevance, ctx.eps, low, high)
     else:
-        rx = conv_alpha1_beta0(x, w, p, relevance, ctx.eps, joint=(ctx.preset != "lrp"))
+        rx = conv_alpha1_beta0(x, w, p, relevance, ctx.eps, joint=joint)
     return (rx,) + (None,) * (len(ctx.args) - 1)
+
+
+@rule(aten.convolution.default, preset="chefer2021")
+def convolution(ctx, relevance):
+    """Patch embedding: z^B on pixels (supplementary §B); any other convolution: alpha1-beta0 with
+    a joint denominator (Eq. 5)."""
+    return _convolution(ctx, relevance, joint=True)
+
+
+@rule(aten.convolution.default, preset="lrp")
+def convolution_lrp_baseline(ctx, relevance):
+    """Patch embedding: z^B on pixels (supplementary §B); any other convolution: the LRP
+    baseline's separate denominators (``layers_lrp.Conv2d``)."""
+    return _convolution(ctx, relevance, joint=False)

@@ -24,18 +24,17 @@ from __future__ import annotations
 import torch
 import torch.fx
 
+from ..graph.analysis import SOFTMAX_OPS, TRANSPARENT_OPS
 from . import attnlrp
 from .gradient_forms import constant_operand, gradient_form, half_gradient
-from .registry import define_preset, rule
+from .registry import Preset, rule
 
 aten = torch.ops.aten
 
-define_preset(
-    "cp_lrp",
-    "CP-LRP (Ali et al., ICML 2022): the attention probabilities and LayerNorm's standard deviation "
-    "held constant (LRP-AH, LRP-LN), AttnLRP's epsilon/identity rules elsewhere; gates constant",
-    parents=("attnlrp",),
-)
+CP_LRP = Preset(
+    "cp_lrp", extends=attnlrp.ATTNLRP,
+    description="CP-LRP (Ali et al., ICML 2022): the attention probabilities and LayerNorm's standard deviation "
+                "held constant (LRP-AH, LRP-LN), AttnLRP's epsilon/identity rules elsewhere; gates constant")
 PRESET = "cp_lrp"
 
 #: ops between a gate's activation and the product that do not change the value
@@ -49,7 +48,6 @@ _ACTIVATIONS = {aten.gelu.default, aten.silu.default, aten.sigmoid.default, aten
 def is_attention(arg, hops: int = 6) -> bool:
     """Whether graph argument ``arg`` is attention probabilities: a softmax output, possibly through
     the ops that :mod:`relprop.graph.analysis` treats as transparent (masking ``where``, copies)."""
-    from ..graph.analysis import SOFTMAX_OPS, TRANSPARENT_OPS  # lazy: graph imports rules
     if not isinstance(arg, torch.fx.Node) or arg.op != "call_function" or hops < 0:
         return False
     if arg.target in SOFTMAX_OPS:

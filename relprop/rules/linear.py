@@ -12,15 +12,14 @@ Every term is non-negative, so Σ_i R_i = Σ_j R_j wherever z_j ≠ 0: the rule 
 ``"lrp"`` — the linear rule of the authors' LRP *baseline* (``modules/layers_lrp.py``), kept as the
 code has it because the paper's LRP and partial-LRP numbers come from it: the x⁺W⁺ part is divided
 by the joint denominator z⁺ + z⁻ (z⁺ = x⁺W⁺, z⁻ = x⁻W⁻) but the x⁻W⁻ part by 2·z⁻. Its total is
-Σ_j R_j (z⁺_j / (z⁺_j + z⁻_j) + 1/2): NOT conservative. (DESIGN.md describes this as "separate
-denominators"; the code's denominator for the second part is ``Z2 + Z2``. We follow the code.)
+Σ_j R_j (z⁺_j / (z⁺_j + z⁻_j) + 1/2): NOT conservative.
 """
 from __future__ import annotations
 
 import torch
 
 from ..errors import UnsupportedOperation
-from .context import module_type
+from ..graph.nodes import module_type
 from .registry import rule
 from .stabilize import safe_divide
 
@@ -81,49 +80,81 @@ def lrp_baseline(x: torch.Tensor, w: torch.Tensor, relevance: torch.Tensor, eps:
     return xp * (s1 @ wp.transpose(-1, -2)) + xn * (s2 @ wn.transpose(-1, -2))
 
 
-_LINEAR_RULES = {"chefer2021": alpha1_beta0, "lrp": lrp_baseline}
-
-
-def _rule_for(ctx):
-    return _LINEAR_RULES.get(ctx.preset, alpha1_beta0)
-
-
-def _require_constant_weight(ctx, weight_pos):
+def require_constant_weight(ctx, weight_pos):
+    """Refuse a "linear layer" whose weight depends on the input (it is a product of two live tensors)."""
     if ctx.live[weight_pos] is True:
         raise UnsupportedOperation(ctx.node.target, ctx.module_path, module_type(ctx.node), ctx.preset,
                                    detail="Its weight depends on the input, so it is not a linear layer.")
 
 
-@rule(aten.linear.default, preset=("chefer2021", "lrp"))
+def with_formula(formula):
+    """Decorator: record on a linear rule the formula ``formula(x, w, relevance, eps) -> R_x`` it
+    applies (``w`` [in, out]), so that other rules apply the active preset's linear rule to linear
+    maps that are not ``aten.linear`` (a product with a constant matrix)."""
+    def attach(fn):
+        fn.formula = formula
+        return fn
+    return attach
+
+
+@rule(aten.linear.default, preset="chefer2021")
+@with_formula(alpha1_beta0)
 def linear(ctx, relevance):
-    """``y = x Wᵀ + b``: alpha1-beta0 (chefer2021, Eq. 5) or the LRP baseline (lrp); bias ignored."""
-    _require_constant_weight(ctx, 1)
+    """``y = x Wᵀ + b``: LRP-alpha1beta0 with a joint denominator (CVPR 2021, Eq. 5); bias ignored."""
+    require_constant_weight(ctx, 1)
     x, w = ctx.args[0].float(), ctx.args[1]
-    fn = _rule_for(ctx)
-    split = None
-    if fn is alpha1_beta0:
-        split = signed_split(w, ctx.options.get("weight_cache"), ctx.node.name)
-    rx = fn(x, w.float().t(), relevance, ctx.eps, split=split)
+    split = signed_split(w, ctx.options.get("weight_cache"), ctx.node.name)
+    rx = alpha1_beta0(x, w.float().t(), relevance, ctx.eps, split=split)
     return (rx,) + (None,) * (len(ctx.args) - 1)
 
 
-@rule(aten.addmm.default, preset=("chefer2021", "lrp"))
+@rule(aten.linear.default, preset="lrp")
+@with_formula(lrp_baseline)
+def linear_lrp_baseline(ctx, relevance):
+    """``y = x Wᵀ + b``: the linear rule of the authors' LRP baseline (:func:`lrp_baseline`); bias ignored."""
+    require_constant_weight(ctx, 1)
+    rx = lrp_baseline(ctx.args[0].float(), ctx.args[1].float().t(), relevance, ctx.eps)
+    return (rx,) + (None,) * (len(ctx.args) - 1)
+
+
+@rule(aten.addmm.default, preset="chefer2021")
+@with_formula(alpha1_beta0)
 def addmm(ctx, relevance):
-    """``y = b + x @ W`` (GPT-2's Conv1D): same rule as :func:`linear`, bias ignored."""
-    _require_constant_weight(ctx, 2)
-    x, w = ctx.args[1].float(), ctx.args[2].float()
-    return (None, _rule_for(ctx)(x, w, relevance, ctx.eps), None)
+    """``y = b + x @ W`` (GPT-2's Conv1D): LRP-alpha1beta0 (Eq. 5), bias ignored."""
+    require_constant_weight(ctx, 2)
+    return (None, alpha1_beta0(ctx.args[1].float(), ctx.args[2].float(), relevance, ctx.eps), None)
+
+
+@rule(aten.addmm.default, preset="lrp")
+@with_formula(lrp_baseline)
+def addmm_lrp_baseline(ctx, relevance):
+    """``y = b + x @ W``: the authors' LRP-baseline linear rule (:func:`lrp_baseline`), bias ignored."""
+    require_constant_weight(ctx, 2)
+    return (None, lrp_baseline(ctx.args[1].float(), ctx.args[2].float(), relevance, ctx.eps), None)
+
+
+def linear_formula(ctx):
+    """The formula of the active preset's rule for ``aten.linear`` (see :func:`with_formula`)."""
+    fn = getattr(ctx.rule_for(aten.linear.default), "formula", None)
+    if fn is None:
+        raise UnsupportedOperation(ctx.node.target, ctx.module_path, module_type(ctx.node), ctx.preset,
+                                   detail="It multiplies by a constant matrix, and the preset's rule for "
+                                          "aten.linear.default declares no formula (x, w, relevance, eps) -> R_x to "
+                                          "apply to it (relprop.rules.linear.with_formula).")
+    return fn
 
 
 def constant_matrix_product(ctx, relevance):
-    """``x @ W`` or ``W @ x`` with one constant operand: the linear rule on the live operand."""
+    """``x @ W`` or ``W @ x`` with one constant operand: a linear layer, so the active preset's
+    linear formula (:func:`linear_formula`) on the live operand."""
     a, b = ctx.args[0], ctx.args[1]
-    fn = _rule_for(ctx)
     if ctx.live[0] is True and ctx.live[1] is not True:
+        fn = linear_formula(ctx)
         if b.dim() == 1:
             return (fn(a.float(), b.float().unsqueeze(-1), relevance.unsqueeze(-1), ctx.eps), None)
         return (fn(a.float(), b.float(), relevance, ctx.eps), None)
     if ctx.live[1] is True and ctx.live[0] is not True:
+        fn = linear_formula(ctx)
         if a.dim() == 1:
             r = fn(b.float().transpose(-1, -2), a.float().unsqueeze(-1), relevance.unsqueeze(-1), ctx.eps)
             return (None, r.transpose(-1, -2))

@@ -43,15 +43,6 @@ def native_layer_norm_identity(ctx, relevance):
     return (r,) + (None,) * (len(ctx.args) - 1)
 
 
-def _scale_rule(ctx, relevance):
-    live = ctx.live_tensor_args()
-    if len(live) != 1:
-        return None
-    out = [None] * len(ctx.args)
-    out[live[0]] = relevance
-    return tuple(out)
-
-
 @rule(aten.mul.Scalar, aten.div.Scalar, preset=PAPER_PRESETS)
 def scale_identity(ctx, relevance):
     """Scaling by a Python number (e.g. the attention scale d^-1/2): R_in = R_out."""

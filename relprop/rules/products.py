@@ -35,7 +35,8 @@ def z_rule_matmul(a: torch.Tensor, b: torch.Tensor, z: torch.Tensor, relevance: 
 def matmul(ctx, relevance):
     """Attention products (both operands live): z-rule on each operand, then both halved.
 
-    With one constant operand the product is a linear layer (alpha1-beta0 in chefer2021).
+    With one constant operand the product is a linear layer: the active preset's linear rule
+    (:func:`relprop.rules.linear.constant_matrix_product`).
     """
     a, b = ctx.args[0], ctx.args[1]
     if not (ctx.live[0] is True and ctx.live[1] is True):

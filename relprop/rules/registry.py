@@ -1,4 +1,4 @@
-"""The rule registry: which backward relevance rule applies to which aten op, grouped in presets.
+"""Presets: named tables of relevance rules, one rule per aten op, that extend other presets.
 
 A *rule* is a function ``rule(ctx, relevance) -> sequence`` called once per graph node on the
 relevance path, walking from the output to the input. ``relevance`` is the relevance that reached
@@ -7,69 +7,51 @@ argument of the op (``node.args``): a relevance tensor (shaped like that argumen
 node's output when the argument was broadcast), ``None`` for arguments that receive nothing
 (weights, shapes, dims), or a list of those for list arguments (``aten.cat``). Relevance given to
 an argument that does not depend on the input (a parameter, the class token, a mask) is counted as
-*absorbed* by that constant; relevance given to an input-dependent argument keeps flowing.
+*absorbed* by that constant; relevance given to an input-dependent argument keeps flowing. A rule
+reads only its :class:`relprop.rules.RuleContext`; it never branches on the preset's name: what
+differs between presets is which function each preset's table names.
 
-A *preset* is a named set of rules. Presets may extend others: ``"chefer2021"`` and ``"lrp"`` both
-extend ``"base"``, which holds the shape-only routing rules that every preset shares. Rules are
-registered with the :func:`rule` decorator::
+A :class:`Preset` finds the rule of an op in its own table, else in the presets it extends
+(depth first). The built-in presets are ``"base"`` (the shape-only routing every preset shares),
+``"chefer2021"``, ``"lrp"``, ``"attnlrp"`` and ``"cp_lrp"``. A user extends one::
 
-    @relprop.rule(torch.ops.aten.gelu.default, preset="chefer2021")
-    def gelu_identity(ctx, relevance):
-        return (relevance,)
+    mine = relprop.Preset("mine", extends="chefer2021", description="chefer2021 with my GELU rule")
+
+    @mine.rule(torch.ops.aten.gelu.default)
+    def gelu_z(ctx, relevance):
+        ...
+
+    relprop.explain(model, x, preset="mine")          # or preset=mine
+
+and changes a rule for a block of code only with :func:`override`, gone on exit::
+
+    with relprop.rules.override({torch.ops.aten.gelu.default: gelu_z}, preset="chefer2021"):
+        relprop.explain(model, x)
+
+Registering over a rule a preset already has is an error unless ``replace=True``; replacing one of
+relprop's own rules that way warns, and :meth:`Preset.reset` puts it back.
 """
 from __future__ import annotations
 
-import dataclasses
-from typing import Callable, Dict, Iterable, Optional, Sequence, Union
+import contextlib
+import contextvars
+import difflib
+import threading
+import warnings
+from typing import Callable, Dict, Iterable, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 
-from ..errors import RelpropError
+from ..errors import PresetError, RelpropWarning
 
 RuleFn = Callable[..., Sequence]
 
-
-@dataclasses.dataclass
-class Preset:
-    """A named group of rules; ``parents`` are searched when a rule is not found here."""
-
-    name: str
-    description: str
-    parents: tuple = ()
-    conservative: bool = True
-    rules: Dict[object, RuleFn] = dataclasses.field(default_factory=dict)
-
-
-_PRESETS: Dict[str, Preset] = {}
-
-
-def define_preset(name: str, description: str, parents: Iterable[str] = (), conservative: bool = True) -> Preset:
-    """Create (or return the existing) preset ``name`` extending ``parents``."""
-    if name in _PRESETS:
-        return _PRESETS[name]
-    for p in parents:
-        if p not in _PRESETS:
-            raise RelpropError(f"preset '{name}' extends unknown preset '{p}'; known: {sorted(_PRESETS)}")
-    preset = Preset(name, description, tuple(parents), conservative)
-    _PRESETS[name] = preset
-    return preset
-
-
-def get_preset(name: str) -> Preset:
-    """The preset called ``name``; an unknown name is an error that lists the known ones."""
-    try:
-        return _PRESETS[name]
-    except KeyError:
-        import difflib
-
-        close = difflib.get_close_matches(str(name), list(_PRESETS), n=1)
-        hint = f" Did you mean '{close[0]}'?" if close else ""
-        raise RelpropError(f"'{name}' is not a preset. Choices: {sorted(_PRESETS)}.{hint}") from None
-
-
-def presets() -> Dict[str, str]:
-    """Every preset name with its description."""
-    return {name: p.description for name, p in _PRESETS.items()}
+_PRESETS: Dict[str, "Preset"] = {}
+#: the rules each built-in preset had when relprop finished loading (see :func:`seal_builtins`)
+_BUILTIN: Dict[str, Dict[object, RuleFn]] = {}
+_LOCK = threading.RLock()
+#: scoped overrides of the current context, innermost last: ((preset name, {op: rule}), ...)
+_OVERRIDES: "contextvars.ContextVar[tuple]" = contextvars.ContextVar("relprop_rule_overrides", default=())
 
 
 def _overloads(op) -> list:
@@ -78,75 +60,243 @@ def _overloads(op) -> list:
     return [op]
 
 
-def rule(*ops, preset: Union[str, Sequence[str]] = "chefer2021", replace: bool = True):
-    """Register the decorated function as the relevance rule of ``ops`` in ``preset``.
+class Preset:
+    """A named table of relevance rules extending other presets.
 
     Parameters
     ----------
-    *ops : torch.ops.aten op overloads (``torch.ops.aten.gelu.default``) or packets
-        (``torch.ops.aten.gelu``, meaning every overload).
-    preset : name or names of the presets the rule belongs to (created on first use, extending
-        ``"base"``). ``"base"`` registers a rule shared by every preset.
-    replace : if False, registering an op that already has a rule in the preset is an error.
-
-    The function is called as ``fn(ctx, relevance)`` with a :class:`relprop.rules.RuleContext` and
-    must return one entry per positional argument of the op (see the module docstring). A rule may
-    set ``fn.no_relevance_to = {positions}`` to declare arguments it never gives relevance to (e.g.
-    the divisor of a normalization), so that ops feeding only those need no rule.
+    name : the name ``explain(preset=...)`` takes; must be new (``relprop.presets()`` lists the
+        existing ones).
+    extends : the preset (name or object), or presets, searched for any op this one has no rule
+        for, e.g. ``"chefer2021"``. Every preset extends at least ``"base"`` (the shape-only
+        routing rules).
+    description : one line saying what the preset is (shown by ``relprop.presets()``).
+    conservative : whether its rules conserve relevance (documentation for reports).
+    modified_gradient : whether its rules are meant to have modified-gradient forms, so that
+        ``explain(method="lrp", preset=...)`` runs as one backward pass (``"attnlrp"``,
+        ``"cp_lrp"``); a rule registered in it without a form then warns. Inherited.
     """
-    names = [preset] if isinstance(preset, str) else list(preset)
+
+    def __init__(self, name: str, *, extends: Union[str, "Preset", Sequence[Union[str, "Preset"]]],
+                 description: str = "", conservative: bool = True, modified_gradient: bool = False):
+        if not isinstance(name, str) or not name:
+            raise PresetError(f"a preset's name must be a non-empty str, not {name!r}")
+        parents = (extends,) if isinstance(extends, (str, Preset)) else tuple(extends)
+        names = tuple(p.name if isinstance(p, Preset) else p for p in parents)
+        with _LOCK:
+            if name in _PRESETS:
+                raise PresetError(f"a preset named '{name}' exists already ({_PRESETS[name].description}); pick "
+                                  f"another name, or use it as it is: relprop.rules.get_preset('{name}')")
+            for p in names:
+                if not isinstance(p, str) or p not in _PRESETS:
+                    raise PresetError(f"preset '{name}' extends unknown preset {p!r}. Choices: {sorted(_PRESETS)}")
+            if name != "base" and not names:
+                raise PresetError(f"preset '{name}' must extend a preset, e.g. Preset('{name}', extends='chefer2021')")
+            self.name = name
+            self.parents: Tuple[str, ...] = names
+            self.description = description or f"user preset '{name}', extending {', '.join(names)}"
+            self.conservative = conservative
+            self._modified_gradient = modified_gradient
+            self.rules: Dict[object, RuleFn] = {}
+            _PRESETS[name] = self
+
+    # -- reading ---------------------------------------------------------------------------------
+    @property
+    def modified_gradient(self) -> bool:
+        """True when this preset or one it extends runs as a modified gradient."""
+        return self._modified_gradient or any(_PRESETS[p].modified_gradient for p in self.parents)
+
+    def lineage(self) -> Tuple["Preset", ...]:
+        """This preset and every preset it extends, in lookup order (depth first, no repeats)."""
+        out = [self]
+        for p in self.parents:
+            out += [q for q in _PRESETS[p].lineage() if q not in out]
+        return tuple(out)
+
+    def own_rule(self, op) -> Optional[RuleFn]:
+        """The rule this preset's own table (with the scoped overrides of this context) gives ``op``."""
+        for name, table in reversed(_OVERRIDES.get()):
+            if name == self.name and op in table:
+                return table[op]
+        return self.rules.get(op)
+
+    def lookup(self, op) -> Optional[RuleFn]:
+        """The rule for ``op``: this preset's own, else the first found in the presets it extends."""
+        found = self.own_rule(op)
+        if found is not None:
+            return found
+        for parent in self.parents:
+            found = _PRESETS[parent].lookup(op)
+            if found is not None:
+                return found
+        return None
+
+    def describe(self, op) -> Optional[str]:
+        """``'<rule module>.<function> (<preset it is registered in>)'`` for ``op``, or None."""
+        for p in self.lineage():
+            fn = p.own_rule(op)
+            if fn is not None:
+                return f"{fn.__module__.rsplit('.', 1)[-1]}.{fn.__name__} ({p.name})"
+        return None
+
+    # -- writing ---------------------------------------------------------------------------------
+    def rule(self, *ops, replace: bool = False):
+        """Decorator: register the function as this preset's rule for ``ops`` (op overloads such
+        as ``torch.ops.aten.gelu.default``, or packets such as ``torch.ops.aten.gelu`` for every
+        overload). An op that already has a rule in this preset's own table is an error unless
+        ``replace=True``; replacing one of relprop's built-in rules warns (:meth:`reset` restores
+        it; :func:`override` changes a rule for a ``with`` block only)."""
+        if not ops:
+            raise PresetError("rule() needs at least one op, e.g. rule(torch.ops.aten.gelu.default)")
+
+        def decorate(fn: RuleFn) -> RuleFn:
+            if not callable(fn):
+                raise PresetError(f"a rule must be a function fn(ctx, relevance), not {type(fn).__name__}")
+            overloads = [ov for op in ops for ov in _overloads(op)]
+            with _LOCK:
+                for ov in overloads:
+                    old = self.rules.get(ov)
+                    if old is not None and old is not fn and not replace:
+                        raise PresetError(f"{ov} already has a rule in preset '{self.name}' ({old.__name__}); pass "
+                                          "replace=True to replace it for the whole process, or change it for a "
+                                          "block of code with relprop.rules.override(...)")
+                    if old is not None and old is not fn and _BUILTIN.get(self.name, {}).get(ov) is old:
+                        warnings.warn(f"rule {fn.__name__} replaces relprop's built-in rule {old.__name__} for {ov} "
+                                      f"in preset '{self.name}' for the whole process; "
+                                      f"relprop.rules.get_preset('{self.name}').reset({ov}) restores it",
+                                      RelpropWarning, stacklevel=3)
+                self._warn_without_gradient_form(fn, overloads)
+                for ov in overloads:
+                    self.rules[ov] = fn
+            return fn
+
+        return decorate
+
+    def reset(self, *ops) -> None:
+        """Undo registrations in this preset: each op (every op when none is given) gets back the
+        rule relprop's own preset had for it, or none for a preset defined by the user."""
+        builtin = _BUILTIN.get(self.name, {})
+        with _LOCK:
+            targets = [ov for op in ops for ov in _overloads(op)] if ops else list(self.rules) + list(builtin)
+            for ov in targets:
+                if ov in builtin:
+                    self.rules[ov] = builtin[ov]
+                else:
+                    self.rules.pop(ov, None)
+
+    def _warn_without_gradient_form(self, fn, ops) -> None:
+        if self.modified_gradient and getattr(fn, "gradient_form", None) is None:
+            warnings.warn(f"rule {getattr(fn, '__name__', fn)} for {', '.join(map(str, ops))} in preset '{self.name}' "
+                          "has no modified-gradient form: explain(method='lrp') under this preset will walk the "
+                          "graph rule by rule instead of one backward pass. Attach one with "
+                          "@relprop.rules.gradient_form(...) (relprop.rules.gradient_forms)",
+                          RelpropWarning, stacklevel=4)
+
+    def __repr__(self) -> str:
+        return (f"Preset('{self.name}', extends={list(self.parents)}, rules={len(self.rules)}, "
+                f"conservative={self.conservative})")
+
+
+def get_preset(preset: Union[str, Preset]) -> Preset:
+    """The preset called ``preset`` (or the object itself); an unknown name is an error that lists
+    the known ones."""
+    if isinstance(preset, Preset):
+        return preset
+    try:
+        return _PRESETS[preset]
+    except (KeyError, TypeError):
+        close = difflib.get_close_matches(str(preset), list(_PRESETS), n=1)
+        hint = f" Did you mean '{close[0]}'?" if close else ""
+        raise PresetError(f"{preset!r} is not a preset. Choices: {sorted(_PRESETS)}.{hint} A new one is made with "
+                          "relprop.Preset(name, extends='chefer2021').") from None
+
+
+def presets() -> Dict[str, str]:
+    """Every preset name with its description."""
+    return {name: p.description for name, p in _PRESETS.items()}
+
+
+def rule(*ops, preset: Union[str, Preset, Sequence[Union[str, Preset]]] = "chefer2021", replace: bool = False):
+    """Register the decorated function as the relevance rule of ``ops`` in ``preset`` (a name or
+    :class:`Preset`, or several): ``@relprop.rule(torch.ops.aten.gelu.default, preset="chefer2021")``.
+
+    The presets must exist (:class:`Preset` makes a new one). See :meth:`Preset.rule` for
+    ``replace``. The function is called as ``fn(ctx, relevance)`` with a
+    :class:`relprop.rules.RuleContext` and returns one entry per positional argument of the op (see
+    the module docstring). A rule may set ``fn.no_relevance_to = {positions}`` to declare arguments
+    it never gives relevance to (e.g. the divisor of a normalization), so that ops feeding only
+    those need no rule.
+    """
+    targets = [preset] if isinstance(preset, (str, Preset)) else list(preset)
     if not ops:
-        raise RelpropError("relprop.rule() needs at least one op, e.g. relprop.rule(torch.ops.aten.gelu.default)")
+        raise PresetError("relprop.rule() needs at least one op, e.g. relprop.rule(torch.ops.aten.gelu.default)")
+    objects = [get_preset(p) for p in targets]
 
     def decorate(fn: RuleFn) -> RuleFn:
-        for name in names:
-            p = _PRESETS.get(name) or define_preset(name, f"user preset '{name}'", parents=("base",))
-            for op in ops:
-                for overload in _overloads(op):
-                    if not replace and overload in p.rules:
-                        raise RelpropError(f"{overload} already has a rule in preset '{name}'")
-                    p.rules[overload] = fn
+        for p in objects:
+            p.rule(*ops, replace=replace)(fn)
         return fn
 
     return decorate
 
 
-def lookup(preset: str, op) -> Optional[RuleFn]:
-    """The rule for ``op`` in ``preset`` or its parents (depth first), or None."""
-    p = get_preset(preset)
-    if op in p.rules:
-        return p.rules[op]
-    for parent in p.parents:
-        found = lookup(parent, op)
-        if found is not None:
-            return found
-    return None
+def lookup(preset: Union[str, Preset], op) -> Optional[RuleFn]:
+    """The rule ``preset`` applies to ``op`` (its own or inherited), or None."""
+    return get_preset(preset).lookup(op)
 
 
-def describe(preset: str, op) -> Optional[str]:
+def describe(preset: Union[str, Preset], op) -> Optional[str]:
     """``'<rule name> (<preset it is registered in>)'`` for op, or None when it has no rule."""
+    return get_preset(preset).describe(op)
+
+
+@contextlib.contextmanager
+def override(rules: Mapping[object, RuleFn], preset: Union[str, Preset] = "chefer2021"):
+    """Within this ``with`` block (in this thread or task only), ``preset`` and every preset
+    extending it use ``rules`` ({op: rule}) in place of their own; everything is as before on exit.
+
+    >>> with relprop.rules.override({torch.ops.aten.gelu.default: my_gelu}, preset="chefer2021"):
+    ...     exp = relprop.explain(model, x)
+    """
     p = get_preset(preset)
-    if op in p.rules:
-        fn = p.rules[op]
-        return f"{fn.__module__.rsplit('.', 1)[-1]}.{fn.__name__} ({p.name})"
-    for parent in p.parents:
-        d = describe(parent, op)
-        if d is not None:
-            return d
-    return None
+    if not isinstance(rules, Mapping) or not rules:
+        raise PresetError("override() takes a non-empty dict {op: rule}")
+    table = {}
+    for op, fn in rules.items():
+        if not callable(fn):
+            raise PresetError(f"the rule given for {op} is not a function fn(ctx, relevance): {fn!r}")
+        overloads = _overloads(op)
+        p._warn_without_gradient_form(fn, overloads)
+        table.update({ov: fn for ov in overloads})
+    token = _OVERRIDES.set(_OVERRIDES.get() + ((p.name, table),))
+    try:
+        yield p
+    finally:
+        _OVERRIDES.reset(token)
 
 
-define_preset("base", "shape-only routing shared by every preset")
-define_preset(
-    "chefer2021",
-    "Chefer, Gur & Wolf, CVPR 2021, as its authors' code applies it: LRP-alpha1beta0 linear layers, "
-    "normalized residual adds (Lemma 2), halved attention products (Lemma 1), z^B patch embedding",
-    parents=("base",),
-)
-define_preset(
-    "lrp",
-    "the paper's plain-LRP baseline (authors' layers_lrp.py): un-normalized adds and the baseline's "
-    "linear rule; NOT conservative (each linear layer returns between 1/2 and 3/2 of its relevance)",
-    parents=("base",),
-    conservative=False,
-)
+def state(preset: Union[str, Preset]) -> tuple:
+    """A fingerprint of the rules ``preset`` sees now (its lineage's tables and the scoped
+    overrides): plans cached on a graph are valid while it does not change."""
+    tables = tuple((p.name, tuple(p.rules.keys()), tuple(id(f) for f in p.rules.values()))
+                   for p in get_preset(preset).lineage())
+    overrides = tuple((name, tuple((op, id(fn)) for op, fn in t.items())) for name, t in _OVERRIDES.get())
+    return tables, overrides
+
+
+def seal_builtins(names: Iterable[str]) -> None:
+    """Record the rules of relprop's own presets, once they are all registered: what
+    :meth:`Preset.reset` restores and what replacing warns about."""
+    for name in names:
+        _BUILTIN[name] = dict(_PRESETS[name].rules)
+
+
+BASE = Preset("base", extends=(), description="shape-only routing shared by every preset")
+CHEFER2021 = Preset(
+    "chefer2021", extends=BASE,
+    description="Chefer, Gur & Wolf, CVPR 2021, as its authors' code applies it: LRP-alpha1beta0 linear layers, "
+                "normalized residual adds (Lemma 2), halved attention products (Lemma 1), z^B patch embedding")
+LRP = Preset(
+    "lrp", extends=BASE, conservative=False,
+    description="the paper's plain-LRP baseline (authors' layers_lrp.py): un-normalized adds and the baseline's "
+                "linear rule; NOT conservative (each linear layer returns between 1/2 and 3/2 of its relevance)")

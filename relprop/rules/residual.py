@@ -4,7 +4,7 @@
 each operand u, v its share ``R_u = u ⊙ R / (u + v)``; then each share is rescaled so that its total
 is ``|Σ R_u| / (|Σ R_u| + |Σ R_v|) · Σ R``. The rescaled shares sum to Σ R (conservation) and each
 lies between 0 and Σ R. The authors' code takes the sums over the whole tensor, batch included;
-we take them per sample (DESIGN §3), so a batch explains like its samples one by one.
+we take them per sample, so a batch explains like its samples one by one.
 A constant operand (position embedding, class-token bias, attention mask) keeps its share: it is
 reported as absorbed.
 

@@ -4,7 +4,7 @@ These ops only move, copy or select elements (view, permute, slice, cat, expand,
 relevance rule is the adjoint of the index map: the same as their gradient's vector-Jacobian
 product, which sums the relevance of copies (``expand``) and puts zeros where nothing was selected
 (``slice``, ``select``). The total relevance is unchanged except for elements a selection drops,
-which receive none (DESIGN §3, "Shape-only ops ... route relevance without changing it").
+which receive none ("shape-only ops route relevance without changing it").
 Registered in the ``"base"`` preset, shared by every preset.
 """
 from __future__ import annotations
@@ -156,7 +156,3 @@ def getitem_route(ctx, relevance):  # pragma: no cover - handled by the interpre
     """Element of a list output; the interpreter routes it to the list's slot."""
     return (relevance, None)
 
-
-SHAPE_ONLY_OPS = {
-    op for op, fn in __import__("relprop.rules.registry", fromlist=["_PRESETS"])._PRESETS["base"].rules.items()
-}

@@ -15,7 +15,7 @@ DEFAULT_EPS = 1e-9
 def safe_divide(num: torch.Tensor, den: torch.Tensor, eps: float = DEFAULT_EPS) -> torch.Tensor:
     """``num / den`` with ``den`` pushed ``eps`` away from 0; 0 where ``den`` is 0 or not finite.
 
-    Never returns NaN or inf for finite ``num`` (DESIGN §3, "Stabilizer"); a quotient that
+    Never returns NaN or inf for finite ``num``; a quotient that
     overflows is set to 0 as well.
     """
     if eps:

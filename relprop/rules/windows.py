@@ -4,7 +4,7 @@ Swin cuts the token grid of a stage into windows (``view``/``permute``, already 
 :mod:`relprop.rules.routing`), pads the grid to a multiple of the window size
 (``constant_pad_nd``), shifts it cyclically every other block (``roll``; ``torch.export``
 decomposes it into two ``index_select`` along the grid axes) and reads pooled features through
-``as_strided``. These ops only move elements, so, as for every shape-only op (DESIGN §3), relevance
+``as_strided``. These ops only move elements, so, as for every shape-only op, relevance
 is routed back to the element each output element was copied from — the adjoint of the index map,
 which is the op's vector-Jacobian product. Elements an op creates (the padding) come from a
 constant: their relevance is booked as absorbed by the pad value. Registered in ``"base"``.

@@ -8,12 +8,14 @@ centred on 0 shows them, red for support, blue against.
 """
 from __future__ import annotations
 
-from typing import Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Optional, Sequence, Tuple
 
-import numpy as np
+if TYPE_CHECKING:  # numpy is imported where it is used: an optional dependency (relprop[viz])
+    import numpy as np
 
-from .image import _new_figure, _ticks, clip_limits
-from .text import tokens_of
+from ..errors import InputError
+from .image import _new_figure, _ticks, clip_limits, label_name
+from .text import _is_padding, tokens_of
 
 SOURCES = ("auto", "relevance", "gradient_x_hidden")
 
@@ -24,10 +26,11 @@ def block_scores(exp, index: int = 0, source: str = "auto") -> Tuple[np.ndarray,
     ``source``: ``"relevance"`` (R_h summed over the hidden size), ``"gradient_x_hidden"`` (∇h ⊙ h
     summed over the hidden size) or ``"auto"`` (relevance when recorded, else gradient × hidden).
     """
+    import numpy as np
     if source not in SOURCES:
-        raise ValueError(f"source={source!r} is not a choice. Choices: {list(SOURCES)}")
+        raise InputError(f"source={source!r} is not a choice. Choices: {list(SOURCES)}")
     if not exp.blocks:
-        raise ValueError(f"explanation '{exp.method}' has no attention blocks to show")
+        raise InputError(f"explanation '{exp.method}' has no attention blocks to show")
     use = source
     if source == "auto":
         use = "relevance" if all(b.hidden_relevance is not None for b in exp.blocks) else "gradient_x_hidden"
@@ -35,12 +38,12 @@ def block_scores(exp, index: int = 0, source: str = "auto") -> Tuple[np.ndarray,
     for b in exp.blocks:
         if use == "relevance":
             if b.hidden_relevance is None:
-                raise ValueError(f"block {b.index} has no relevance recorded by method '{exp.method}' "
+                raise InputError(f"block {b.index} has no relevance recorded by method '{exp.method}' "
                                  "(a gradient-only method): use source='gradient_x_hidden'")
             r = b.hidden_relevance[index]
         else:
             if b.hidden is None or b.hidden_gradient is None:
-                raise ValueError(f"block {b.index} recorded no hidden states")
+                raise InputError(f"block {b.index} recorded no hidden states")
             r = b.hidden[index] * b.hidden_gradient[index]
         rows.append(r.detach().float().sum(-1).cpu().numpy())
     return np.stack(rows), use
@@ -74,7 +77,6 @@ def blocks_figure(exp, tokens: Sequence[str], index: int = 0, *, source: str = "
     what = "relevance R_h" if used == "relevance" else "∇h ⊙ h (CAT)"
     head = title
     if head is None:
-        from .image import label_name
         cls = "" if exp.target is None else f" for {label_name(labels, int(exp.target[index]))}"
         head = f"{what} entering each block, summed over the hidden size{cls}"
     ax.set_title(head, fontsize=9)
@@ -87,6 +89,5 @@ def blocks_figure(exp, tokens: Sequence[str], index: int = 0, *, source: str = "
 
 
 def _kept_positions(exp, index: int, tokens: Sequence[str]):
-    from .text import _is_padding
     mask = exp.mask[index].tolist() if exp.mask is not None else [True] * len(tokens)
     return [j for j, (t, m) in enumerate(zip(tokens, mask)) if m or not _is_padding(str(t))]

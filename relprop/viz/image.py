@@ -13,9 +13,13 @@ Entry points: :func:`overlay_figure` (one image: the input beside the overlay), 
 """
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Optional, Sequence, Tuple
 
-import numpy as np
+if TYPE_CHECKING:  # numpy is imported where it is used: an optional dependency (relprop[viz])
+    import numpy as np
+
+from ..errors import InputError
+
 
 #: colormap of non-negative maps (the field's overlays)
 SEQUENTIAL_CMAP = "jet"
@@ -29,6 +33,7 @@ IMAGENET_STD = (0.229, 0.224, 0.225)
 
 
 def _numpy(x) -> np.ndarray:
+    import numpy as np
     try:
         import torch
         if torch.is_tensor(x):
@@ -46,19 +51,20 @@ def display_image(image: Any, mean: Optional[Sequence[float]] = None,
     tensor/array as fed to the model. A [3, H, W] input is un-normalised with ``mean``/``std`` when
     given (the model's preprocessing), else rescaled to [0, 1] by its own minimum and maximum.
     """
+    import numpy as np
     if hasattr(image, "convert") and hasattr(image, "size"):  # PIL
         return np.asarray(image.convert("RGB"), dtype=np.float32) / 255.0
     a = _numpy(image)
     if a.ndim == 4:
         if a.shape[0] != 1:
-            raise ValueError(f"display_image takes one image, got a batch of shape {a.shape}")
+            raise InputError(f"display_image takes one image, got a batch of shape {a.shape}")
         a = a[0]
     if a.ndim == 3 and a.shape[0] in (1, 3) and a.shape[-1] not in (1, 3):
         a = np.transpose(a, (1, 2, 0))
     if a.ndim == 2:
         a = a[:, :, None]
     if a.ndim != 3 or a.shape[-1] not in (1, 3):
-        raise ValueError(f"cannot display an image of shape {a.shape}: expected [3, H, W] or [H, W, 3]")
+        raise InputError(f"cannot display an image of shape {a.shape}: expected [3, H, W] or [H, W, 3]")
     if a.shape[-1] == 1:
         a = np.repeat(a, 3, axis=-1)
     if a.dtype == np.uint8:
@@ -80,6 +86,7 @@ def clip_limits(values: np.ndarray, signed: bool, percentile: float = DEFAULT_PE
     Non-negative maps: the minimum (as the field's min-max normalisation) to the ``percentile``-th
     percentile. ``percentile=100`` is plain min-max (or max-|.|) scaling.
     """
+    import numpy as np
     v = np.asarray(values, dtype=np.float64)
     v = v[np.isfinite(v)]
     if v.size == 0:
@@ -101,7 +108,7 @@ def clip_limits(values: np.ndarray, signed: bool, percentile: float = DEFAULT_PE
 def relevance_map(exp, index: int = 0) -> np.ndarray:
     """[H, W] map of sample ``index`` of an image explanation (``exp.map``)."""
     if getattr(exp, "map", None) is None:
-        raise ValueError(f"explanation '{exp.method}' has no image map (modality '{exp.modality}'); "
+        raise InputError(f"explanation '{exp.method}' has no image map (modality '{exp.modality}'); "
                          "image overlays need an image model's explanation")
     n = exp.map.shape[0]
     if not -n <= index < n:
@@ -121,6 +128,7 @@ def _resize(m: np.ndarray, shape: Tuple[int, int]) -> np.ndarray:
 def blend(image: Optional[np.ndarray], values: np.ndarray, signed: bool, vmin: float, vmax: float,
           cmap: Optional[str] = None, alpha: float = 0.5) -> np.ndarray:
     """[H, W, 3] overlay of ``values`` (clipped to ``[vmin, vmax]``) on ``image`` (or alone)."""
+    import numpy as np
     from matplotlib import colormaps
     cm = colormaps[cmap or (DIVERGING_CMAP if signed else SEQUENTIAL_CMAP)]
     scaled = np.clip((values - vmin) / (vmax - vmin), 0.0, 1.0)
@@ -256,7 +264,7 @@ def grid_figure(exps: Sequence, image: Any = None, *, indices: Optional[Sequence
     """
     exps = list(exps)
     if not exps:
-        raise ValueError("grid_figure needs at least one explanation")
+        raise InputError("grid_figure needs at least one explanation")
     n = exps[0].map.shape[0] if exps[0].map is not None else 0
     indices = list(range(n)) if indices is None else list(indices)
     images = [None] * len(indices)

@@ -15,9 +15,13 @@ from __future__ import annotations
 import colorsys
 import dataclasses
 import html as _html
-from typing import List, Optional, Sequence
+from typing import TYPE_CHECKING, List, Optional, Sequence
 
-import numpy as np
+if TYPE_CHECKING:  # numpy is imported where it is used: an optional dependency (relprop[viz])
+    import numpy as np
+
+from ..errors import InputError
+
 
 from .image import label_name
 
@@ -43,6 +47,7 @@ def token_strings(tokenizer, input_ids) -> List[List[str]]:
 
 
 def _row(x, index: int) -> np.ndarray:
+    import numpy as np
     if hasattr(x, "detach"):
         x = x.detach().float().cpu().numpy() if x.dtype.is_floating_point else x.detach().cpu().numpy()
     return np.asarray(x)[index]
@@ -55,10 +60,11 @@ def tokens_of(exp, index: int, tokens: Sequence[str], merge_words: bool = False,
 
     ``tokens``: the sample's token strings (one per position of ``exp.scores``).
     """
+    import numpy as np
     scores = _row(exp.scores, index)
     mask = _row(exp.mask, index) if exp.mask is not None else np.ones_like(scores, dtype=bool)
     if len(tokens) != len(scores):
-        raise ValueError(f"{len(tokens)} token strings for {len(scores)} scores in sample {index}")
+        raise InputError(f"{len(tokens)} token strings for {len(scores)} scores in sample {index}")
     out: List[Token] = []
     for tok, s, m in zip(tokens, scores, mask):
         tok = str(tok)
@@ -109,6 +115,7 @@ def merge_word_pieces(tokens: List[Token]) -> List[Token]:
 
 def colour(value: float) -> tuple:
     """RGB (0-255) of a score scaled to [-1, 1]: white at 0, green for positive, red for negative."""
+    import numpy as np
     v = float(np.clip(value, -1.0, 1.0))
     hue = 120 / 360 if v >= 0 else 0.0
     light = 1.0 - 0.42 * abs(v)  # 100% (white) to 58%: dark text stays readable
@@ -173,13 +180,13 @@ def _as_list(x) -> list:
 
 def _token_rows(tokens, n: int) -> List[Sequence[str]]:
     if tokens is None:
-        raise ValueError("text rendering needs the token strings: pass tokens= (a list of strings per "
+        raise InputError("text rendering needs the token strings: pass tokens= (a list of strings per "
                          "sample, e.g. relprop.viz.token_strings(tokenizer, inputs['input_ids']))")
     rows = list(tokens)
     if rows and isinstance(rows[0], str):
         rows = [rows]
     if len(rows) != n:
-        raise ValueError(f"tokens has {len(rows)} samples, the explanation {n}")
+        raise InputError(f"tokens has {len(rows)} samples, the explanation {n}")
     return rows
 
 
@@ -247,7 +254,7 @@ def to_html(exps, tokens, *, labels=None, counterfactual=None, merge_words: bool
     if len(cfs) == 1 and len(exps) > 1:
         cfs = cfs * len(exps)
     if cfs and len(cfs) != len(exps):
-        raise ValueError(f"{len(cfs)} counterfactual explanations for {len(exps)} explanations")
+        raise InputError(f"{len(cfs)} counterfactual explanations for {len(exps)} explanations")
     sections = []
     for k, e in enumerate(exps):
         rows = _token_rows(tokens, len(e))

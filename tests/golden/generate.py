@@ -23,6 +23,7 @@ import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))  # tests/ (models.py)
+sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))  # the checkout's relprop, not an installed one
 
 import models  # noqa: E402
 

@@ -7,7 +7,7 @@ is not their own gradient swapped for autograd functions whose backward implemen
 gradients for bilinear products), the target's relevance is turned into an output gradient
 (g = R / y: the seed divided by the output, so that y ⊙ g = R), and one ``torch.autograd.grad``
 gives the gradient at the relevance sources; relevance = source ⊙ gradient. This equals the
-rule-by-rule walk of :mod:`relprop.graph.interpreter` (the reference) up to the ε of the
+rule-by-rule walk of :mod:`relprop.engine.walk` (the reference) up to the ε of the
 denominators, at the cost of about one forward and one backward pass (Achtibat et al., ICML 2024,
 §3.3; Arras et al. 2025). What it does not give: per-block records (A, dA, R_A, ...), the
 itemized absorbed relevance (``Trace.conservation`` is None) and the unmodified input gradient.
@@ -18,18 +18,22 @@ from __future__ import annotations
 
 import dataclasses
 import operator
-from typing import Any, Callable, Dict, Optional
+from typing import Callable, Dict, Optional
 
 import torch
 import torch.fx
 import torch.utils._pytree as pytree
 
 from ..errors import RelpropError
+from ..graph.capture import Captured
+from ..graph.nodes import evaluate, is_live, live_outputs, module_path, output_leaves, relevance_path
 from ..rules import registry
-from ..rules.context import module_path
 from ..rules.stabilize import safe_divide
-from .capture import Captured
-from .interpreter import _STATS_LOCK, STATS, Session, Trace, _fixed_scores, _liveness, _logits, bind_values
+from ..targets import find_logits, fixed, require_input_dependence
+from .forward import count_forward
+from .request import Request
+from .session import Session
+from .trace import Trace
 
 
 class FastPathUnavailable(RelpropError):
@@ -49,12 +53,12 @@ class Plan:
 def plan(captured: Captured, preset: str, eps: float) -> Plan:
     """The replacement of every node on the relevance path whose rule is not its own gradient.
 
-    Follows the same argument positions as :func:`relprop.graph.interpreter.check_rules` (a rule's
+    Follows the relevance path of :func:`relprop.graph.nodes.relevance_path` (a rule's
     ``no_relevance_to`` positions are not followed). Raises :class:`FastPathUnavailable` naming the
-    first op whose rule has no gradient form. Cached on ``captured`` per (preset, eps).
+    first op whose rule has no gradient form. Cached on ``captured`` per (preset, eps, rules seen).
     """
-    cache = captured.__dict__.setdefault("_modified_gradient_plans", {})
-    key = (preset, eps, _registry_state(preset))
+    cache = captured.plans.setdefault("modified_gradient", {})
+    key = (preset, eps, registry.state(preset))
     if key not in cache:
         try:
             cache[key] = _plan(captured, preset, eps)
@@ -70,50 +74,25 @@ def plan(captured: Captured, preset: str, eps: float) -> Plan:
 _ADJOINT_RULES = frozenset(registry.get_preset("base").rules.values())
 
 
-def _registry_state(preset: str) -> tuple:
-    """A fingerprint of the rules ``preset`` sees (registering a rule invalidates cached plans)."""
-    state, todo = [], [preset]
-    while todo:
-        p = registry.get_preset(todo.pop())
-        state.append((p.name, len(p.rules), tuple(id(f) for f in p.rules.values())))
-        todo.extend(p.parents)
-    return tuple(state)
-
-
 def _plan(captured: Captured, preset: str, eps: float) -> Plan:
     a = captured.analysis
-    out_node = next(n for n in captured.graph.nodes if n.op == "output")
-    stack = [n for n in pytree.tree_leaves(out_node.args[0]) if isinstance(n, torch.fx.Node) and n in a.live]
-    seen, replacements = set(), {}
-    while stack:
-        node = stack.pop()
-        if node in seen:
+    p = registry.get_preset(preset)
+    replacements = {}
+    for node in relevance_path(captured.graph, a.live, a.sources, lambda n: p.lookup(n.target)):
+        if node in a.sources or node.op != "call_function" or node.target is operator.getitem:
             continue
-        seen.add(node)
-        if node in a.sources or node.op != "call_function":
-            continue
-        if node.target is operator.getitem:
-            stack.append(node.args[0])
-            continue
-        fn = registry.lookup(preset, node.target)
+        fn = p.lookup(node.target)
         if fn is None:
             raise FastPathUnavailable(f"no rule for {node.target} (in '{module_path(node)}') in preset '{preset}'")
-        if fn not in _ADJOINT_RULES:  # routing rules give relevance exactly as the gradient does
-            form = getattr(fn, "gradient_form", None)
-            if form is None:
-                raise FastPathUnavailable(f"the rule {fn.__name__} of {node.target} (in '{module_path(node)}') in "
-                                          f"preset '{preset}' has no gradient form")
-            live = tuple(_liveness(x, a.live) for x in node.args)
-            rep = form(node, live, eps)
-            if rep is not None:
-                replacements[node] = rep
-        blocked = getattr(fn, "no_relevance_to", ())
-        for i, arg in enumerate(node.args):
-            if i in blocked:
-                continue
-            for m in pytree.tree_leaves(arg):
-                if isinstance(m, torch.fx.Node) and m in a.live:
-                    stack.append(m)
+        if fn in _ADJOINT_RULES:  # routing rules give relevance exactly as the gradient does
+            continue
+        form = getattr(fn, "gradient_form", None)
+        if form is None:
+            raise FastPathUnavailable(f"the rule {fn.__name__} of {node.target} (in '{module_path(node)}') in "
+                                      f"preset '{preset}' has no gradient form")
+        rep = form(node, tuple(is_live(x, a.live) for x in node.args), eps)
+        if rep is not None:
+            replacements[node] = rep
     return Plan(preset, eps, replacements)
 
 
@@ -126,50 +105,45 @@ def supports(captured: Captured, preset: str, eps: float) -> Optional[str]:
     return None
 
 
-def run_fast(captured: Captured, model: torch.nn.Module, kwargs: Dict[str, Any],
-             score_fn: Callable[[Any], torch.Tensor], *, preset: str, eps: float,
-             target_of: Optional[Callable[[Any], Optional[torch.Tensor]]] = None) -> Trace:
-    """Input relevance under ``preset`` with one forward and one (modified) backward pass.
+def run_fast(request: Request) -> Trace:
+    """Input relevance under ``request.preset`` with one forward and one (modified) backward pass.
 
-    Returns a :class:`relprop.graph.interpreter.Trace` with ``input_relevance`` set (pixels
+    Returns a :class:`relprop.engine.trace.Trace` with ``input_relevance`` set (pixels
     [batch, C, H, W]; text: the word embeddings' relevance summed over the embedding size), no
     blocks, ``conservation=None`` and ``input_gradient=None``. Raises
     :class:`FastPathUnavailable` when the preset has no gradient form for some op of the graph or
-    the activations are in half precision (relevance must accumulate in float32: DESIGN §2).
+    the activations are in half precision (relevance accumulates in float32 at least).
     """
-    p = plan(captured, preset, eps)
+    captured, eps = request.captured, request.eps
+    p = plan(captured, request.preset, eps)
     a = captured.analysis
     if not a.sources:
         raise FastPathUnavailable("no relevance source (pixels or embedding lookup) in the graph")
     sources = set(a.sources)
-    with _STATS_LOCK:
-        STATS["forward"] += 1
+    count_forward()
     with torch.enable_grad():
-        env = bind_values(captured, model, kwargs)
+        env = captured.bind(request.model, request.kwargs)
         if a.primary in sources:
             env[a.primary] = env[a.primary].detach().requires_grad_(True)
         for node in captured.graph.nodes:
             if node.op != "call_function":
                 continue
-            args, kw = torch.fx.node.map_arg((node.args, node.kwargs), lambda n: env[n])
-            out = p.replacements.get(node, node.target)(*args, **kw)
+            out = evaluate(node, env.__getitem__, p.replacements.get(node))
             if node in sources:
                 out = out.detach().requires_grad_(True)
             env[node] = out
         src_vals = [env[s] for s in a.sources]
         if any(v.dtype in (torch.float16, torch.bfloat16) for v in src_vals):
             raise FastPathUnavailable("half-precision activations: the interpreter accumulates relevance in float32")
-        out_node = next(n for n in captured.graph.nodes if n.op == "output")
-        flat_nodes = pytree.tree_leaves(out_node.args[0])
-        out_nodes = list(dict.fromkeys(n for n in flat_nodes if isinstance(n, torch.fx.Node) and n in a.live))
+        out_nodes = live_outputs(captured.graph, a.live)
         # the seed: d score / d output on detached copies (cheap: nothing of the network is traversed)
         leaves = {n: env[n].detach().requires_grad_(True) for n in out_nodes}
-        flat_vals = [leaves.get(n, env[n]) if isinstance(n, torch.fx.Node) else n for n in flat_nodes]
+        flat_vals = [leaves.get(n, env[n]) if isinstance(n, torch.fx.Node) else n
+                     for n in output_leaves(captured.graph)]
         outputs = pytree.tree_unflatten(flat_vals, captured.out_spec)
-        scores = score_fn(outputs)
-        target = target_of(outputs) if target_of is not None else None
-        if not scores.requires_grad:
-            raise RuntimeError("the target score does not depend on the input; nothing to explain")
+        scores = request.target.score(outputs)
+        target = request.target.classes(outputs)
+        require_input_dependence(scores)
         seeds = torch.autograd.grad(scores.sum(), [leaves[n] for n in out_nodes], allow_unused=True)
         roots, grad_outputs = [], []
         for n, seed in zip(out_nodes, seeds):
@@ -186,9 +160,9 @@ def run_fast(captured: Captured, model: torch.nn.Module, kwargs: Dict[str, Any],
             r = r.sum(-1)
         input_rel = r if input_rel is None else input_rel + r
     outputs_d = pytree.tree_map(lambda t: t.detach() if torch.is_tensor(t) else t, outputs)
-    logits = _logits(outputs_d)
-    session = Session(captured, model, kwargs, score_fn if target is None else _fixed_scores(target),
-                      src_vals[0].detach())
-    return Trace(outputs=outputs_d, logits=logits, target=target, target_scores=scores.detach(), blocks=[],
-                 input_relevance=input_rel, input_gradient=None, conservation=None, modality=a.modality,
-                 grid=a.grid, batch_size=batch, session=session, token_mask=None)
+    score = request.target.score if target is None else fixed(target, captured.primary).score
+    session = Session(captured, request.model, request.kwargs, score, src_vals[0].detach())
+    return Trace(outputs=outputs_d, logits=find_logits(outputs_d), target=target,
+                 target_scores=scores.detach(), blocks=[], input_relevance=input_rel, input_gradient=None,
+                 conservation=None, modality=a.modality, grid=a.grid, batch_size=batch, session=session,
+                 token_mask=None)

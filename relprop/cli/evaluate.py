@@ -11,8 +11,8 @@ HuggingFace folder (or hub id) of an image or sequence classifier, or ``timm:NAM
 ``--checkpoint`` for the weights). DIR receives ``results.md``, ``results.csv`` (one row per
 method), ``curves.csv`` and ``perturbation.png``.
 
-The lead wires it into ``relprop``'s CLI with :func:`add_parser` (which sets ``func=run``);
-``python -m relprop.evaluation.command`` runs it standalone.
+:func:`add_parser` registers it on ``relprop``'s command line (it sets ``func=run``);
+``python -m relprop.cli.evaluate`` runs it standalone.
 """
 from __future__ import annotations
 
@@ -21,6 +21,13 @@ import json
 import os
 import sys
 from typing import Any, List, Optional, Sequence
+
+import torch
+
+from ..errors import RelpropError
+from ..evaluation import datasets, report, sharded
+from ..evaluation.perturbation import DEFAULT_STEPS
+from ..methods import table
 
 #: the paper's Table 1–2 line-up (CVPR 2021)
 DEFAULT_METHODS = ("transformer_attribution", "rollout", "raw_attention", "attention_gradcam", "partial_lrp", "lrp")
@@ -95,7 +102,6 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 def load_model(spec: Any, kind: str, checkpoint: Optional[str] = None, timm_kwargs: Optional[dict] = None):
     """An nn.Module as is; ``timm:NAME`` via ``timm.create_model``; else a HuggingFace image
     (``kind="vision"``) or sequence (``kind="text"``) classifier ``from_pretrained``. In eval mode."""
-    import torch
     if isinstance(spec, torch.nn.Module):
         return spec.eval()
     spec = str(spec)
@@ -117,12 +123,6 @@ def load_model(spec: Any, kind: str, checkpoint: Optional[str] = None, timm_kwar
 
 def run(args: argparse.Namespace) -> int:
     """Run ``relprop evaluate``; returns the exit code (0 ok, 2 bad input)."""
-    import torch
-
-    from ..errors import RelpropError
-    from . import datasets, report, sharded
-    from .perturbation import DEFAULT_STEPS
-
     try:
         kind = "vision" if os.path.isdir(args.data) else "text"
         if kind == "text" and not os.path.isfile(args.data):
@@ -133,8 +133,7 @@ def run(args: argparse.Namespace) -> int:
         model = model.to(device)
         methods = list(args.method or DEFAULT_METHODS)
         if "all" in methods:
-            import relprop
-            methods = sorted(relprop.methods())
+            methods = sorted(table())
         if kind == "vision":
             size = args.image_size or datasets.model_image_size(model)
             if size is not None and len(size) == 1:
@@ -173,6 +172,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    """``relprop evaluate`` as a program of its own; returns the exit status."""
     parser = configure(argparse.ArgumentParser(prog="relprop evaluate", description=DESCRIPTION))
     return run(parser.parse_args(argv))
 

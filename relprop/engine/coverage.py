@@ -1,7 +1,7 @@
 """What relprop does with a model: every op of its captured graph and how it is handled.
 
 ``relprop.coverage(model, inputs)`` captures the model exactly as :func:`relprop.explain` would
-(same cache, model untouched) and, without running it, reports for every ``call_function`` node
+(same cache, model untouched) and, without running it, :func:`report` says for every ``call_function`` node
 of the graph its aten op, the module it came from (``nn_module_stack``) and its *handling* under a
 preset:
 
@@ -19,26 +19,23 @@ preset:
                   it needs no rule; relevance it is handed is reported as absorbed
 
 and the attention blocks found (a softmax whose output multiplies the values), input → output.
-The relevance path is followed the way :func:`relprop.graph.interpreter.check_rules` follows it
-before a walk: from the outputs back along every argument a rule can give relevance to.
-(The "like LXT's summary table" idea of STYLE.md; the table is built from the registry, so a rule
-registered with ``@relprop.rule`` shows up at once.)
+The relevance path is the one the engine walks (:func:`relprop.graph.nodes.relevance_path`): from
+the outputs back along every argument a rule can give relevance to. The table is built from the
+registry, so a rule registered with ``@relprop.rule`` shows up at once.
 """
 from __future__ import annotations
 
 import collections
 import dataclasses
 import operator
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence
 
 import torch
-import torch.fx
-import torch.utils._pytree as pytree
 
 from ..errors import op_name
+from ..graph.capture import Captured
+from ..graph.nodes import module_path, module_type, relevance_path
 from ..rules import registry
-from ..rules.context import module_path, module_type
-from .capture import Captured
 
 STATUSES = ("rule", "shape-only", "missing", "source", "no relevance", "constant")
 
@@ -157,40 +154,11 @@ class Coverage:
                 f"rule={c['rule']}, shape_only={c['shape-only']}, missing={c['missing']}, blocks={len(self.blocks)})")
 
 
-def relevance_path(captured: Captured, preset: str) -> set:
-    """The nodes that relevance reaches under ``preset``: from the outputs back along every argument
-    a rule may give relevance to (arguments a rule declares in ``no_relevance_to`` are not followed).
-    Nodes with no rule are included (and not followed further)."""
-    a = captured.analysis
-    out_node = next(n for n in captured.graph.nodes if n.op == "output")
-    stack = [n for n in pytree.tree_leaves(out_node.args[0]) if isinstance(n, torch.fx.Node) and n in a.live]
-    seen = set()
-    while stack:
-        node = stack.pop()
-        if node in seen:
-            continue
-        seen.add(node)
-        if node in a.sources or node.op != "call_function":
-            continue
-        if node.target is operator.getitem:
-            stack.append(node.args[0])
-            continue
-        fn = registry.lookup(preset, node.target)
-        if fn is None:
-            continue
-        blocked = getattr(fn, "no_relevance_to", ())
-        for i, arg in enumerate(node.args):
-            if i in blocked:
-                continue
-            stack.extend(m for m in pytree.tree_leaves(arg) if isinstance(m, torch.fx.Node) and m in a.live)
-    return seen
-
-
 def report(captured: Captured, preset: str, model_name: str = "model") -> Coverage:
     """Build the :class:`Coverage` of a captured graph under ``preset``."""
-    registry.get_preset(preset)
+    p = registry.get_preset(preset)
     a = captured.analysis
-    path = relevance_path(captured, preset)
+    path = set(relevance_path(captured.graph, a.live, a.sources, lambda n: p.lookup(n.target)))
     sources = set(a.sources)
     ops = []
     for node in captured.graph.nodes:
@@ -220,33 +188,6 @@ def report(captured: Captured, preset: str, model_name: str = "model") -> Covera
         tokens = _int(shape[-1]) if shape else None
         blocks.append(BlockReport(b.index, b.name, b.layer, heads, tokens))
     return Coverage(model_name, preset, a.modality, a.grid, ops, blocks)
-
-
-def coverage(model: torch.nn.Module, inputs: Any, preset: str = "chefer2021") -> Coverage:
-    """Every op of ``model``'s captured graph on ``inputs`` and how ``preset`` handles it.
-
-    Parameters
-    ----------
-    model, inputs : as for :func:`relprop.explain` (the capture is shared with it and cached; the
-        model is not modified and nothing is run but the capture).
-    preset : the rules to report (``relprop.presets()`` lists them).
-
-    Returns
-    -------
-    Coverage : ``print(report)`` shows every op with its module path and handling (rule and preset,
-        shape-only, missing, ...), the attention blocks found and a summary; ``report.missing`` lists
-        the ops explain() has no rule for, ``report.complete`` is True when there are none.
-    """
-    from .. import validation
-    from .capture import CACHE
-    from .inputs import bind_inputs
-
-    registry.get_preset(preset)
-    validation.check_model(model)
-    kwargs = bind_inputs(model, inputs)
-    validation.check_inputs(model, kwargs)
-    captured = validation.capture_checked(CACHE, model, kwargs)
-    return report(captured, preset, type(model).__name__)
 
 
 def _int(s) -> Optional[int]:

@@ -12,6 +12,10 @@ from __future__ import annotations
 import os
 from typing import Any, Optional, Sequence
 
+from ..errors import InputError
+from . import image as vimg
+from . import text as vtext
+
 FIGURE_SUFFIXES = (".png", ".jpg", ".jpeg", ".pdf", ".svg")
 
 
@@ -20,15 +24,13 @@ def _tokens(exp, tokens, tokenizer, inputs):
         rows = list(tokens)
         return [rows] if rows and isinstance(rows[0], str) else rows
     if tokenizer is not None and inputs is not None:
-        from .viz.text import token_strings
         ids = inputs["input_ids"] if isinstance(inputs, dict) or hasattr(inputs, "keys") else inputs
-        return token_strings(tokenizer, ids)
-    raise ValueError("a text explanation needs its token strings: pass tokens=[[...], ...] (one list per "
+        return vtext.token_strings(tokenizer, ids)
+    raise InputError("a text explanation needs its token strings: pass tokens=[[...], ...] (one list per "
                      "sample) or tokenizer= and inputs= (the tokenizer output that was explained)")
 
 
 def _image_figure(exp, index, image, labels, mean, std, percentile, fig=None):
-    from .viz import image as vimg
     n = exp.map.shape[0] if exp.map is not None else 0
     if index is None and n > 1:
         return vimg.grid_figure([exp], image, labels=labels, mean=mean, std=std, percentile=percentile, fig=fig)
@@ -55,11 +57,9 @@ def save(exp, path: str, *, image: Any = None, tokens: Optional[Sequence] = None
     suffix = os.path.splitext(str(path))[1].lower()
     if exp.modality == "vision" or exp.map is not None:
         if suffix not in FIGURE_SUFFIXES:
-            raise ValueError(f"cannot save an image explanation as '{suffix}': use one of {FIGURE_SUFFIXES}")
-        from .viz.image import save_figure
-        return save_figure(_image_figure(exp, index, image, labels, mean, std, percentile), str(path), dpi)
+            raise InputError(f"cannot save an image explanation as '{suffix}': use one of {FIGURE_SUFFIXES}")
+        return vimg.save_figure(_image_figure(exp, index, image, labels, mean, std, percentile), str(path), dpi)
     rows = _tokens(exp, tokens, tokenizer, inputs)
-    from .viz import text as vtext
     idx = None if index is None else [index]
     if suffix in (".html", ".htm"):
         if idx is not None:
@@ -71,11 +71,10 @@ def save(exp, path: str, *, image: Any = None, tokens: Optional[Sequence] = None
             f.write(page)
         return str(path)
     if suffix in FIGURE_SUFFIXES:
-        from .viz.image import save_figure
         fig = vtext.text_figure(exp, rows, labels=labels, counterfactual=counterfactual, merge_words=merge_words,
                                 indices=idx)
-        return save_figure(fig, str(path), dpi)
-    raise ValueError(f"cannot save a text explanation as '{suffix}': use .html or one of {FIGURE_SUFFIXES}")
+        return vimg.save_figure(fig, str(path), dpi)
+    raise InputError(f"cannot save a text explanation as '{suffix}': use .html or one of {FIGURE_SUFFIXES}")
 
 
 def _in_notebook() -> bool:
@@ -104,7 +103,6 @@ def show(exp, *, image: Any = None, tokens: Optional[Sequence] = None, tokenizer
         plt.show()
         return fig
     rows = _tokens(exp, tokens, tokenizer, inputs)
-    from .viz import text as vtext
     page = vtext.to_html(exp, rows, labels=labels, counterfactual=counterfactual, merge_words=merge_words)
     if _in_notebook():
         from IPython.display import HTML, display

@@ -1,4 +1,4 @@
-"""The result of :func:`relprop.explain`."""
+"""The result of :func:`relprop.explain`: :class:`Explanation`."""
 from __future__ import annotations
 
 import dataclasses
@@ -6,7 +6,8 @@ from typing import Any, List, Optional
 
 import torch
 
-from .graph.interpreter import BlockRecord, Conservation
+from ..engine.trace import BlockRecord, Conservation
+from ..viz import api as viz_api
 
 
 @dataclasses.dataclass
@@ -27,7 +28,7 @@ class Explanation:
         special token).
     matrix : [batch, tokens, tokens] aggregated token-to-token matrix (rollout-style methods;
         special tokens included) or None.
-    blocks : per attention block, A, dA, R_A, h, dh (:class:`relprop.graph.interpreter.BlockRecord`).
+    blocks : per attention block, A, dA, R_A, h, dh (:class:`relprop.engine.trace.BlockRecord`).
     target : [batch] class indices explained (None for a callable target).
     target_scores : [batch] the explained scores (logits of the target class).
     conservation : relevance put in, reaching the input, absorbed by constants, and per block,
@@ -35,6 +36,8 @@ class Explanation:
     input_relevance : relevance at the input (pixels [batch, C, H, W]; tokens [batch, positions],
         the token embeddings' relevance summed over the embedding size).
     logits : [batch, classes] the model's output scores (if it has them).
+    notes : what relprop decided for this explanation and why, in words (e.g. why the one-backward
+        fast path was not taken, or a fallback of the memory mode).
     """
 
     method: str
@@ -55,18 +58,17 @@ class Explanation:
     outputs: Any = None
     signed: bool = False
     class_specific: bool = True
+    notes: List[str] = dataclasses.field(default_factory=list)
 
     def show(self, **kwargs):
         """Display the explanation (image overlay, or coloured tokens/HTML in a notebook); see
-        :func:`relprop.viz_api.show` for the options (``image=``, ``tokens=``, ``index=``, ...)."""
-        from .viz_api import show
-        return show(self, **kwargs)
+        :func:`relprop.viz.api.show` for the options (``image=``, ``tokens=``, ``index=``, ...)."""
+        return viz_api.show(self, **kwargs)
 
     def save(self, path, **kwargs):
         """Write the explanation to ``path`` (.png overlay for images, .html for text); see
-        :func:`relprop.viz_api.save`."""
-        from .viz_api import save
-        return save(self, path, **kwargs)
+        :func:`relprop.viz.api.save`."""
+        return viz_api.save(self, path, **kwargs)
 
     def __len__(self) -> int:
         return self.scores.shape[0]

@@ -1,0 +1,164 @@
+"""What every ``relprop`` command shares: exit statuses, one-line errors, offline mode, argument checks."""
+from __future__ import annotations
+
+import argparse
+import difflib
+import os
+import sys
+import warnings
+from typing import Dict, List, Optional, Sequence
+
+from ..errors import MethodError
+from ..methods import get_method
+
+#: exit statuses
+EXIT_OK = 0
+EXIT_FAILED = 1  # the explanation itself failed (an op with no rule, a method that does not apply, ...)
+EXIT_USAGE = 2  # a bad argument: missing file, unknown method, bad target, bad option
+EXIT_MODEL = 3  # the model cannot be loaded: unknown name, not available offline, not a classifier
+
+DEMO_NAME = "all-MiniLM-L6-v2 zero-shot (relprop demo)"
+IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".tif", ".tiff", ".webp")
+
+EPILOG = """\
+exit status: 0 ok; 1 the explanation failed; 2 a bad argument (missing file, unknown method, bad target);
+3 the model cannot be loaded (unknown name, not available offline, not a classifier).
+relprop never downloads anything: models come from a local folder or the local HuggingFace cache."""
+
+
+class CliError(Exception):
+    """A user's mistake: printed as one line, exit status ``code``."""
+
+    def __init__(self, message: str, code: int = EXIT_USAGE):
+        super().__init__(message)
+        self.code = code
+
+
+def go_offline() -> None:
+    """Make every HuggingFace/timm load local-only for this process (before they are imported)."""
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    os.environ["TRANSFORMERS_OFFLINE"] = "1"
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    if "huggingface_hub.constants" in sys.modules:  # imported already (in-process use): flip it too
+        sys.modules["huggingface_hub.constants"].HF_HUB_OFFLINE = True
+
+
+def quiet(debug: bool) -> None:
+    if debug:
+        return
+    warnings.filterwarnings("ignore")
+    try:
+        from transformers.utils import logging as tlog
+        tlog.set_verbosity_error()
+        tlog.disable_progress_bar()
+    except Exception:  # noqa: BLE001 - transformers missing: nothing to silence
+        pass
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse with one-line errors (and our exit status)."""
+
+    def error(self, message):  # noqa: D401 - argparse API
+        raise CliError(f"{message} (see '{self.prog} --help')")
+
+
+def fail(message: str) -> None:
+    """Print ``message`` as relprop's one-line error on stderr."""
+    print(f"relprop: error: {message}", file=sys.stderr)
+
+
+def one_line(err: Exception) -> str:
+    text = " ".join(str(err).split())
+    return text[:300] + ("…" if len(text) > 300 else "")
+
+
+def parse_methods(values: Sequence[str], default: str) -> List[str]:
+    """Method names from repeated/comma-separated --method values, checked against the registry."""
+    names = [n.strip() for v in values for n in v.split(",") if n.strip()] or [default]
+    names = list(dict.fromkeys(names))
+    for n in names:
+        try:
+            get_method(n)
+        except MethodError as err:
+            raise CliError(f"unknown method: {err} Run 'relprop methods' for the table.") from None
+    return names
+
+
+def read_texts(args) -> List[str]:
+    texts = list(args.text)
+    for path in args.text_file:
+        if not os.path.isfile(path):
+            raise CliError(f"text file not found: {path}")
+        try:
+            with open(path, encoding="utf-8") as f:
+                texts.extend(line.strip() for line in f if line.strip())
+        except (OSError, UnicodeDecodeError) as err:
+            raise CliError(f"cannot read text file {path}: {err}") from None
+    if any(not t.strip() for t in args.text):
+        raise CliError("--text is empty")
+    return texts
+
+
+def check_images(paths: Sequence[str]) -> None:
+    for path in paths:
+        if not os.path.exists(path):
+            raise CliError(f"image file not found: {path}")
+        if os.path.isdir(path):
+            raise CliError(f"--image {path} is a folder; give image files")
+
+
+def resolve_class(spec: str, labels: Optional[Dict[int, str]], n: int, what: str = "--target") -> int:
+    """A class index from an index or a label name (case-insensitive)."""
+    spec = str(spec).strip()
+    try:
+        t = int(spec)
+    except ValueError:
+        t = None
+    if t is not None:
+        if 0 <= t < n:
+            return t
+        raise CliError(f"{what} {t} is out of range: this model has {n} classes (0..{n - 1})")
+    names = {} if labels is None else {str(v).lower(): int(k) for k, v in labels.items()}
+    if spec.lower() in names:
+        return names[spec.lower()]
+    # ImageNet-style names "tabby, tabby cat": any comma-separated part
+    parts = {p.strip(): k for name, k in names.items() for p in name.split(",")}
+    if spec.lower() in parts:
+        return parts[spec.lower()]
+    if not names:
+        raise CliError(f"{what} '{spec}' is not a class index, and this model has no label names: "
+                       f"give an index 0..{n - 1}")
+    close = difflib.get_close_matches(spec.lower(), list(names) + list(parts), n=3)
+    hint = f" Did you mean {', '.join(repr(c) for c in close)}?" if close else ""
+    shown = ", ".join(repr(str(labels[k])) for k in sorted(labels, key=int)[:8])
+    more = f", ... ({n} in all)" if n > 8 else ""
+    raise CliError(f"{what} '{spec}' is not a class of this model: give an index 0..{n - 1} or a label name "
+                   f"({shown}{more}).{hint}")
+
+
+def check_numbers(args) -> None:
+    if args.top < 0:
+        raise CliError("--top must be >= 0")
+    if args.batch_size < 1:
+        raise CliError("--batch-size must be >= 1")
+    if not 0 < args.percentile <= 100:
+        raise CliError("--percentile must be in (0, 100]")
+
+
+def prepare_out(folder: Optional[str]) -> Optional[str]:
+    if not folder:
+        return None
+    if os.path.exists(folder) and not os.path.isdir(folder):
+        raise CliError(f"--out {folder} exists and is not a folder")
+    try:
+        os.makedirs(folder, exist_ok=True)
+    except OSError as err:
+        raise CliError(f"cannot create --out folder {folder}: {err.strerror}") from None
+    return folder
+
+
+def chunks(n: int, size: int):
+    for s in range(0, n, size):
+        yield s, min(n, s + size)

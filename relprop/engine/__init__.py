@@ -1,0 +1,29 @@
+"""The engine: runs a captured graph forward, takes the gradients of the target, walks the
+relevance back under a preset's rules, and hands the methods a :class:`Trace`.
+
+==================  ===========================================================================
+module              job
+==================  ===========================================================================
+``request``         :class:`Request`: what one run is asked to do (graph, model, inputs, target,
+                    preset, eps, memory mode), and the choices of its options
+``run``             :func:`run`: forward, gradients, the walk, the block records, the Trace
+``forward``         evaluating the graph; the relevance seed at the outputs
+``walk``            the reverse walk, node by node, with the conservation bookkeeping
+``memory``          what the forward pass keeps, frees or recomputes; segments for ``memory="low"``
+``low_memory``      the run segment by segment (``memory="low"``)
+``fast_path``       :func:`run_fast`: a preset's rules as one modified-gradient backward pass
+``session``         :class:`Session`: re-running the graph for the methods that perturb inputs
+``trace``           :class:`Trace`, :class:`BlockRecord`, :class:`Conservation`
+``coverage``        the coverage report: every op of a graph and how a preset handles it
+==================  ===========================================================================
+"""
+from .coverage import Coverage, report
+from .fast_path import FastPathUnavailable, run_fast, supports
+from .request import MEMORY_MODES, UNSUPPORTED_MODES, Request, check_options
+from .run import run
+from .session import Session
+from .trace import BlockConservation, BlockRecord, Conservation, Trace
+
+__all__ = ["BlockConservation", "BlockRecord", "Conservation", "Coverage", "FastPathUnavailable", "MEMORY_MODES",
+           "Request", "Session", "Trace", "UNSUPPORTED_MODES", "check_options", "report", "run", "run_fast",
+           "supports"]

@@ -1,0 +1,133 @@
+"""``memory="low"``: the engine run segment by segment, one attention block at a time.
+
+A forward pass without autograd keeps only the values that cross from one segment to the next;
+then, from the output back, each segment is recomputed with autograd, its gradients taken and its
+part of the relevance walk done, and its values freed. Same results as the default path (the
+recomputed values are bit for bit the same; gradients are sums of the same terms in another order),
+about one more forward pass of time.
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, List
+
+import torch
+import torch.fx
+
+from ..graph.nodes import evaluate
+from .forward import forward, output_seed
+from .memory import crossing, last_uses, read_after_walk, segments
+from .request import Request
+from .trace import Pass
+from .walk import Walker
+
+
+def run_low(request: Request, out_nodes: List[torch.fx.Node], wrt: List[torch.fx.Node], remat) -> Pass:
+    """``memory="low"``: gradient checkpointing at the attention blocks, for the walk as well.
+
+    1. A forward pass without autograd keeps only the values that cross segments
+       (:func:`relprop.engine.memory.segments`, :func:`~relprop.engine.memory.crossing`): the
+       hidden states between blocks, the masks the
+       blocks share, the outputs.
+    2. The target score's partial derivatives at the outputs start the backward pass.
+    3. Segment by segment, from the output back: the segment is recomputed from its kept inputs
+       with autograd on, the gradient arriving at its outgoing values is propagated through it
+       (:func:`torch.autograd.grad` with ``grad_outputs``) to its incoming values and to the
+       attention maps and hidden states it holds, the relevance walk visits its nodes with the
+       same rules as the default path, and its values are freed (the block records excepted).
+
+    Each recomputed value equals the one of the default path bit for bit (same ops on the same
+    inputs); the gradients are sums of the same terms in another order. Costs one more forward
+    pass; the peak holds the block records, the crossing values and one segment.
+    """
+    captured = request.captured
+    a = captured.analysis
+    sources = set(a.sources)
+    kept = crossing(captured)
+    keep = kept | sources | {a.primary}
+    discard = {n for n in captured.graph.nodes if n.op == "call_function" and n not in keep}
+    with torch.no_grad():
+        env, outputs = forward(captured, request.model, request.kwargs, discard=discard)
+    scores, seed = output_seed(captured, env, request.target.score, out_nodes, with_scores=True)
+    with torch.no_grad():
+        target = request.target.classes(outputs)
+    batch = scores.shape[0]
+    grad_nodes = set(wrt) - set(out_nodes)
+    gbuf: Dict[torch.fx.Node, torch.Tensor] = dict(seed)  # gradient arriving at each crossing value
+    grad: Dict[torch.fx.Node, torch.Tensor] = {}
+    walker = None
+    if request.relevance:  # (no memo of 2x every weight here: memory="high" only)
+        walker = Walker(request, env, {**seed}, out_nodes, batch, remat)
+    needed_later = read_after_walk(a)
+    last = last_uses(captured)
+    for seg in reversed(segments(captured)):
+        _backward_segment(captured, env, seg, gbuf, grad, grad_nodes, kept, remat, last)
+        if walker is not None:
+            with torch.no_grad():
+                for node in reversed(seg):
+                    walker.visit(node)
+        else:
+            for node in seg:
+                if node not in needed_later:
+                    env.pop(node, None)
+    for n in grad_nodes:  # placeholders (pixels, inputs_embeds): the sum over the segments reading them
+        if n not in grad:
+            g = gbuf.get(n)
+            grad[n] = g if g is not None else torch.zeros_like(env[n])
+    rel_at, conservation, input_rel = walker.finish() if walker is not None else ({}, None, None)
+    return Pass(env, outputs, scores, target, grad, rel_at, conservation, input_rel)
+
+
+def _backward_segment(captured, env, seg, gbuf, grad, grad_nodes, kept, remat, last):
+    """Recompute one segment with autograd from its inputs in ``env``, propagate the gradients in
+    ``gbuf`` (at its outgoing values) back to its incoming values (added to ``gbuf``) and to the
+    nodes of ``grad_nodes`` it holds (into ``grad``); leave its values, detached, in ``env``."""
+    a = captured.analysis
+    sources = set(a.sources)
+    senv: Dict[torch.fx.Node, Any] = {}
+    leaves: List[torch.fx.Node] = []
+
+    def val(n):
+        if n in senv:
+            return senv[n]
+        v = env[n]
+        if n in a.live and torch.is_tensor(v) and v.is_floating_point():
+            v = v.detach().requires_grad_(True)
+            leaves.append(n)
+        senv[n] = v
+        return v
+
+    fn_nodes = [n for n in seg if n.op == "call_function"]
+    inside = set(fn_nodes)
+    with torch.enable_grad():
+        for node in fn_nodes:
+            out = evaluate(node, val)
+            if node in sources:
+                out = out.detach().requires_grad_(True)
+            senv[node] = out
+            for m in last.get(node, ()):
+                if m in inside and m in remat and m not in kept:
+                    senv.pop(m, None)  # the walk computes it again (autograd keeps what it saved)
+        roots = [n for n in fn_nodes if n in gbuf and torch.is_tensor(senv.get(n)) and senv[n].requires_grad]
+        targets = list(leaves) + [n for n in fn_nodes if n in grad_nodes and n in senv and senv[n].requires_grad]
+        targets = list(dict.fromkeys(targets))
+        if roots and targets:
+            gs = torch.autograd.grad([senv[n] for n in roots], [senv[n] for n in targets],
+                                     grad_outputs=[gbuf[n] for n in roots], allow_unused=True)
+        else:
+            gs = [None] * len(targets)
+    for n in roots:
+        del gbuf[n]
+    for n, g in zip(targets, gs):
+        if n in inside:
+            grad[n] = g if g is not None else torch.zeros_like(senv[n])
+        elif g is not None:
+            gbuf[n] = gbuf[n] + g if n in gbuf else g
+    del gs
+    for n in grad_nodes & inside:
+        if n not in grad:
+            grad[n] = torch.zeros_like(senv[n])
+    for n in fn_nodes:
+        if n in senv:
+            v = senv[n]
+            env[n] = v.detach() if torch.is_tensor(v) else v
+    senv.clear()

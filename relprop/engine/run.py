@@ -1,0 +1,126 @@
+"""``run(request)``: the forward pass, the gradients of the target, the relevance walk, the Trace.
+
+One ``torch.autograd.grad`` call gives the gradient of the target score with respect to the model
+outputs (the relevance seed: exactly the one-hot of the target class for an integer target), the
+attention maps and the hidden states entering each block. The reverse walk
+(:mod:`relprop.engine.walk`) then propagates relevance under the request's preset. Per attention
+block the Trace records A, dA = ∂y_t/∂A, R_A, h and dh.
+"""
+from __future__ import annotations
+
+import warnings
+from typing import List
+
+import torch
+import torch.fx
+import torch.utils._pytree as pytree
+
+from ..errors import RelpropWarning
+from ..graph.nodes import live_outputs
+from ..graph.windows import globalize, locate_windows
+from ..targets import find_logits, fixed, require_input_dependence
+from .forward import forward, output_seed
+from .low_memory import run_low
+from .memory import rematerializable
+from .request import Request
+from .session import Session
+from .trace import BlockRecord, Pass, Trace
+from .walk import Walker, check_rules, walk
+
+WINDOWS_LOW_MEMORY = ("memory='low' does not segment window attention (Swin): its window bookkeeping reads every "
+                      "block's forward values. Explaining with memory='default'.")
+
+
+def gradient_nodes(analysis, out_nodes: List[torch.fx.Node]) -> List[torch.fx.Node]:
+    """The nodes whose gradient a run records: the outputs, each block's attention, hidden states
+    and features, and the relevance sources."""
+    a = analysis
+    nodes = out_nodes + [b.attention for b in a.blocks] + [b.hidden for b in a.blocks if b.hidden is not None] \
+        + [b.features for b in a.blocks if b.features is not None] + list(a.sources)
+    return list(dict.fromkeys(nodes))
+
+
+def run(request: Request) -> Trace:
+    """Forward once, take the gradients of the target score, and (if ``request.relevance``) walk the
+    graph back under ``request.preset``.
+
+    ``memory="low"`` keeps only the values that cross segment boundaries (one segment per
+    attention block) from a forward pass without autograd, then recomputes each segment, from the
+    output back, for its gradients and its part of the walk (:func:`relprop.engine.low_memory.run_low`);
+    same results.
+    """
+    captured = request.captured
+    a = captured.analysis
+    notes = []
+    if request.relevance:
+        check_rules(captured, request.preset, request.unsupported)
+    if request.memory == "low" and a.windows:
+        warnings.warn(WINDOWS_LOW_MEMORY, RelpropWarning, stacklevel=3)
+        notes.append(WINDOWS_LOW_MEMORY)
+        request = request.but(memory="default")
+    out_nodes = live_outputs(captured.graph, a.live)
+    wrt = gradient_nodes(a, out_nodes)
+    remat = rematerializable(captured)
+    if request.memory == "low":
+        return build_trace(request, run_low(request, out_nodes, wrt, remat), notes)
+    with torch.enable_grad():
+        env, outputs = forward(captured, request.model, request.kwargs, discard=remat)
+        scores = request.target.score(outputs)
+        target = request.target.classes(outputs)
+        require_input_dependence(scores)
+        grads = torch.autograd.grad(scores.sum(), [env[n] for n in wrt], allow_unused=True)
+        scores = scores.detach()
+    grad = {n: (g if g is not None else torch.zeros_like(env[n])) for n, g in zip(wrt, grads)}
+    del grads
+    batch = scores.shape[0]
+    result = Pass(env, outputs, scores, target, grad)
+    result.windows = locate_windows(a, env, batch)  # window attention: read before the walk frees values
+    if request.relevance:
+        with torch.no_grad():
+            seed = {**grad, **output_seed(captured, env, request.target.score, out_nodes)}
+            result.rel_at, result.conservation, result.input_relevance = walk(
+                Walker(request, env, seed, out_nodes, batch, remat))
+    return build_trace(request, result, notes)
+
+
+def build_trace(request: Request, result: Pass, notes: List[str]) -> Trace:
+    """The block records and the Trace, from the values the walk kept
+    (:func:`relprop.engine.memory.read_after_walk`)."""
+    captured = request.captured
+    a = captured.analysis
+    env, grad, rel_at = result.env, result.grad, result.rel_at
+    batch = result.scores.shape[0]
+    blocks = []
+    for b in a.blocks:
+        blocks.append(BlockRecord(
+            index=b.index, name=b.name, layer=b.layer,
+            attention=env[b.attention].detach().float(), gradient=grad[b.attention].detach().float(),
+            relevance=rel_at.get(b.attention),
+            hidden=env[b.hidden].detach().float() if b.hidden is not None else None,
+            hidden_gradient=grad[b.hidden].detach().float() if b.hidden is not None else None,
+            hidden_relevance=rel_at.get(b.hidden) if b.hidden is not None else None,
+            value=env[b.value].detach().float() if b.value is not None else None,
+            features=env[b.features].detach().float() if b.features is not None else None,
+            features_gradient=grad[b.features].detach().float() if b.features is not None else None,
+            out_proj_weight=env[b.out_proj].detach().float() if b.out_proj is not None else None,
+        ))
+    blocks, stages = globalize(result.windows, blocks, batch)
+    input_grad = None
+    if a.sources:
+        g = [grad[s] for s in a.sources]
+        input_grad = g[0].detach().float() if len(g) == 1 else torch.stack(g).sum(0).detach().float()
+    outputs = pytree.tree_map(lambda t: t.detach() if torch.is_tensor(t) else t, result.outputs)
+    logits = find_logits(outputs)
+    score = request.target.score if result.target is None else fixed(result.target, captured.primary).score
+    session = Session(captured, request.model, request.kwargs, score,
+                      env[a.sources[0]].detach() if a.sources else None)
+    am = request.kwargs.get("attention_mask")
+    n_tok = blocks[0].attention.shape[-1] if blocks else None
+    if torch.is_tensor(am) and am.dim() == 2 and n_tok == am.shape[1]:
+        token_mask = am.to(result.scores.device) != 0
+    else:
+        token_mask = torch.ones(batch, n_tok, dtype=torch.bool, device=result.scores.device) if n_tok else None
+    return Trace(outputs=outputs, logits=logits, target=result.target, target_scores=result.scores.detach(),
+                 blocks=blocks, input_relevance=result.input_relevance, input_gradient=input_grad,
+                 conservation=result.conservation, modality=a.modality, grid=a.grid, batch_size=batch,
+                 session=session, token_mask=token_mask, stages=stages, notes=notes)

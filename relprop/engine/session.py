@@ -1,0 +1,90 @@
+"""The handle that methods use to re-run the captured graph of one explained batch."""
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+
+from ..graph.capture import Captured
+from ..graph.nodes import module_paths
+from ..targets import fixed
+from .forward import forward
+
+
+class Session:
+    """One explained batch, re-run on demand: with the source perturbed (SmoothGrad, Integrated
+    Gradients), with other inputs (ViT-CX masks), or with one block re-evaluated under an override
+    (value zeroing). The target stays the one explained (``score_fn``)."""
+
+    def __init__(self, captured: Captured, model: torch.nn.Module, kwargs: dict, score_fn: Callable,
+                 source_value: Optional[torch.Tensor]):
+        self.captured = captured
+        self.model = model
+        self.kwargs = kwargs
+        self.score_fn = score_fn
+        self.source_value = source_value  # pixels [B,C,H,W] or word embeddings [B,S,C]
+        self._scopes = {}
+
+    @property
+    def modality(self):
+        return self.captured.analysis.modality
+
+    def subset(self, rows: torch.Tensor, classes: torch.Tensor, batch: int) -> "Session":
+        """A session on the samples ``rows`` of this batch of ``batch`` samples (every input with
+        ``batch`` rows is indexed by them), scoring ``logits[r, classes[r]]`` for each of its rows."""
+        b = batch
+        kwargs = {k: (v.index_select(0, rows.to(v.device))
+                      if torch.is_tensor(v) and v.dim() > 0 and v.shape[0] == b else v)
+                  for k, v in self.kwargs.items()}
+        return Session(self.captured, self.model, kwargs, fixed(classes, self.captured.primary).score, None)
+
+    def source_gradient(self, perturb: Optional[Callable] = None):
+        """(source value, d score / d source) with the source replaced by ``perturb(source)``."""
+        with torch.enable_grad():
+            env, outputs = forward(self.captured, self.model, self.kwargs, perturb=perturb)
+            scores = self.score_fn(outputs)
+            srcs = self.captured.analysis.sources
+            grads = torch.autograd.grad(scores.sum(), [env[s] for s in srcs], allow_unused=True)
+        g = [torch.zeros_like(env[s]) if gr is None else gr for s, gr in zip(srcs, grads)]
+        return env[srcs[0]].detach().float(), sum(g).detach().float()
+
+    def target_scores(self, **replace) -> torch.Tensor:
+        """Target scores with some model inputs replaced (e.g. ``pixel_values=masked``;
+        ``primary=`` names the explained input)."""
+        kwargs = dict(self.kwargs)
+        for k, v in replace.items():
+            if k == "primary":
+                k = self.captured.primary
+            old = kwargs.get(k)
+            if torch.is_tensor(v) and torch.is_tensor(old) and v.is_floating_point() and old.is_floating_point():
+                v = v.to(old.dtype)  # e.g. float32 masks applied to a half-precision model's pixels
+            kwargs[k] = v
+        with torch.no_grad():
+            _, outputs = forward(self.captured, self.model, kwargs)
+            return self.score_fn(outputs).detach().float()
+
+    def block_output_with_value_scaled(self, base_env: dict, block_index: int, scale: torch.Tensor) -> torch.Tensor:
+        """Re-evaluate block ``block_index`` with its values V multiplied by ``scale`` (broadcast
+        to V, e.g. zero for one token) and return the block's output hidden states."""
+        b = self.captured.analysis.blocks[block_index]
+        scope = self._scope(block_index)
+        v = base_env[b.value]
+        with torch.no_grad():
+            env, _ = forward(self.captured, self.model, self.kwargs, overrides={b.value: v * scale.to(v.dtype)},
+                             env=base_env, only=scope)
+        return env[b.output].detach().float()
+
+    def base_env(self) -> dict:
+        """Every node's value on this batch (one forward pass without gradients)."""
+        with torch.no_grad():
+            env, _ = forward(self.captured, self.model, self.kwargs)
+        return env
+
+    def _scope(self, block_index):
+        if block_index not in self._scopes:
+            b = self.captured.analysis.blocks[block_index]
+            order = {n: i for i, n in enumerate(self.captured.graph.nodes)}
+            start = order[b.value]
+            self._scopes[block_index] = {n for n in self.captured.graph.nodes
+                                         if order[n] > start and b.layer in module_paths(n) and n.op == "call_function"}
+        return self._scopes[block_index]

@@ -1,0 +1,114 @@
+"""What one run of the engine produces: the :class:`Trace` with its per-block records and the
+relevance bookkeeping (:class:`Conservation`). The methods read nothing else."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Dict, List, Optional
+
+import torch
+
+
+@dataclasses.dataclass
+class BlockRecord:
+    """What one attention block contributed, for target t (shapes [batch, heads, tokens, tokens]
+    for the attention tensors and [batch, tokens, hidden] for the hidden states)."""
+
+    index: int
+    name: str
+    layer: str
+    attention: torch.Tensor  # A
+    gradient: torch.Tensor  # dA = d y_t / d A
+    relevance: Optional[torch.Tensor]  # R_A (None when only gradients were asked for)
+    hidden: Optional[torch.Tensor]  # h, the hidden states entering the block
+    hidden_gradient: Optional[torch.Tensor]  # dh
+    hidden_relevance: Optional[torch.Tensor]  # R_h
+    value: Optional[torch.Tensor] = None  # V [batch, heads, tokens, head_dim]
+    features: Optional[torch.Tensor] = None  # token features entering the attention (LN1(h) or h)
+    features_gradient: Optional[torch.Tensor] = None
+    out_proj_weight: Optional[torch.Tensor] = None  # W_O [hidden, heads * head_dim]
+
+
+@dataclasses.dataclass
+class BlockConservation:
+    """Relevance entering and leaving one attention block, per sample."""
+
+    name: str
+    relevance_in: torch.Tensor  # [batch] entering the block from the output side
+    relevance_out: torch.Tensor  # [batch] leaving it at the block input h
+    absorbed: torch.Tensor  # [batch] absorbed by constants inside the block
+
+    @property
+    def error(self) -> torch.Tensor:
+        """Relative conservation error per sample: |in - out - absorbed| / |in|."""
+        return (self.relevance_in - self.relevance_out - self.absorbed).abs() / self.relevance_in.abs().clamp_min(1e-12)
+
+
+@dataclasses.dataclass
+class Conservation:
+    """Relevance bookkeeping per sample (CVPR 2021, Eq. 3 and Lemmas 1-2).
+
+    ``injected`` (at the output) = ``input`` (reached the pixels / token embeddings)
+    + ``absorbed`` (taken by constants: position embeddings, class token, masks, ...) under a
+    conservative preset, up to numerical error.
+    """
+
+    injected: torch.Tensor
+    input: torch.Tensor
+    absorbed: torch.Tensor
+    absorbed_by: Dict[str, torch.Tensor]
+    blocks: List[BlockConservation]
+    preset: str
+
+    @property
+    def error(self) -> torch.Tensor:
+        """Relative end-to-end error per sample: |injected - input - absorbed| / |injected|."""
+        return (self.injected - self.input - self.absorbed).abs() / self.injected.abs().clamp_min(1e-12)
+
+    def __repr__(self) -> str:
+        rows = [f"Conservation(preset='{self.preset}', per sample)",
+                f"  injected {self.injected.tolist()}", f"  input    {self.input.tolist()}",
+                f"  absorbed {self.absorbed.tolist()}", f"  rel. err {self.error.tolist()}"]
+        return "\n".join(rows)
+
+
+@dataclasses.dataclass
+class Trace:
+    """Everything one forward + reverse walk produced."""
+
+    outputs: Any
+    logits: Optional[torch.Tensor]
+    target: Optional[torch.Tensor]
+    target_scores: torch.Tensor
+    blocks: List[BlockRecord]
+    input_relevance: Optional[torch.Tensor]
+    input_gradient: Optional[torch.Tensor]
+    conservation: Optional[Conservation]
+    modality: str
+    grid: Optional[tuple]
+    batch_size: int
+    #: the handle methods use to re-run the captured graph (:class:`relprop.engine.session.Session`)
+    session: Any = None
+    token_mask: Optional[torch.Tensor] = None  # [batch, tokens] True at real (non-padding) tokens
+    #: window attention (Swin): token counts per block and the merge matrices between stages
+    #: (relprop.graph.windows.Stages); None for models whose blocks share one token sequence
+    stages: Any = None
+    #: what the engine decided and why, for the Explanation (e.g. why the fast path was not taken)
+    notes: List[str] = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass
+class Pass:
+    """The raw values of one run of the engine, before they become a :class:`Trace`: the forward
+    values ``env`` still needed, the outputs, the [batch] target scores and class indices, the
+    gradients at the recorded nodes, the relevance at the kept nodes, the conservation bookkeeping,
+    the input relevance and the window layout (Swin) read from the forward pass."""
+
+    env: Dict[Any, Any]
+    outputs: Any
+    scores: torch.Tensor
+    target: Optional[torch.Tensor]
+    grad: Dict[Any, torch.Tensor]
+    rel_at: Dict[Any, torch.Tensor] = dataclasses.field(default_factory=dict)
+    conservation: Optional[Conservation] = None
+    input_relevance: Optional[torch.Tensor] = None
+    windows: Any = None

@@ -1,0 +1,262 @@
+"""The reverse walk: relevance from the target back to the input, one graph node at a time.
+
+The nodes are visited in reverse topological order; each node's relevance is complete when it is
+reached, its preset's rule splits it among the node's arguments, and relevance given to constants
+is booked as absorbed, per sample. The walk records R_A at each attention map and R_h at each
+block input, and the relevance entering and leaving each block (:class:`Conservation`).
+"""
+from __future__ import annotations
+
+import operator
+from typing import Any, Dict, Optional
+
+import torch
+import torch.fx
+import torch.utils._pytree as pytree
+
+from ..errors import RelpropError, UnsupportedOperation
+from ..graph.analysis import INDEX_ROUTING
+from ..graph.capture import Captured
+from ..graph.nodes import evaluate, is_live, module_path, module_paths, module_type, relevance_path
+from ..rules import registry
+from ..rules.context import RuleContext
+from ..rules.generic import gradient_times_input
+from .memory import read_after_walk
+from .trace import BlockConservation, Conservation
+
+
+def rule_finder(preset: str, unsupported: str):
+    """``node -> rule`` under ``preset``: its registered rule, else the generic z-rule when
+    ``unsupported="z_rule"``, else None."""
+    p = registry.get_preset(preset)
+
+    def rule_of(node):
+        fn = p.lookup(node.target)
+        return gradient_times_input if fn is None and unsupported == "z_rule" else fn
+    return rule_of
+
+
+def check_rules(captured: Captured, preset: str, unsupported: str) -> None:
+    """Raise :class:`UnsupportedOperation` for the first op on the relevance path with no rule in
+    ``preset`` (unless ``unsupported="z_rule"``)."""
+    a = captured.analysis
+    rule_of = rule_finder(preset, unsupported)
+    for node in relevance_path(captured.graph, a.live, a.sources, rule_of):
+        if node.op == "call_function" and node not in a.sources and node.target is not operator.getitem \
+                and rule_of(node) is None:
+            raise UnsupportedOperation(node.target, module_path(node), module_type(node), preset)
+
+
+def walk(walker: "Walker") -> tuple:
+    """Visit every node of the walker's graph, output to input; (R at kept nodes, Conservation,
+    input relevance)."""
+    for node in reversed(walker.captured.graph.nodes):
+        walker.visit(node)
+    return walker.finish()
+
+
+def _fit(rel: torch.Tensor, shape) -> torch.Tensor:
+    """Reduce a relevance tensor computed in a broadcast shape onto the operand's shape."""
+    if tuple(rel.shape) == tuple(shape):
+        return rel
+    while rel.dim() > len(shape):
+        rel = rel.sum(0)
+    return rel.sum_to_size(shape)
+
+
+class Walker:
+    """The reverse walk, one node at a time (:meth:`visit` in reverse topological order, then
+    :meth:`finish`). ``env`` holds the forward values; the value of a node in ``remat`` that is
+    missing from it is recomputed from its arguments when a rule reads it
+    (:func:`relprop.engine.memory.rematerializable`). ``seed`` holds the relevance at the outputs
+    ``out_nodes`` (the partial derivatives of the target score, :func:`relprop.engine.forward.output_seed`).
+    """
+
+    def __init__(self, request, env, seed, out_nodes, batch: int, remat=frozenset()):
+        captured = request.captured
+        a = captured.analysis
+        self.captured, self.a, self.env, self.preset, self.eps = captured, a, env, request.preset, request.eps
+        self.rule_of = rule_finder(request.preset, request.unsupported)
+        self.unsupported, self.batch, self.remat = request.unsupported, batch, remat
+        weight_cache = captured.weight_cache if request.memory == "high" else None
+        self.sources = set(a.sources)
+        self.bdim = a.batch_dim
+        self.placeholders = {n: (kind, tgt) for n, kind, tgt in captured.bindings}
+        self.keep = {b.attention for b in a.blocks} | {b.hidden for b in a.blocks if b.hidden is not None}
+        self.block_out = {b.output: b for b in a.blocks if b.output is not None}
+        self.block_hidden = {}
+        for b in a.blocks:
+            if b.hidden is not None:
+                self.block_hidden.setdefault(b.hidden, []).append(b)
+        self.layers = [b.layer for b in a.blocks]
+        self.per_block_in = {}
+        self.per_block_out = {}
+        self.absorbed_by: Dict[str, torch.Tensor] = {}
+        self.rel_at: Dict[torch.fx.Node, torch.Tensor] = {}
+        self.options = {"reads_pixels": a.pixel_convs,
+                        "weight_cache": weight_cache}
+        self.R: Dict[torch.fx.Node, Any] = {}
+        self.dev = dev = seed[out_nodes[0]].device if out_nodes else torch.device("cpu")
+        self.per_block_absorbed = {b.layer: torch.zeros(batch, device=dev) for b in a.blocks}
+        for n in out_nodes:
+            self.R[n] = seed[n].detach().float()
+        self.injected = torch.zeros(batch, device=dev)
+        for n in out_nodes:
+            self.injected = self.injected + _sample_sum(self.R[n], self.bdim.get(n), batch)
+        self.input_parts = []
+        self.needed_later = read_after_walk(a)
+        self.done = None
+
+    def value(self, n):
+        """The forward value of node ``n`` (recomputed, without autograd, if it was discarded)."""
+        env = self.env
+        if n in env:
+            return env[n]
+        if n not in self.remat:
+            raise RelpropError(f"the value of node {n.name} was freed before the reverse walk read it "
+                               "(a bug of relprop's memory plan: please report it)")
+        with torch.no_grad():
+            v = evaluate(n, self.value)
+        env[n] = v  # freed when the walk passes n
+        return v
+
+    def absorb(self, label, rel, consumer, arg_bdim):
+        batch = self.batch
+        out_val = self.env[consumer]
+        ob = self.bdim.get(consumer)
+        if torch.is_tensor(out_val) and ob is not None and rel.dim() == out_val.dim() and rel.shape[ob] % batch == 0:
+            s = _sample_sum(rel, ob, batch)
+        elif arg_bdim is not None and rel.dim() > arg_bdim and rel.shape[arg_bdim] == batch:
+            s = _sample_sum(rel, arg_bdim, batch)
+        elif rel.dim() > 0 and rel.shape[0] == batch:
+            s = _sample_sum(rel, 0, batch)
+        else:  # a constant with no per-sample structure: only possible for batch 1
+            s = rel.sum().reshape(1).expand(batch) / batch
+        self.absorbed_by[label] = self.absorbed_by.get(label, 0) + s
+        paths = module_paths(consumer)
+        for layer in self.layers:
+            if layer in paths:
+                self.per_block_absorbed[layer] = self.per_block_absorbed[layer] + s
+
+    def visit(self, node):
+        a, env, R, batch, bdim = self.a, self.env, self.R, self.batch, self.bdim
+        # last-use freeing: the walk reads a node's value only at that node and at its consumers,
+        # all visited before it, so a visited node's value is dead (unless read after the walk)
+        if self.done is not None and self.done not in self.needed_later:
+            env.pop(self.done, None)
+        self.done = node
+        if node not in R:
+            return
+        r = R.pop(node)
+        if node in self.keep:
+            self.rel_at[node] = r
+        if node in self.block_out:
+            self.per_block_in[self.block_out[node].layer] = _sample_sum(r, bdim.get(node), batch)
+        if node in self.block_hidden:
+            for b in self.block_hidden[node]:
+                self.per_block_out[b.layer] = _sample_sum(r, bdim.get(node), batch)
+        if node in self.sources:
+            self.input_parts.append((node, r))
+            return
+        if node.op != "call_function":
+            return
+        if node.target is operator.getitem:
+            src, idx = node.args[0], node.args[1]
+            slots = R.setdefault(src, {})
+            slots[idx] = slots[idx] + r if idx in slots else r
+            return
+        out_val = self.value(node)
+        if isinstance(out_val, (list, tuple)):
+            r = [r.get(i, torch.zeros(v.shape, dtype=torch.float32, device=v.device)) if isinstance(r, dict) else r[i]
+                 for i, v in enumerate(out_val)]
+        preset = self.preset
+        fn = self.rule_of(node)
+        if fn is None:
+            raise UnsupportedOperation(node.target, module_path(node), module_type(node), preset)
+        # rules compute in float32 at least: half-precision activations are upcast
+        value = self.value
+        args, kw = torch.fx.node.map_arg((node.args, node.kwargs),
+                                         lambda n: _f32(value(n)) if n in a.live else value(n))
+        live = tuple(is_live(x, a.live) for x in node.args)
+        ctx = RuleContext(node=node, args=tuple(args), kwargs=kw, out=pytree.tree_map(_f32, out_val), live=live,
+                          batch_dim=bdim.get(node), batch_size=batch, eps=self.eps, preset=preset,
+                          options=self.options)
+        shares = fn(ctx, r)
+        del ctx, args, kw, r
+        if shares is None:
+            raise UnsupportedOperation(node.target, module_path(node), module_type(node), preset,
+                                       detail="Its rule does not apply to these operands.")
+        for i, arg in enumerate(node.args):
+            share = shares[i] if i < len(shares) else None
+            if share is None:
+                continue
+            if isinstance(arg, (list, tuple)):
+                for el, sh in zip(arg, share):
+                    if sh is not None:
+                        self.deliver(el, sh, node)
+            else:
+                self.deliver(arg, share, node)
+
+    def deliver(self, arg, share, consumer):
+        if isinstance(arg, torch.fx.Node) and arg in self.a.live:
+            val = self.value(arg)
+            share = _fit(share.float(), val.shape)
+            R = self.R
+            R[arg] = R[arg] + share if arg in R else share
+            return
+        if not torch.is_tensor(share):
+            return
+        if isinstance(arg, torch.fx.Node):
+            label = _constant_label(arg, self.placeholders, consumer)
+            self.absorb(label, share.float(), consumer, self.bdim.get(arg))
+        else:
+            self.absorb(f"{module_path(consumer) or 'model'}:{consumer.name}:const", share.float(), consumer, None)
+
+    def finish(self):
+        a, batch, dev = self.a, self.batch, self.dev
+        input_rel = None
+        reached = torch.zeros(batch, device=dev)
+        for node, r in self.input_parts:
+            reached = reached + _sample_sum(r, self.bdim.get(node), batch)
+            if a.modality == "text":
+                r = r.sum(-1)
+            input_rel = r if input_rel is None else input_rel + r
+        absorbed = sum(self.absorbed_by.values(), torch.zeros(batch, device=dev))
+        blocks = []
+        for b in a.blocks:
+            if b.layer in self.per_block_in:
+                blocks.append(BlockConservation(b.name, self.per_block_in[b.layer],
+                                                self.per_block_out.get(b.layer, torch.zeros(batch, device=dev)),
+                                                self.per_block_absorbed[b.layer]))
+        cons = Conservation(self.injected, reached, absorbed, self.absorbed_by, blocks, self.preset)
+        return self.rel_at, cons, input_rel
+
+
+def _f32(v):
+    """A float16/bfloat16 tensor as float32 (anything else unchanged)."""
+    if torch.is_tensor(v) and v.dtype in (torch.float16, torch.bfloat16):
+        return v.float()
+    return v
+
+
+def _sample_sum(t: torch.Tensor, d: Optional[int], batch: int) -> torch.Tensor:
+    if d is None:
+        if t.dim() > 0 and t.shape[0] == batch:
+            d = 0
+        else:
+            return t.sum().reshape(1).expand(batch) / batch
+    t = t.movedim(d, 0)  # [batch, ...] or [batch·k, ...] (k groups per sample, batch-major)
+    return t.reshape(batch, -1).sum(1).float()
+
+
+def _constant_label(arg, placeholders, consumer) -> str:
+    """Name a constant by the parameter/buffer it was derived from (through shape-only ops), e.g.
+    'cls_token' for the expanded class token, else by the module that consumed it."""
+    n, hops = arg, 0
+    while isinstance(n, torch.fx.Node) and hops < 8:
+        if n in placeholders:
+            return str(placeholders[n][1])
+        if n.op != "call_function" or n.target not in INDEX_ROUTING:
+            break
+        n, hops = n.args[0], hops + 1
+    return f"{module_path(consumer) or 'model'}:{arg.name}"

@@ -1,0 +1,132 @@
+"""Helpers on the nodes of a captured graph, written once for every layer above.
+
+* **provenance** — which module of the model a node came from (``nn_module_stack``);
+* **outputs** — the output node and the live nodes the program returns;
+* **the relevance path** — the one traversal from the outputs back along the arguments that rules
+  give relevance to (the engine checks rules on it, the fast path plans its replacements on it,
+  the coverage report labels it);
+* **the node evaluator** — computing one node from the values of its arguments.
+"""
+from __future__ import annotations
+
+import operator
+from typing import Any, Callable, Dict, Iterable, List, Optional
+
+import torch
+import torch.fx
+import torch.utils._pytree as pytree
+
+
+# ------------------------------------------------------------------------------------------ provenance
+
+def module_path(node: torch.fx.Node) -> str:
+    """The innermost ``nn_module_stack`` entry of ``node`` ('' if none), e.g. ``blocks.3.attn.qkv``."""
+    stack = node.meta.get("nn_module_stack") or {}
+    if not stack:
+        return ""
+    path, _ = list(stack.values())[-1]
+    return _clean_path(path)
+
+
+def module_type(node: torch.fx.Node) -> str:
+    """The class name of the innermost module ``node`` came from (``"top level"`` if none)."""
+    stack = node.meta.get("nn_module_stack") or {}
+    if not stack:
+        return "top level"
+    _, typ = list(stack.values())[-1]
+    return typ if isinstance(typ, str) else getattr(typ, "__qualname__", str(typ))
+
+
+def module_paths(node: torch.fx.Node) -> List[str]:
+    """Every enclosing module path of ``node``, outermost first."""
+    stack = node.meta.get("nn_module_stack") or {}
+    return [_clean_path(p) for p, _ in stack.values()]
+
+
+def _clean_path(path: str) -> str:
+    # non-strict export writes paths like "L['self'].blocks[3].attn" in some versions
+    if path.startswith("L['self']"):
+        path = path[len("L['self']"):].lstrip(".")
+        path = path.replace("[", ".").replace("]", "").replace("'", "")
+    return path
+
+
+# ------------------------------------------------------------------------------------------- outputs
+
+def output_node(graph: torch.fx.Graph) -> torch.fx.Node:
+    """The graph's ``output`` node (the last node of an exported graph)."""
+    for node in reversed(graph.nodes):
+        if node.op == "output":
+            return node
+    raise ValueError("the graph has no output node")
+
+
+def output_leaves(graph: torch.fx.Graph) -> list:
+    """The flattened entries of the program's output (nodes, and constants such as None)."""
+    return pytree.tree_leaves(output_node(graph).args[0])
+
+
+def live_outputs(graph: torch.fx.Graph, live: Iterable[torch.fx.Node]) -> List[torch.fx.Node]:
+    """The input-dependent nodes the program returns, without repeats, in output order."""
+    live = live if isinstance(live, (set, frozenset, dict)) else set(live)
+    return list(dict.fromkeys(n for n in output_leaves(graph) if isinstance(n, torch.fx.Node) and n in live))
+
+
+def output_values(graph: torch.fx.Graph, out_spec, value: Callable[[torch.fx.Node], Any]) -> Any:
+    """The program's output structure with every node replaced by ``value(node)``."""
+    flat = [value(n) if isinstance(n, torch.fx.Node) else n for n in output_leaves(graph)]
+    return pytree.tree_unflatten(flat, out_spec)
+
+
+# ---------------------------------------------------------------------------------- relevance path
+
+def relevance_path(graph: torch.fx.Graph, live, sources, rule_of: Callable[[torch.fx.Node], Optional[Callable]]
+                   ) -> List[torch.fx.Node]:
+    """The nodes relevance reaches, in the order a depth-first walk from the outputs visits them.
+
+    From the live outputs back: a source (pixels, an embedding lookup) or a placeholder ends a
+    branch; an element of a list output (``getitem``) leads to the list; any other node leads to
+    its live arguments except the positions its rule declares in ``no_relevance_to`` (the divisor
+    of a normalization). ``rule_of(node)`` returns the node's rule, or None when it has none: such
+    a node is on the path but the walk does not go past it.
+    """
+    sources = set(sources)
+    stack = [n for n in output_leaves(graph) if isinstance(n, torch.fx.Node) and n in live]
+    seen: Dict[torch.fx.Node, None] = {}
+    while stack:
+        node = stack.pop()
+        if node in seen:
+            continue
+        seen[node] = None
+        if node in sources or node.op != "call_function":
+            continue
+        if node.target is operator.getitem:
+            stack.append(node.args[0])
+            continue
+        fn = rule_of(node)
+        if fn is None:
+            continue
+        blocked = getattr(fn, "no_relevance_to", ())
+        for i, arg in enumerate(node.args):
+            if i in blocked:
+                continue
+            stack.extend(m for m in pytree.tree_leaves(arg) if isinstance(m, torch.fx.Node) and m in live)
+    return list(seen)
+
+
+# --------------------------------------------------------------------------------------- evaluation
+
+def evaluate(node: torch.fx.Node, value: Callable[[torch.fx.Node], Any], fn: Optional[Callable] = None) -> Any:
+    """The value of ``node`` computed from ``value(arg)`` of each argument node, by ``node.target``
+    (or by ``fn``, a replacement that takes the same arguments)."""
+    args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), value)
+    return (fn or node.target)(*args, **kwargs)
+
+
+def is_live(x, live):
+    """Per positional argument: True if it is a live node, False otherwise; lists element-wise."""
+    if isinstance(x, torch.fx.Node):
+        return x in live
+    if isinstance(x, (list, tuple)):
+        return [is_live(e, live) for e in x]
+    return False

@@ -1,0 +1,27 @@
+"""Running a method on a trace, after checking that the trace has what the method reads."""
+from __future__ import annotations
+
+from typing import Any, Dict, Optional
+
+from ..errors import MethodError
+from .registry import MethodInfo, all_methods
+from .windowed import check_applicable
+
+
+def apply(info: MethodInfo, trace, options: Dict[str, Any], preset: Optional[str], model_name: str) -> dict:
+    """``info.fn(trace, **options)``, or a :class:`MethodError` saying why the method does not apply
+    to this model: it reads attention blocks and the graph has none, it reads the relevance of the
+    attention maps and ``preset`` gives none, or the model's attention works on windows (Swin) and
+    the method has no definition there."""
+    if info.needs_blocks and not trace.blocks:
+        usable = sorted(n for n, m in all_methods().items() if not m.needs_blocks)
+        raise MethodError(f"method '{info.name}' reads the attention blocks, and no attention blocks (a softmax "
+                          f"whose output multiplies the values) were found in {model_name}'s graph. "
+                          f"Methods that apply without attention: {usable}")
+    if info.needs_relevance and info.needs_blocks and any(b.relevance is None for b in trace.blocks):
+        raise MethodError(f"method '{info.name}' reads the relevance of the attention maps (R_A), and preset "
+                          f"'{preset}' gives them none (CP-LRP holds the attention constant). Use preset "
+                          f"'attnlrp' or 'chefer2021' for it, or method 'lrp' for the input relevance.")
+    if getattr(trace, "stages", None) is not None:  # window attention (Swin)
+        check_applicable(info, model_name)
+    return info.fn(trace, **options)

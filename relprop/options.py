@@ -1,0 +1,83 @@
+"""Every argument of :func:`relprop.explain` and :func:`relprop.coverage` checked before any work,
+each bad value answered by a :class:`relprop.RelpropError` that names the choices."""
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from .engine import check_options as check_engine_options
+from .errors import MethodError, OptionError
+from .methods import MethodInfo, get_method
+from .rules import Preset, get_preset, presets
+
+#: the values of ``explain(..., fast_path=...)``
+FAST_PATH_CHOICES = (None, True, False)
+
+
+def check_methods(method: Any) -> Tuple[List[MethodInfo], bool]:
+    """The methods asked for (a name or a list of names) and whether a list was given."""
+    many = isinstance(method, (list, tuple))
+    names = list(method) if many else [method]
+    if not names:
+        raise MethodError("method=[] names no method. Choices: relprop.methods()")
+    infos = [get_method(m) for m in names]
+    if len({i.name for i in infos}) != len(infos):
+        raise MethodError(f"method={list(names)} names a method twice")
+    return infos, many
+
+
+def check_preset(preset: Any) -> Optional[str]:
+    """The name of the preset asked for (None: each method's own)."""
+    if preset is None:
+        return None
+    if not isinstance(preset, (str, Preset)):
+        raise OptionError(f"preset must be a preset's name or a relprop.Preset, not {type(preset).__name__}. "
+                          f"Choices: {sorted(presets())}")
+    return get_preset(preset).name
+
+
+def check_fast_path(fast_path: Any) -> None:
+    """``fast_path`` is None, True or False."""
+    if fast_path not in FAST_PATH_CHOICES or not isinstance(fast_path, (bool, type(None))):
+        raise OptionError(f"fast_path={fast_path!r} is not a choice here. Choices: {list(FAST_PATH_CHOICES)} "
+                          "(None: take the one-backward fast path when the preset allows it; True: the same, and "
+                          "warn when it is not taken; False: always walk the graph rule by rule)")
+
+
+def check_special_tokens_mask(mask: Any) -> Optional[torch.Tensor]:
+    """None, or the mask as a bool tensor (its shape is checked against the scores later)."""
+    if mask is None:
+        return None
+    try:
+        t = torch.as_tensor(mask)
+    except (TypeError, ValueError, RuntimeError):
+        raise OptionError(f"special_tokens_mask must be a [batch, positions] bool tensor (True at positions to leave "
+                          f"out), not {type(mask).__name__}") from None
+    if t.dtype.is_floating_point or t.dim() != 2:
+        raise OptionError(f"special_tokens_mask must be a [batch, positions] bool tensor (True at positions to leave "
+                          f"out); got dtype {t.dtype}, shape {tuple(t.shape)}")
+    return t.bool()
+
+
+def check_arguments(*, eps: Any, unsupported: Any, memory: Any, fast_path: Any) -> None:
+    """The engine options of :func:`relprop.explain` (OptionError naming the choices)."""
+    check_engine_options(eps=eps, unsupported=unsupported, memory=memory)
+    check_fast_path(fast_path)
+
+
+def method_options(infos: Sequence[MethodInfo], options: Dict[str, Any], many: bool) -> Dict[str, Dict[str, Any]]:
+    """Per method name, the options it takes. With one method an option it does not take is an
+    error; with several, an option that none of them takes is."""
+    for key in options:
+        takers = [i for i in infos if key in i.options]
+        if takers:
+            continue
+        if not many:
+            info = infos[0]
+            raise MethodError(f"'{key}' is not an option of method '{info.name}'. "
+                              f"Options: {sorted(info.options) or 'none'}")
+        listed = "; ".join(f"{i.name}: {sorted(i.options) or 'none'}" for i in infos)
+        raise MethodError(f"'{key}' is not an option of any of the methods {[i.name for i in infos]}. "
+                          f"Options: {listed}")
+    return {i.name: {k: v for k, v in options.items() if k in i.options} for i in infos}

@@ -1,0 +1,3 @@
+"""The version of relprop (also read by the packaging)."""
+
+__version__ = "0.1.0"

@@ -1,0 +1,214 @@
+"""The layers of relprop and the imports between its modules, read from the source with ``ast``.
+
+relprop is built as one-way layers: a module imports only from its own layer or the layers below
+it (``LAYERS``, bottom first). This module reads every ``import`` of ``relprop/`` (module-level and
+function-level), assigns each module to its layer, and reports what breaks the rule:
+
+* an import of a module of a higher layer (an *upward* import);
+* an import of a relprop module inside a function (it hides a dependency, often a cycle);
+* a cycle among modules;
+* a module longer than :data:`MAX_LINES` lines.
+
+``tests/test_layers.py`` fails on any of them. Run it to print the tree with line counts per module
+and the import graph by layer::
+
+    python tests/layering.py            # tree, graph and violations
+"""
+from __future__ import annotations
+
+import ast
+import os
+import sys
+from typing import Dict, List, Set, Tuple
+
+ROOT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "relprop")
+
+#: layers, bottom first: (name, module prefixes). A module belongs to the layer of its longest prefix.
+LAYERS: List[Tuple[str, Tuple[str, ...]]] = [
+    ("errors", ("relprop.errors", "relprop.version")),
+    ("graph", ("relprop.graph",)),
+    ("rules", ("relprop.rules",)),
+    ("engine", ("relprop.engine", "relprop.targets")),
+    ("methods", ("relprop.methods",)),
+    ("viz", ("relprop.viz", "relprop.viz_api")),
+    ("explanation", ("relprop.explanation",)),
+    ("api", ("relprop.api", "relprop.validation", "relprop.options")),
+    ("evaluation", ("relprop.evaluation", "relprop.demo")),
+    ("cli", ("relprop.cli", "relprop.__main__")),
+    ("package", ("relprop",)),  # relprop/__init__.py: the public surface re-exports every layer
+]
+#: modules longer than this are two modules
+MAX_LINES = 400
+
+
+def modules() -> Dict[str, str]:
+    """Dotted module name -> file path, for every .py file under relprop/."""
+    out = {}
+    base = os.path.dirname(ROOT)
+    for folder, _, files in os.walk(ROOT):
+        for f in files:
+            if f.endswith(".py"):
+                path = os.path.join(folder, f)
+                rel = os.path.relpath(path, base)[:-3].replace(os.sep, ".")
+                out[rel[: -len(".__init__")] if rel.endswith(".__init__") else rel] = path
+    return out
+
+
+def layer_of(module: str) -> int:
+    best, rank = -1, None
+    for i, (_, prefixes) in enumerate(LAYERS):
+        for p in prefixes:
+            if (module == p or module.startswith(p + ".")) and len(p) > best:
+                best, rank = len(p), i
+    if rank is None:
+        raise KeyError(f"{module} is in no layer of tests/layering.py")
+    return rank
+
+
+def _resolve(module: str, is_package: bool, node: ast.AST) -> List[str]:
+    """The relprop modules an import statement names (``from . import a, b`` names a and b)."""
+    names = []
+    if isinstance(node, ast.Import):
+        names = [a.name for a in node.names]
+    elif isinstance(node, ast.ImportFrom):
+        if node.level:
+            parts = module.split(".")
+            base = parts if is_package else parts[:-1]
+            base = base[: len(base) - (node.level - 1)]
+            prefix = ".".join(base + ([node.module] if node.module else []))
+        else:
+            prefix = node.module or ""
+        names = [prefix] + [f"{prefix}.{a.name}" for a in node.names]
+    return [n for n in names if n == "relprop" or n.startswith("relprop.")]
+
+
+def imports(mods: Dict[str, str]) -> Dict[str, List[Tuple[str, int, bool]]]:
+    """module -> [(imported relprop module, line, inside a function)]; only names that are modules."""
+    out = {}
+    for mod, path in mods.items():
+        with open(path, encoding="utf-8") as f:
+            tree = ast.parse(f.read(), path)
+        is_package = path.endswith("__init__.py")
+        found = []
+
+        def visit(node, in_function):
+            for child in ast.iter_child_nodes(node):
+                if isinstance(child, (ast.Import, ast.ImportFrom)):
+                    named = _resolve(mod, is_package, child)
+                    targets = [n for n in named if n in mods]
+                    if isinstance(child, ast.ImportFrom):  # ``from p import m``: the submodule m, not p
+                        sub = [n for n in targets[1:]] if targets and targets[0] == named[0] else targets
+                        targets = sub or targets[:1]
+                    for t in dict.fromkeys(targets):
+                        if t != mod:
+                            found.append((t, child.lineno, in_function))
+                visit(child, in_function or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)))
+
+        visit(tree, False)
+        out[mod] = found
+    return out
+
+
+def line_count(path: str) -> int:
+    with open(path, encoding="utf-8") as f:
+        return sum(1 for _ in f)
+
+
+def cycles(edges: Dict[str, Set[str]]) -> List[List[str]]:
+    """Strongly connected components with more than one module (Tarjan)."""
+    index, low, stack, on, out, counter = {}, {}, [], set(), [], [0]
+
+    def strong(v):
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on.add(v)
+        for w in edges.get(v, ()):
+            if w not in index:
+                strong(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    sys.setrecursionlimit(10000)
+    for v in list(edges):
+        if v not in index:
+            strong(v)
+    return out
+
+
+def violations() -> Dict[str, list]:
+    """Every break of the layering rules (see the module docstring), by kind."""
+    mods = modules()
+    imp = imports(mods)
+    up, inner = [], []
+    for mod, found in imp.items():
+        if mod == "relprop":
+            continue
+        for target, line, in_function in found:
+            if target == "relprop" or layer_of(target) > layer_of(mod):
+                up.append(f"{mod}:{line} imports {target} ({LAYERS[layer_of(mod)][0]} -> "
+                          f"{LAYERS[layer_of(target)][0]})")
+            if in_function:
+                inner.append(f"{mod}:{line} imports {target} inside a function")
+    edges = {m: {t for t, _, _ in f if not _is_parent_package(t, m)} for m, f in imp.items()}
+    long = [f"{m}: {line_count(p)} lines" for m, p in sorted(mods.items()) if line_count(p) > MAX_LINES]
+    return {"upward": up, "function-level": inner, "cycles": [" <-> ".join(c) for c in cycles(edges)],
+            "too long": long}
+
+
+def _is_parent_package(target: str, mod: str) -> bool:
+    """``from . import x`` inside package p names p itself first: not a dependency of its own."""
+    return mod.startswith(target + ".")
+
+
+def report() -> str:
+    mods = modules()
+    imp = imports(mods)
+    lines = ["relprop/ by layer (bottom first), lines per module:"]
+    total = 0
+    for rank, (name, _) in enumerate(LAYERS):
+        members = sorted(m for m in mods if layer_of(m) == rank)
+        if not members:
+            continue
+        lines.append(f"  [{rank}] {name}")
+        for m in members:
+            n = line_count(mods[m])
+            total += n
+            lines.append(f"      {os.path.relpath(mods[m], os.path.dirname(ROOT)):<44} {n:>5}")
+    lines.append(f"  {len(mods)} modules, {total} lines")
+    lines.append("")
+    lines.append("imports between layers (edges module layer -> imported layer, with counts):")
+    counts: Dict[Tuple[str, str], int] = {}
+    for mod, found in imp.items():
+        for t, _, _ in found:
+            if _is_parent_package(t, mod):
+                continue
+            key = (LAYERS[layer_of(mod)][0], LAYERS[layer_of(t)][0])
+            counts[key] = counts.get(key, 0) + 1
+    for (a, b), n in sorted(counts.items(), key=lambda kv: (layer_of_name(kv[0][0]), layer_of_name(kv[0][1]))):
+        arrow = "UP " if layer_of_name(b) > layer_of_name(a) and a != "package" else "   "
+        lines.append(f"  {arrow}{a:<12} -> {b:<12} {n:>3}")
+    lines.append("")
+    for kind, items in violations().items():
+        lines.append(f"{kind}: {len(items)}")
+        lines += [f"  {x}" for x in items]
+    return "\n".join(lines)
+
+
+def layer_of_name(name: str) -> int:
+    return [n for n, _ in LAYERS].index(name)
+
+
+if __name__ == "__main__":
+    print(report())
