@@ -274,7 +274,7 @@ def test_explain_text_without_model_uses_the_demo(runs, monkeypatch, capsys):
         loaded = cli.load_model(f"{d}/bert")
         loaded.name, loaded.default_method, loaded.options = cli.DEMO_NAME, demo.DEFAULT_METHOD, {"query": "mean"}
         return loaded
-    monkeypatch.setattr(cli, "load_demo", fake_demo)
+    monkeypatch.setattr(cli.commands, "load_demo", fake_demo)  # where cmd_explain looks it up
     assert cli.main(["explain", "--text", "a fine film", "--top", "2"]) == 0
     out = capsys.readouterr().out
     assert seen == [None] and cli.DEMO_NAME in out and f"method: {demo.DEFAULT_METHOD}" in out

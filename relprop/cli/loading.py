@@ -2,10 +2,11 @@
 the local cache, or the bundled demo; and running it on the inputs."""
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import json
 import os
-from typing import Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 from .. import demo
 from ..api import explain
@@ -14,24 +15,22 @@ from ..targets import logits_of
 from .common import EXIT_MODEL, CliError, DEMO_NAME, one_line, resolve_class
 
 
+@dataclasses.dataclass
 class Loaded:
     """A loaded model with what the command line needs around it."""
 
-    def __init__(self, model, kind: str, name: str, labels=None, tokenizer=None, preprocess=None, mean=None,
-                 std=None, options=None, default_method: str = "transformer_attribution", note: str = "",
-                 cosine_scale: Optional[float] = None):
-        self.model = model
-        self.kind = kind  # "image" or "text"
-        self.name = name
-        self.labels = labels
-        self.tokenizer = tokenizer
-        self.preprocess = preprocess
-        self.mean = mean
-        self.std = std
-        self.options = options or {}
-        self.default_method = default_method
-        self.note = note
-        self.cosine_scale = cosine_scale  # the demo: score = scale × cosine
+    model: Any
+    kind: str  # "image" or "text"
+    name: str
+    labels: Optional[Dict[int, str]] = None
+    tokenizer: Any = None
+    preprocess: Optional[Callable] = None  # image -> [C, H, W] tensor
+    mean: Any = None
+    std: Any = None
+    options: dict = dataclasses.field(default_factory=dict)  # explain() options of the default method
+    default_method: str = "transformer_attribution"
+    note: str = ""
+    cosine_scale: Optional[float] = None  # the demo: score = scale × cosine
 
 
 def load_model(spec: str) -> Loaded:

@@ -15,7 +15,7 @@ import torch.fx
 
 from ..graph.nodes import evaluate
 from .forward import forward, output_seed
-from .memory import crossing, last_uses, read_after_walk, segments
+from .memory import crossing, last_uses, read_after_walk, rematerializable, segments
 from .request import Request
 from .trace import Pass
 from .walk import Walker
@@ -58,9 +58,8 @@ def run_low(request: Request, out_nodes: List[torch.fx.Node], wrt: List[torch.fx
     if request.relevance:  # (no memo of 2x every weight here: memory="high" only)
         walker = Walker(request, env, {**seed}, out_nodes, batch, remat)
     needed_later = read_after_walk(a)
-    last = last_uses(captured)
     for seg in reversed(segments(captured)):
-        _backward_segment(captured, env, seg, gbuf, grad, grad_nodes, kept, remat, last)
+        _backward_segment(captured, env, seg, gbuf, grad, grad_nodes, kept)
         if walker is not None:
             with torch.no_grad():
                 for node in reversed(seg):
@@ -77,12 +76,13 @@ def run_low(request: Request, out_nodes: List[torch.fx.Node], wrt: List[torch.fx
     return Pass(env, outputs, scores, target, grad, rel_at, conservation, input_rel)
 
 
-def _backward_segment(captured, env, seg, gbuf, grad, grad_nodes, kept, remat, last):
+def _backward_segment(captured, env, seg, gbuf, grad, grad_nodes, kept):
     """Recompute one segment with autograd from its inputs in ``env``, propagate the gradients in
     ``gbuf`` (at its outgoing values) back to its incoming values (added to ``gbuf``) and to the
     nodes of ``grad_nodes`` it holds (into ``grad``); leave its values, detached, in ``env``."""
     a = captured.analysis
     sources = set(a.sources)
+    remat, last = rematerializable(captured), last_uses(captured)  # plans memoized on the graph
     senv: Dict[torch.fx.Node, Any] = {}
     leaves: List[torch.fx.Node] = []
 

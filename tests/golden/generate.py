@@ -170,10 +170,15 @@ def generate() -> dict:
     return {"environment": environment(), "cases": {c[0]: record(c) for c in cases()}}
 
 
-def compare(expected: dict, got: dict, exact: bool, rtol: float = 1e-4) -> list:
+#: methods whose numbers may jump, not drift, when float rounding changes (ViT-CX clusters feature
+#: maps with a distance threshold): compared by shape only when the environment differs
+DISCRETE = ("vit_cx",)
+
+
+def compare(expected: dict, got: dict, exact: bool, rtol: float = 1e-3) -> list:
     """Differences between two recordings of one case (an empty list when they agree): bit for bit
     (the sha256 of every tensor) when ``exact``, else the float64 summaries agree to ``rtol`` of the
-    tensor's scale (its sum of absolute values)."""
+    tensor's scale (its sum of absolute values), and the :data:`DISCRETE` methods by shape only."""
     problems = []
     for label in expected:
         e, g = expected[label], got.get(label)
@@ -205,6 +210,8 @@ def compare(expected: dict, got: dict, exact: bool, rtol: float = 1e-4) -> list:
                 detail = f" (max abs diff {diff:.3g})"
             if exact:
                 problems.append(f"{label}.{k}: not bit-identical{detail}")
+                continue
+            if label in DISCRETE:
                 continue
             scale = max(v["stats"][1], 1e-30)
             worst = max(abs(a - b) for a, b in zip(v["stats"] + v["projections"], w["stats"] + w["projections"]))
