@@ -18,8 +18,8 @@ from . import options as opt
 from . import validation
 from .engine import FastPathUnavailable, Request, Trace, report, run, run_fast
 from .engine.coverage import Coverage
-from .errors import RelpropWarning
-from .explanation import build
+from .errors import RelpropError, RelpropWarning
+from .explanation import build, mask_from_tokenizer, split_tokenizer_keys
 from .graph.capture import CACHE, Captured
 from .graph.inputs import bind_inputs, primary_input
 from .methods import MethodInfo, apply
@@ -55,8 +55,8 @@ def prepare(model: torch.nn.Module, inputs: Any, wrt: Optional[str]) -> Prepared
 
 def explain(model: torch.nn.Module, inputs: Any, target: Any = None, method: Any = "transformer_attribution",
             preset: Any = None, *, eps: float = DEFAULT_EPS, unsupported: str = "error",
-            special_tokens_mask: Optional[torch.Tensor] = None, fast_path: Optional[bool] = None,
-            memory: str = "default", wrt: Optional[str] = None, **options):
+            special_tokens_mask: Optional[torch.Tensor] = None, tokenizer: Any = None,
+            fast_path: Optional[bool] = None, memory: str = "default", wrt: Optional[str] = None, **options):
     """Explain the score of class ``target`` of an unmodified ``model`` on ``inputs``.
 
     Parameters
@@ -82,7 +82,12 @@ def explain(model: torch.nn.Module, inputs: Any, target: Any = None, method: Any
     unsupported : ``"error"`` (default) raises :class:`relprop.UnsupportedOperation` for an op
         with no rule; ``"z_rule"`` applies the generic gradient × input rule to such ops.
     special_tokens_mask : [batch, positions] bool, True at positions to exclude from text scores.
-        Default: padding and the ids the model's config names as special (cls/sep/bos/eos/pad).
+        Default: the batch's own ``special_tokens_mask`` when it carries one (a tokenizer called with
+        ``return_special_tokens_mask=True``), else the special ids of ``tokenizer``, else those the
+        model's config names (cls/sep/bos/eos/pad). Padding is always left out. ``exp.notes`` says
+        which positions were left out and where that came from.
+    tokenizer : the model's tokenizer, whose special ids (the unknown token excepted) mark the
+        positions to leave out of text scores (see ``special_tokens_mask``).
     fast_path : when every method only reads the input relevance (``"lrp"``) and the preset's
         rules have modified-gradient forms (``"attnlrp"``, ``"cp_lrp"``), compute it with one
         backward pass (:mod:`relprop.engine.fast_path`); the Explanation then has no per-block
@@ -120,22 +125,45 @@ def explain(model: torch.nn.Module, inputs: Any, target: Any = None, method: Any
         if info.preset:
             get_preset(info.preset)
     opt.check_arguments(eps=eps, unsupported=unsupported, memory=memory, fast_path=fast_path)
-    special_tokens_mask = opt.check_special_tokens_mask(special_tokens_mask)
+    inputs, batch_mask = split_tokenizer_keys(inputs)
+    mask_source = "special_tokens_mask=" if special_tokens_mask is not None else "the batch's special_tokens_mask"
+    special_tokens_mask = opt.check_special_tokens_mask(special_tokens_mask if special_tokens_mask is not None
+                                                        else batch_mask)
     per_method = opt.method_options(infos, options, many)
-
     prepared = prepare(model, inputs, wrt)
+    if special_tokens_mask is None and tokenizer is not None:
+        ids = prepared.kwargs[prepared.captured.primary]
+        if torch.is_tensor(ids) and not ids.is_floating_point():
+            special_tokens_mask = mask_from_tokenizer(tokenizer, ids)
+            mask_source = f"tokenizer= ({type(tokenizer).__name__}'s special ids)"
+    try:
+        return _explain(model, prepared, target, infos, many, preset, per_method,
+                        dict(eps=eps, unsupported=unsupported, memory=memory, fast_path=fast_path),
+                        (special_tokens_mask, mask_source))
+    except RelpropError:
+        raise
+    except Exception as e:  # noqa: BLE001 - every error that leaves explain() is a RelpropError
+        raise RelpropError(f"relprop could not explain {type(model).__name__} with {[i.name for i in infos]}: "
+                           f"{type(e).__name__}: {str(e).strip()[:600]}. This is relprop's failure, not yours: "
+                           "please report it with the model's name and this message") from e
+
+
+def _explain(model, prepared: "Prepared", target, infos, many, preset, per_method, engine_options, special):
+    """The body of :func:`explain` once every argument is checked and the graph captured."""
+    special_tokens_mask, mask_source = special
+    fast_path = engine_options.pop("fast_path")
     if isinstance(target, str) and target == "next_token":  # language models: see targets.next_token
         target = next_token(prepared.kwargs.get("attention_mask"))
     request = Request(prepared.captured, model, prepared.kwargs, resolve(target, prepared.batch,
                                                                           prepared.captured.primary),
-                      eps=eps, unsupported=unsupported, memory=memory)
+                      **engine_options)
     traces = _run_engine(infos, request, preset, fast_path)
     results = []
     for info in infos:
         key = _preset_of(info, preset) if info.needs_relevance else next(iter(traces))
         trace = traces[key]
         out = apply(info, trace, per_method[info.name], key, type(model).__name__)
-        results.append(build(info, key or preset, out, trace, special_tokens_mask))
+        results.append(build(info, key or preset, out, trace, special_tokens_mask, mask_source))
     validation.check_result(results)
     return results if many else results[0]
 

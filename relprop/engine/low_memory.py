@@ -14,6 +14,7 @@ import torch
 import torch.fx
 
 from ..graph.nodes import evaluate
+from ..graph.tokens import token_positions
 from .forward import forward, output_seed
 from .memory import crossing, last_uses, read_after_walk, rematerializable, segments
 from .request import Request
@@ -43,13 +44,14 @@ def run_low(request: Request, out_nodes: List[torch.fx.Node], wrt: List[torch.fx
     a = captured.analysis
     sources = set(a.sources)
     kept = crossing(captured)
-    keep = kept | sources | {a.primary}
+    keep = kept | sources | {a.primary} | _token_trace_reads(a)
     discard = {n for n in captured.graph.nodes if n.op == "call_function" and n not in keep}
     with torch.no_grad():
         env, outputs = forward(captured, request.model, request.kwargs, discard=discard)
     scores, seed = output_seed(captured, env, request.target.score, out_nodes, with_scores=True)
     with torch.no_grad():
         target = request.target.classes(outputs)
+        tokens = token_positions(a.tokens, env, scores.shape[0])
     batch = scores.shape[0]
     grad_nodes = set(wrt) - set(out_nodes)
     gbuf: Dict[torch.fx.Node, torch.Tensor] = dict(seed)  # gradient arriving at each crossing value
@@ -73,7 +75,14 @@ def run_low(request: Request, out_nodes: List[torch.fx.Node], wrt: List[torch.fx
             g = gbuf.get(n)
             grad[n] = g if g is not None else torch.zeros_like(env[n])
     rel_at, conservation, input_rel = walker.finish() if walker is not None else ({}, None, None)
-    return Pass(env, outputs, scores, target, grad, rel_at, conservation, input_rel)
+    return Pass(env, outputs, scores, target, grad, rel_at, conservation, input_rel, tokens=tokens)
+
+
+def _token_trace_reads(a) -> set:
+    """The values the token-position trace reads (kept by the forward pass without autograd)."""
+    if a.tokens is None:
+        return set()
+    return {a.tokens.start} | set(a.tokens.reads)
 
 
 def _backward_segment(captured, env, seg, gbuf, grad, grad_nodes, kept):

@@ -99,6 +99,8 @@ def read_after_walk(a) -> set:
     keep = set(a.sources) | {a.primary}
     for b in a.blocks:
         keep |= {n for n in (b.attention, b.hidden, b.value, b.features, b.out_proj, b.output) if n is not None}
+    if a.tokens is not None:  # where the first block's tokens come from (relprop.graph.tokens)
+        keep |= {a.tokens.start} | set(a.tokens.reads)
     for wm in (getattr(a, "windows", None) or {}).values():
         for n in [getattr(wm, "start", None), getattr(wm, "end", None)] + list(getattr(wm, "nodes", ())):
             if isinstance(n, torch.fx.Node):

@@ -17,6 +17,7 @@ import torch.utils._pytree as pytree
 
 from ..errors import RelpropWarning
 from ..graph.nodes import live_outputs
+from ..graph.tokens import token_positions
 from ..graph.windows import globalize, locate_windows
 from ..targets import find_logits, fixed, require_input_dependence
 from .forward import forward, output_seed
@@ -75,6 +76,7 @@ def run(request: Request) -> Trace:
     batch = scores.shape[0]
     result = Pass(env, outputs, scores, target, grad)
     result.windows = locate_windows(a, env, batch)  # window attention: read before the walk frees values
+    result.tokens = token_positions(a.tokens, env, batch)
     if request.relevance:
         with torch.no_grad():
             seed = {**grad, **output_seed(captured, env, request.target.score, out_nodes)}
@@ -92,14 +94,15 @@ def build_trace(request: Request, result: Pass, notes: List[str]) -> Trace:
     batch = result.scores.shape[0]
     blocks = []
     for b in a.blocks:
+        unfold = _unfolder(b.folded_heads, batch)
         blocks.append(BlockRecord(
             index=b.index, name=b.name, layer=b.layer,
-            attention=env[b.attention].detach().float(), gradient=grad[b.attention].detach().float(),
-            relevance=rel_at.get(b.attention),
+            attention=unfold(env[b.attention].detach().float()), gradient=unfold(grad[b.attention].detach().float()),
+            relevance=unfold(rel_at.get(b.attention)),
             hidden=env[b.hidden].detach().float() if b.hidden is not None else None,
             hidden_gradient=grad[b.hidden].detach().float() if b.hidden is not None else None,
             hidden_relevance=rel_at.get(b.hidden) if b.hidden is not None else None,
-            value=env[b.value].detach().float() if b.value is not None else None,
+            value=unfold(env[b.value].detach().float()) if b.value is not None else None,
             features=env[b.features].detach().float() if b.features is not None else None,
             features_gradient=grad[b.features].detach().float() if b.features is not None else None,
             out_proj_weight=env[b.out_proj].detach().float() if b.out_proj is not None else None,
@@ -123,4 +126,15 @@ def build_trace(request: Request, result: Pass, notes: List[str]) -> Trace:
     return Trace(outputs=outputs, logits=logits, target=result.target, target_scores=result.scores.detach(),
                  blocks=blocks, input_relevance=result.input_relevance, input_gradient=input_grad,
                  conservation=result.conservation, modality=a.modality, grid=a.grid, batch_size=batch,
-                 session=session, token_mask=token_mask, stages=stages, notes=notes)
+                 session=session, token_mask=token_mask, stages=stages, notes=notes, token_map=result.tokens.get(0),
+                 token_maps=result.tokens, token_mixing=a.token_mixing)
+
+
+def _unfolder(heads, batch: int):
+    """[batch·heads, ...] → [batch, heads, ...] for a block whose heads are folded into the batch
+    axis, batch-major (identity for the others and for None)."""
+    def unfold(t):
+        if t is None or not heads or t.shape[0] != batch * heads:
+            return t
+        return t.reshape((batch, heads) + tuple(t.shape[1:]))
+    return unfold

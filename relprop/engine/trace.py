@@ -94,6 +94,14 @@ class Trace:
     stages: Any = None
     #: what the engine decided and why, for the Explanation (e.g. why the fast path was not taken)
     notes: List[str] = dataclasses.field(default_factory=list)
+    #: [batch, tokens of the first block] input position of each token (patch index, row-major, or
+    #: text position), -1 for tokens made from constants; None: constants first, then the positions
+    token_map: Optional[torch.Tensor] = None
+    #: block index -> the same for the tokens entering that block, for the blocks whose tokens are
+    #: not the first block's (another number of tokens, a class-attention block's keys, ...)
+    token_maps: Dict[int, torch.Tensor] = dataclasses.field(default_factory=dict)
+    #: the first op that mixes tokens outside the attention blocks, in words (None: none)
+    token_mixing: Optional[str] = None
 
 
 @dataclasses.dataclass
@@ -112,3 +120,4 @@ class Pass:
     conservation: Optional[Conservation] = None
     input_relevance: Optional[torch.Tensor] = None
     windows: Any = None
+    tokens: Dict[int, torch.Tensor] = dataclasses.field(default_factory=dict)  # token_positions()

@@ -156,7 +156,7 @@ def text_plan(exp, scores, kwargs, primary, model, removable, removal, tokenizer
         if exp is not None and exp.mask is not None:
             removable = exp.mask
         else:
-            removable = ~special_positions(model, kwargs, primary, (b, t), ids.device)
+            removable = ~special_positions(model, kwargs, primary, (b, t), ids.device)[0]
     removable = torch.as_tensor(removable, device=ids.device).bool() & (am.to(ids.device) != 0)
     token = removal_token(removal, model, tokenizer)
     if token is None:

@@ -7,14 +7,18 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from ..errors import RelpropError
+from ..errors import MethodError, RelpropError
+from ..methods.layout import positions as token_positions
 from .result import Explanation
 from .special_tokens import special_positions
 
 
-def build(info, preset: Optional[str], result: dict, trace, special_tokens_mask=None) -> Explanation:
+def build(info, preset: Optional[str], result: dict, trace, special_tokens_mask=None, mask_source: str = "",
+          ) -> Explanation:
     """The Explanation of method ``info`` (a :class:`relprop.methods.MethodInfo`) whose output is
-    ``result`` on ``trace``; ``preset`` is the preset its relevance came from."""
+    ``result`` on ``trace``; ``preset`` is the preset its relevance came from; text positions in
+    ``special_tokens_mask`` (which came from ``mask_source``) are left out of the scores."""
+    notes = list(trace.notes)
     session = trace.session
     kwargs, captured, model = session.kwargs, session.captured, session.model
     tokens = result.get("tokens")
@@ -33,26 +37,56 @@ def build(info, preset: Optional[str], result: dict, trace, special_tokens_mask=
             scores = patch_sums(smap, gh, gw)
             if tokens is not None:
                 prefix = tokens.shape[-1] - gh * gw
+            mask = torch.ones_like(scores, dtype=torch.bool)
         else:
-            n = tokens.shape[-1]
-            prefix = n - gh * gw
-            if prefix < 0:
-                raise RelpropError(f"{n} tokens cannot hold a {gh}x{gw} patch grid")
-            scores = tokens[:, prefix:]
+            scores, mask, prefix = on_grid(tokens, trace, info.name)
             smap = F.interpolate(scores.reshape(-1, 1, gh, gw).float(), size=tuple(image.shape[-2:]),
                                  mode="bilinear", align_corners=False)[:, 0]
-        mask = torch.ones_like(scores, dtype=torch.bool)
     elif trace.modality == "text":
-        special = special_positions(model, kwargs, captured.primary, tuple(scores.shape), scores.device,
-                                    special_tokens_mask)
+        special, why = special_positions(model, kwargs, captured.primary, tuple(scores.shape), scores.device,
+                                         special_tokens_mask, mask_source)
+        notes.append(why)
         mask = ~special
         scores = torch.where(mask, scores, torch.zeros((), dtype=scores.dtype, device=scores.device))
     return Explanation(method=info.name, scores=scores, map=smap, mask=mask, matrix=result.get("matrix"),
+                       query=result.get("query"),
                        blocks=trace.blocks, target=trace.target, target_scores=trace.target_scores,
                        conservation=trace.conservation, input_relevance=trace.input_relevance,
                        logits=trace.logits, preset=preset if info.needs_relevance else None,
                        modality=trace.modality, grid=trace.grid, prefix_tokens=prefix, outputs=trace.outputs,
-                       signed=info.signed, class_specific=info.class_specific, notes=list(trace.notes))
+                       signed=info.signed, class_specific=info.class_specific, notes=notes)
+
+
+def on_grid(tokens: torch.Tensor, trace, method: str):
+    """(scores [batch, gh·gw] in row-major patch order, mask [batch, gh·gw] True at patches some
+    token holds, number of tokens that hold no patch) from per-token scores of the first block's
+    tokens, placed by the traced token positions (``trace.token_map``); without them the tokens are
+    the constants first, then the patches row-major."""
+    gh, gw = trace.grid
+    cells = gh * gw
+    b, n = tokens.shape
+    positions = token_positions(trace, n)
+    if positions is None:
+        if getattr(trace, "token_map", None) is not None:
+            raise MethodError(f"method '{method}' gives scores over {n} tokens, and relprop cannot tell which patch "
+                              f"each of them holds (the first attention block of this model has "
+                              f"{trace.token_map.shape[1]} tokens, and no block whose tokens relprop traced has {n}): "
+                              f"they cannot be placed on the {gh}x{gw} patch grid")
+        prefix = n - cells
+        if prefix < 0:
+            raise RelpropError(f"{n} tokens cannot hold a {gh}x{gw} patch grid")
+        return tokens[:, prefix:], torch.ones(b, cells, dtype=torch.bool, device=tokens.device), prefix
+    positions = positions.to(tokens.device)
+    holds = positions >= 0
+    scores = tokens.new_zeros(b, cells)
+    count = torch.zeros(b, cells, dtype=torch.long, device=tokens.device)
+    for i in range(b):
+        scores[i, positions[i][holds[i]]] = tokens[i][holds[i]]
+        count[i, positions[i][holds[i]]] += 1
+    if bool((count > 1).any()):
+        raise RelpropError(f"two tokens of the first attention block come from the same patch; relprop cannot place "
+                           f"the scores of method '{method}' on the {gh}x{gw} patch grid")
+    return scores, count == 1, int((~holds).sum(1).max())
 
 
 def patch_sums(pixel_map: torch.Tensor, gh: int, gw: int) -> torch.Tensor:

@@ -28,6 +28,10 @@ class Explanation:
         special token).
     matrix : [batch, tokens, tokens] aggregated token-to-token matrix (rollout-style methods;
         special tokens included) or None.
+    query : [batch, rows of ``matrix``] the weights of the rows the scores combine: the token
+        states the target reads (one-hot at the class token, uniform over average-pooled tokens,
+        a decoder's last position; :mod:`relprop.methods.query`), or None for methods that read
+        no query row.
     blocks : per attention block, A, dA, R_A, h, dh (:class:`relprop.engine.trace.BlockRecord`).
     target : [batch] class indices explained (None for a callable target).
     target_scores : [batch] the explained scores (logits of the target class).
@@ -59,6 +63,7 @@ class Explanation:
     signed: bool = False
     class_specific: bool = True
     notes: List[str] = dataclasses.field(default_factory=list)
+    query: Optional[torch.Tensor] = None
 
     def show(self, **kwargs):
         """Display the explanation (image overlay, or coloured tokens/HTML in a notebook); see

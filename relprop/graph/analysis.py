@@ -8,31 +8,28 @@
 * **relevant** nodes — live nodes on a path to the output: the ones that need a rule.
 * **batch_dim** — which dimension of each node indexes samples (from the symbolic batch size of a
   dynamic-batch capture), so that per-sample statistics never cross samples.
-* **blocks** — attention blocks, found structurally: a softmax whose output (possibly through a
-  ``where`` that zeroes fully masked rows, a dropout or a copy) is the left operand of a matmul
-  with the values. Ordered input → output and named by ``nn_module_stack``.
+* **blocks** — attention blocks, found structurally (:mod:`relprop.graph.blocks`): a softmax whose
+  output is the left operand of a matmul with the values. Ordered input → output and named by
+  ``nn_module_stack``; whether tokens also mix outside them.
+* **tokens** — where the first block's tokens come from (:mod:`relprop.graph.tokens`), and the patch
+  grid of a vision model.
 """
 from __future__ import annotations
 
 import dataclasses
 import operator
-import re
 from typing import Dict, List, Optional, Set, Tuple
 
 import torch
 import torch.fx
 
 from . import windows
-from .nodes import module_path, module_paths, output_node
+from .blocks import BlockInfo, find_blocks, fold_counter, token_mixing
+from .nodes import module_paths, output_node
+from .tokens import TokenPlan, plan_tokens
 
 aten = torch.ops.aten
 
-SOFTMAX_OPS = {aten.softmax.int, aten._softmax.default, aten._safe_softmax.default}
-MATMUL_OPS = {aten.matmul.default, aten.bmm.default}
-#: ops between a softmax and the product with V that do not change what "the attention" is
-TRANSPARENT_OPS = {aten.where.self, aten.clone.default, aten._to_copy.default, aten.dropout.default,
-                   aten.alias.default, aten.detach.default, aten.contiguous.default, aten.view.default,
-                   aten.reshape.default, aten.expand.default, aten._unsafe_view.default}
 #: ops that produce a constant even from live inputs (they only read the input's shape/dtype)
 CONSTANT_PRODUCING = {
     aten.full_like.default, aten.zeros_like.default, aten.ones_like.default, aten.empty_like.default,
@@ -45,23 +42,6 @@ CONSTANT_PRODUCING = {
 INDEX_ROUTING = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.expand.default,
                  aten.unsqueeze.default, aten.clone.default, aten._to_copy.default, aten.contiguous.default,
                  aten.alias.default, aten.slice.Tensor, aten.squeeze.dim, aten.flatten.using_ints}
-
-
-@dataclasses.dataclass
-class BlockInfo:
-    """One attention block of the captured graph (numbered 0..B-1 from input to output)."""
-
-    index: int
-    name: str  # module path of the attention, e.g. "blocks.3.attn"
-    layer: str  # module path of the enclosing transformer layer, e.g. "blocks.3"
-    softmax: torch.fx.Node
-    attention: torch.fx.Node  # A: the tensor multiplied with the values
-    product: torch.fx.Node  # A @ V
-    hidden: Optional[torch.fx.Node]  # h: hidden states entering the layer
-    output: Optional[torch.fx.Node]  # hidden states leaving the layer
-    value: Optional[torch.fx.Node] = None  # V, the right operand of A @ V
-    features: Optional[torch.fx.Node] = None  # token features entering the attention module
-    out_proj: Optional[torch.fx.Node] = None  # weight of the attention's output projection (W_O)
 
 
 @dataclasses.dataclass
@@ -80,6 +60,12 @@ class GraphAnalysis:
     #: block index → the token merging that follows it (relprop.graph.windows)
     windows: dict = dataclasses.field(default_factory=dict)
     stage_links: dict = dataclasses.field(default_factory=dict)
+    #: where the first block's tokens come from (None: constants first, then the grid, row-major)
+    tokens: Optional[TokenPlan] = None
+    #: the first op that mixes tokens outside the attention blocks, in words (None: none)
+    token_mixing: Optional[str] = None
+    #: softmax-times-values products left out of the blocks, and why
+    left_out: List[str] = dataclasses.field(default_factory=list)
 
     def nodes_in(self, layer: str) -> List[torch.fx.Node]:
         return [n for n in self.relevant if layer in module_paths(n)]
@@ -184,7 +170,7 @@ def analyze(program, graph: torch.fx.Graph, bindings, primary_name: str, static_
                     x, hops = x.args[0], hops + 1
                 pixel_convs[n.name] = x is primary
 
-    blocks = _find_blocks(graph, live, relevant)
+    blocks, left_out = find_blocks(graph, live, fold_counter(batch_dim, static_batch, bsym if sym else None))
     grid = None
     for n in graph.nodes:
         if pixel_convs.get(n.name):
@@ -192,10 +178,14 @@ def analyze(program, graph: torch.fx.Graph, bindings, primary_name: str, static_
             if len(shape) == 4:
                 grid = (int(shape[2]), int(shape[3]))
             break
+    tokens = plan_tokens(graph, live, blocks, sources, modality)
+    if tokens is not None and tokens.grid is not None:
+        grid = tokens.grid  # the grid flattened into tokens (after a stem of several convolutions)
     window_maps = windows.find_window_maps(blocks, live)
     links = windows.find_stage_links(blocks, live) if window_maps else {}
     return GraphAnalysis(primary, modality, sources, live, relevant, batch_dim, pixel_convs, blocks, grid, outputs,
-                         window_maps, links)
+                         window_maps, links, tokens=tokens, token_mixing=token_mixing(graph, live, blocks),
+                         left_out=left_out)
 
 
 def _top_level_outputs(graph) -> list:
@@ -217,98 +207,3 @@ def _batch_major(expr, batch_expr) -> bool:
         return False
     ratio = (expr / batch_expr).simplify() if hasattr(expr / batch_expr, "simplify") else None
     return ratio is not None and bool(getattr(ratio, "is_Integer", False)) and int(ratio) > 0
-
-
-_LAYER = re.compile(r"\.\d+$")
-
-
-def _layer_path(node) -> str:
-    paths = module_paths(node)
-    for p in reversed(paths):
-        if _LAYER.search(p):
-            return p
-    return paths[-1] if paths else ""
-
-
-def _find_blocks(graph, live, relevant) -> List[BlockInfo]:
-    order = {n: i for i, n in enumerate(graph.nodes)}
-    found = []
-    for sm in graph.nodes:
-        if sm.op != "call_function" or sm.target not in SOFTMAX_OPS or sm not in live:
-            continue
-        frontier, product, attn = [sm], None, None
-        for _ in range(6):
-            nxt = []
-            for cur in frontier:
-                for u in cur.users:
-                    if u.op != "call_function":
-                        continue
-                    if u.target in MATMUL_OPS and u.args[0] is cur and u.args[1] in live:
-                        product, attn = u, cur
-                        break
-                    if u.target in TRANSPARENT_OPS and u in live:
-                        nxt.append(u)
-                if product is not None:
-                    break
-            if product is not None or not nxt:
-                break
-            frontier = nxt
-        if product is None:
-            continue
-        found.append((sm, attn, product))
-    found.sort(key=lambda t: order[t[0]])
-    blocks = []
-    for i, (sm, attn, product) in enumerate(found):
-        layer = _layer_path(attn)
-        in_scope = [n for n in graph.nodes if layer and layer in module_paths(n)]
-        scope = set(in_scope)
-        hidden = output = None
-        for n in in_scope:
-            for m in n.all_input_nodes:
-                if m in live and m not in scope and isinstance(_val(m), torch.Tensor) and _val(m).dim() >= 3:
-                    hidden = m
-                    break
-            if hidden is not None:
-                break
-        for n in in_scope:
-            if n in live and any(u not in scope for u in n.users):
-                output = n
-        blocks.append(BlockInfo(i, module_path(attn), layer, sm, attn, product, hidden, output,
-                                value=product.args[1], features=_features(graph, attn, live),
-                                out_proj=_out_proj(product)))
-    return blocks
-
-
-def _features(graph, attn, live):
-    """The token features the attention module reads (its first live input from outside it):
-    LN1(h) in pre-norm blocks (ViT), h itself in post-norm ones (BERT)."""
-    paths = module_paths(attn)
-    # the outermost enclosing module whose name contains "attn"/"attention" is the attention module
-    scope_path = next((p for p in paths if re.search(r"(attn|attention)[^.]*$", p)), module_path(attn))
-    for n in graph.nodes:
-        if scope_path not in module_paths(n):
-            continue
-        for m in n.all_input_nodes:
-            v = _val(m)
-            if m in live and scope_path not in module_paths(m) and isinstance(v, torch.Tensor) and v.dim() >= 3:
-                return m
-    return None
-
-
-def _out_proj(product):
-    """Weight node of the first linear layer the attention output reaches through shape-only ops."""
-    frontier = [product]
-    for _ in range(12):
-        nxt = []
-        for n in frontier:
-            for u in n.users:
-                if u.op != "call_function":
-                    continue
-                if u.target is aten.linear.default and u.args[0] is n:
-                    return u.args[1]
-                if u.target in INDEX_ROUTING or u.target in (aten.permute.default, aten.transpose.int):
-                    nxt.append(u)
-        if not nxt:
-            return None
-        frontier = nxt
-    return None

@@ -40,7 +40,8 @@ import torch
 
 from ..errors import MethodError
 from .registry import method
-from .query import query_rows
+from .layout import patch_tokens
+from .query import query_rows, query_vector
 from .rollout_utils import head_mean
 
 #: methods that need no attention blocks (named when a model has none)
@@ -184,7 +185,7 @@ def grads(trace, block: int = -1):
     """
     b = _pick(_blocks(trace, "grads"), block, "grads")
     m = head_mean(b.gradient)
-    return {"tokens": query_rows(trace, m), "matrix": m}
+    return {"tokens": query_rows(trace, m), "matrix": m, "query": query_vector(trace, m.shape[-2], m.device)}
 
 
 @method("attgrads",
@@ -261,7 +262,8 @@ def attention_norm(trace, block: int = -1):
     for i0 in range(0, n, step):
         mixed = torch.einsum("bhij,bhjc->bijc", a[:, :, i0:i0 + step], f)
         out[:, i0:i0 + step] = torch.linalg.vector_norm(mixed, dim=-1)
-    return {"tokens": query_rows(trace, out), "matrix": out}
+    return {"tokens": query_rows(trace, out), "matrix": out,
+            "query": query_vector(trace, out.shape[-2], out.device)}
 
 
 @method("gradcam",
@@ -294,12 +296,8 @@ def gradcam(trace, block: int = -1):
     b = _pick(blocks, block, "gradcam")
     feats, grad = b.features, b.features_gradient  # [B, N, C]
     n = feats.shape[1]
-    if trace.modality == "vision" and trace.grid is not None:
-        cells = trace.grid[0] * trace.grid[1]
-        pool = torch.zeros(feats.shape[:2], dtype=feats.dtype, device=feats.device)
-        pool[:, n - cells:] = 1
-    else:
-        pool = attended_tokens(b.attention).to(feats.dtype)
+    patches = patch_tokens(trace, n, feats.device)
+    pool = patches.to(feats.dtype) if patches is not None else attended_tokens(b.attention).to(feats.dtype)
     weights = (grad * pool[:, :, None]).sum(1) / pool.sum(1, keepdim=True).clamp_min(1)  # [B, C]
     cam = torch.einsum("bnc,bc->bn", feats, weights).clamp(min=0)
     return {"tokens": cam}

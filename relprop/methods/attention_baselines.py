@@ -26,8 +26,9 @@ import torch
 
 from ..errors import MethodError
 from .registry import method
-from .query import query_rows
-from .rollout_utils import chain, head_mean, query_row, stage_transitions
+from .layout import patch_tokens
+from .query import query_rows, query_vector
+from .rollout_utils import chain, head_mean, query_row, rollout_blocks, stage_transitions
 
 #: methods that need no attention blocks (named when a model has none)
 _WITHOUT_ATTENTION = "lrp, input_x_gradient, smoothgrad, integrated_gradients"
@@ -57,10 +58,16 @@ def _check_start(start_block: int, blocks, name: str) -> None:
                           f"0..{len(blocks) - 1}")
 
 
+def _with_query(trace, m: torch.Tensor) -> dict:
+    """tokens = the query row of map ``m`` (:mod:`relprop.methods.query`), with the query's weights."""
+    return {"tokens": query_rows(trace, m), "matrix": m,
+            "query": query_vector(trace, m.shape[-2], m.device, m.dtype)}
+
+
 def _single_block_map(trace, index: int, name: str) -> dict:
     block = _blocks(trace, name, needed=2 if index == 1 else 1)[index]
     m = head_mean((block.gradient * _relevance(block, name)).clamp(min=0))
-    return {"tokens": query_rows(trace, m), "matrix": m}
+    return _with_query(trace, m)
 
 
 # ---------------------------------------------------------------- Table 3 ablations (CVPR 2021)
@@ -84,9 +91,10 @@ def ta_without_gradient(trace, start_block: int = 0, normalize_rows: bool = Fals
     blocks = _blocks(trace, "ta_without_gradient")
     _check_start(start_block, blocks, "ta_without_gradient")
     maps = [head_mean((b.attention * _relevance(b, "ta_without_gradient")).clamp(min=0))
-            for b in blocks[start_block:]]
+            for b in rollout_blocks(trace, "ta_without_gradient", start_block)]
     joint = chain(maps, normalize_rows=normalize_rows, transitions=stage_transitions(trace, start_block))
-    return {"tokens": query_row(trace, joint, query), "matrix": joint}
+    row, w = query_row(trace, joint, query)
+    return {"tokens": row, "matrix": joint, "query": w}
 
 
 @method("ta_last_block",
@@ -160,7 +168,7 @@ def partial_lrp(trace):
     """
     block = _blocks(trace, "partial_lrp")[-1]
     m = head_mean(_relevance(block, "partial_lrp").clamp(min=0))
-    return {"tokens": query_rows(trace, m), "matrix": m}
+    return _with_query(trace, m)
 
 
 # ---------------------------------------------------------------- attention-only baselines
@@ -174,7 +182,7 @@ def raw_attention(trace):
     scores = its classification-token row. Class-agnostic.
     """
     m = head_mean(_blocks(trace, "raw_attention")[-1].attention)
-    return {"tokens": query_rows(trace, m), "matrix": m}
+    return _with_query(trace, m)
 
 
 @method("rollout",
@@ -196,18 +204,18 @@ def rollout(trace, start_block: int = 0, normalize_rows: bool = True, query: str
     """
     blocks = _blocks(trace, "rollout")
     _check_start(start_block, blocks, "rollout")
-    joint = chain([head_mean(b.attention) for b in blocks[start_block:]], normalize_rows=normalize_rows,
-                  transitions=stage_transitions(trace, start_block))
-    return {"tokens": query_row(trace, joint, query), "matrix": joint}
+    joint = chain([head_mean(b.attention) for b in rollout_blocks(trace, "rollout", start_block)],
+                  normalize_rows=normalize_rows, transitions=stage_transitions(trace, start_block))
+    row, w = query_row(trace, joint, query)
+    return {"tokens": row, "matrix": joint, "query": w}
 
 
 def _key_columns(trace, n: int, device) -> torch.Tensor:
     """[batch, n] bool: the columns whose gradient weights Grad-CAM's heads — the patch tokens for
-    images (the last gh*gw), and every real (non-padding) position for text."""
-    if trace.modality == "vision" and trace.grid is not None:
-        gh, gw = trace.grid
-        cols = torch.zeros(trace.batch_size, n, dtype=torch.bool, device=device)
-        cols[:, n - gh * gw:] = True
+    images (:func:`relprop.methods.layout.patch_tokens`), and every real (non-padding) position for
+    text."""
+    cols = patch_tokens(trace, n, device)
+    if cols is not None:
         return cols
     mask = getattr(trace, "token_mask", None)
     if mask is None and trace.session is not None:
@@ -239,7 +247,7 @@ def attention_gradcam(trace):
     cols = _key_columns(trace, a.shape[-1], a.device).to(da.dtype)  # [B, N]
     w = (query_rows(trace, da) * cols[:, None, :]).sum(-1) / cols.sum(-1, keepdim=True).clamp_min(1)  # [B, H]
     m = head_mean(w[:, :, None, None] * a).clamp(min=0)
-    return {"tokens": query_rows(trace, m), "matrix": m}
+    return _with_query(trace, m)
 
 
 @method("gradient_rollout",
@@ -255,7 +263,8 @@ def gradient_rollout(trace, query: str = "cls"):
 
     ``query="mean"`` reads the mean of the real tokens' rows instead (mean-pooled models).
     """
-    blocks = _blocks(trace, "gradient_rollout")
-    joint = chain([head_mean((b.gradient * b.attention).clamp(min=0)) for b in blocks],
-                  transitions=stage_transitions(trace))
-    return {"tokens": query_row(trace, joint, query), "matrix": joint}
+    _blocks(trace, "gradient_rollout")
+    joint = chain([head_mean((b.gradient * b.attention).clamp(min=0))
+                   for b in rollout_blocks(trace, "gradient_rollout")], transitions=stage_transitions(trace))
+    row, w = query_row(trace, joint, query)
+    return {"tokens": row, "matrix": joint, "query": w}

@@ -26,8 +26,10 @@ import torch.nn.functional as F
 
 from ..errors import MethodError
 from .gradients import Reruns
+from .layout import grid_tokens
 from .progress import progress_bar
-from .query import query_rows
+from .query import query_rows, query_vector
+from .rollout_utils import rollout_blocks
 from .registry import method
 
 
@@ -82,6 +84,7 @@ def value_zeroing(trace):
         raise MethodError("value_zeroing needs attention blocks, and none were found in the graph of this model. "
                           "Methods that apply without attention: lrp, input_x_gradient, smoothgrad, "
                           "integrated_gradients.")
+    rollout_blocks(trace, "value_zeroing")
     if any(b.value is None for b in blocks):
         raise MethodError("value_zeroing needs the value vectors V of every attention block (the right operand "
                           "of A @ V), which were not found in this model's graph. Use rollout or "
@@ -111,7 +114,8 @@ def value_zeroing(trace):
             vz = torch.where(total > 0, dist / total.clamp_min(1e-300), torch.zeros_like(dist))
             joint = vz if joint is None else vz @ joint
     joint = joint.float()
-    return {"tokens": query_rows(trace, joint), "matrix": joint}
+    return {"tokens": query_rows(trace, joint), "matrix": joint,
+            "query": query_vector(trace, joint.shape[-2], joint.device)}
 
 
 # ---------------------------------------------------------------- ViT-CX
@@ -213,9 +217,7 @@ def vit_cx(trace, distance_threshold: float = 0.1, baseline: Union[str, float] =
     x = trace.session.source_value.float()  # pixels [batch, C, H, W]
     bsz = x.shape[0]
     gh, gw = trace.grid
-    prefix = feats.shape[1] - gh * gw
-    if prefix < 0:
-        raise MethodError(f"vit_cx: {feats.shape[1]} tokens cannot hold a {gh}x{gw} patch grid")
+    feats = grid_tokens(trace, feats, "vit_cx")  # [batch, gh*gw, C], patch-grid order
     if isinstance(baseline, str):
         if baseline == "zero":
             base = torch.zeros_like(x)
@@ -230,7 +232,7 @@ def vit_cx(trace, distance_threshold: float = 0.1, baseline: Union[str, float] =
     gram = _interpolation_gram(gh, gw, size, feats.device)
     masks: List[torch.Tensor] = []  # per sample [K_i, H, W]
     for i in range(bsz):
-        grid = vitcx_masks(feats[i, prefix:].T, gram, distance_threshold)  # [K, gh*gw]
+        grid = vitcx_masks(feats[i].T, gram, distance_threshold)  # [K, gh*gw]
         up = F.interpolate(grid.float().reshape(-1, 1, gh, gw), size=tuple(size), mode="bilinear",
                            align_corners=False)[:, 0] if grid.shape[0] else x.new_zeros((0,) + tuple(size))
         masks.append(up.to(x))

@@ -2,28 +2,32 @@
 
 Methods that read "the [CLS] row" (Chefer et al., CVPR 2021: scores = C[CLS, tokens]; raw
 attention, partial LRP, Grad-CAM on attention, AttCAT's variants, value zeroing) take the row of
-the token whose final state the model's head reads. relprop finds that token structurally, from
-the gradient of the target with respect to the attention of the block next to the output: a row
-i of that attention can only influence the target through token i's output, so the rows with a
-non-zero gradient are exactly the token states the head reads (the *support*).
+the token states the model's head reads. relprop finds them from the gradient of the target with
+respect to the attention of the block next to the output: a row i of that attention can only
+influence the target through token i's output, so the rows with a non-zero gradient are exactly
+the token states the head reads (the *support*). The query is the mean of the support's rows:
 
-* The support contains position 0 — an encoder with a class token (ViT, DeiT, BERT, RoBERTa,
-  DistilBERT; also encoders that pool every token, which keep the class-token convention and
-  take ``query="mean"`` where a method offers it): the query is row 0, the paper's [CLS] row.
-* A causal decoder (GPT-2, LLaMA: no real query attends to a later position in any block) has no
-  class token; its head reads one position — the last non-padding token for
-  ``GPT2ForSequenceClassification`` and for next-token targets — and, because of the causal mask,
-  that row is the only one that sees the whole text (row 0 sees only itself). The query is the
-  last position of the support (for a target that reads several positions, the one that sees
-  the most); with an empty support (a target that does not depend on the attention) the last
-  real token.
-* Otherwise the head pools several token states and no class token (a global-average-pooled
-  ViT with register tokens, whose registers are not pooled): the query is the mean of the
-  supported rows, the row of the pooled output.
+* a class-token model (ViT, DeiT, BERT, RoBERTa, DistilBERT) reads one state, the class token's:
+  the query is its row, the paper's [CLS] row;
+* an average-pooled model without a class token (timm ViTs with ``global_pool="avg"``, registers
+  left out of the pool) reads the pooled tokens: the query is the mean of their rows, the row of
+  the pooled output;
+* a head that reads the class token and the mean of the patches (HF DINOv2) reads both: the mean
+  of all their rows;
+* a causal decoder (GPT-2, LLaMA: no real query attends to a later position in any block) reads one
+  position for a next-token or last-token target, the last non-padding token; for a target that
+  reads several positions the query is the last of them, the only row that sees all the others
+  (row 0 of a causal map sees only itself). With an empty support (a target that does not depend on
+  the attention) the query is the last real token of a decoder, else row 0.
+
+Methods return the weights they used as ``"query"`` ([batch, rows]); the Explanation keeps them
+(``exp.query``).
 """
 from __future__ import annotations
 
 import torch
+
+from ..errors import MethodError
 
 
 def is_causal(trace) -> bool:
@@ -49,7 +53,7 @@ def is_causal(trace) -> bool:
 
 
 def support(trace) -> torch.Tensor:
-    """[batch, tokens] bool: the rows of the last block's attention with a non-zero gradient (the
+    """[batch, rows of the last block's attention] bool: the rows with a non-zero gradient (the
     token states the target reads)."""
     read = trace.blocks[-1].gradient != 0
     if read.dim() == 4:  # [B, H, N, N]
@@ -58,15 +62,15 @@ def support(trace) -> torch.Tensor:
 
 
 def query_weights(trace) -> torch.Tensor:
-    """[batch, tokens] weights of the query row of each sample (one-hot, or uniform over the pooled
-    tokens); see the module docstring."""
-    blocks = trace.blocks
-    n, device = blocks[0].attention.shape[-1], blocks[0].attention.device
+    """[batch, rows of the last block's attention]: the weights of each sample's query row (the mean
+    of the support's rows; see the module docstring)."""
+    last = trace.blocks[-1].attention
+    n, device = last.shape[-2], last.device
     read = support(trace).to(device)
     weights = torch.zeros(trace.batch_size, n, device=device)
     weights[:, 0] = 1.0
-    if n < 2 or bool(read[:, 0].all()):
-        return weights
+    if n < 2 or bool((read[:, 0] & (read.sum(1) == 1)).all()):
+        return weights  # every sample reads row 0 alone: the class token's row
     idx = torch.arange(n, device=device)
     if is_causal(trace):
         last_real = torch.where(real_tokens(trace, n, device), idx, -1).amax(1).clamp_min(0)
@@ -74,20 +78,35 @@ def query_weights(trace) -> torch.Tensor:
         q = torch.where(last_read >= 0, last_read, last_real)
         return torch.nn.functional.one_hot(q, n).float()
     for b in range(trace.batch_size):
-        if bool(read[b, 0]) or not bool(read[b].any()):
-            continue
-        weights[b] = read[b].float() / read[b].sum()
+        if bool(read[b].any()):
+            weights[b] = read[b].float() / read[b].sum()
     return weights
+
+
+def query_vector(trace, rows: int, device=None, dtype=torch.float32) -> torch.Tensor:
+    """[batch, rows]: the query weights for a matrix with ``rows`` rows in the last block's token
+    space (the mean of all rows for window attention, whose head averages the last stage)."""
+    if getattr(trace, "stages", None) is not None:
+        # window attention (Swin, relprop.graph.windows): no class token; the head averages the
+        # tokens of the last stage, so the query is the mean of the rows, at every stage
+        return torch.full((trace.batch_size, rows), 1.0 / rows, device=device, dtype=dtype)
+    return query_weights(trace).to(device=device, dtype=dtype)
 
 
 def query_rows(trace, matrix: torch.Tensor) -> torch.Tensor:
     """The query row of each sample's ``matrix`` ([batch, ..., tokens, tokens] → [batch, ...,
     tokens]): ``matrix[:, ..., 0, :]`` for encoders with a class token."""
     if getattr(trace, "stages", None) is not None:
-        # window attention (Swin, relprop.graph.windows): no class token; the head averages the
-        # tokens of the last stage, so the query is the mean of the rows, at every stage
-        return matrix.mean(-2)
-    w = query_weights(trace).to(device=matrix.device, dtype=matrix.dtype)
+        return matrix.mean(-2)  # window attention: the mean of the rows (query_vector)
+    return weighted_rows(query_vector(trace, matrix.shape[-2], matrix.device, matrix.dtype), matrix)
+
+
+def weighted_rows(w: torch.Tensor, matrix: torch.Tensor) -> torch.Tensor:
+    """Σ_i w[b, i] · matrix[b, ..., i, :] for [batch, rows] weights."""
+    if w.shape[-1] != matrix.shape[-2]:
+        raise MethodError(f"the query is defined on the {w.shape[-1]} token states the target reads at the last "
+                          f"attention block, and this map has {matrix.shape[-2]} rows (another token space); read "
+                          "the block next to the output instead (block=-1)")
     w = w.reshape((w.shape[0],) + (1,) * (matrix.dim() - 3) + (w.shape[1],))
     return (w[..., :, None] * matrix).sum(-2)
 

@@ -6,7 +6,8 @@ from typing import List, Optional
 import torch
 
 from ..errors import MethodError
-from .query import query_rows
+from .query import query_rows, query_vector
+from .registry import all_methods
 
 
 def head_mean(t: torch.Tensor) -> torch.Tensor:
@@ -48,17 +49,52 @@ def stage_transitions(trace, start_block: int = 0):
     return None if stages is None else stages.transitions(start_block)
 
 
-def query_row(trace, joint: torch.Tensor, query: str = "cls") -> torch.Tensor:
-    """The row of an aggregated [batch, tokens, tokens] matrix that explains the output:
-    ``"cls"`` → the classification token's row (row 0), or for a causal decoder the row of the
-    position its target reads (:mod:`relprop.methods.query`); ``"mean"`` → the mean of the rows of
-    the real (non-padding) tokens."""
+def query_row(trace, joint: torch.Tensor, query: str = "cls"):
+    """(row, weights): the row of an aggregated [batch, tokens, tokens] matrix that explains the
+    output, and the [batch, tokens] weights of the rows it combines. ``"cls"`` → the row of the
+    token states the target reads (:mod:`relprop.methods.query`: the class token's row, the mean of
+    the pooled tokens' rows, a decoder's last position); ``"mean"`` → the mean of the rows of the
+    real (non-padding) tokens."""
     if query == "cls":
-        return query_rows(trace, joint)
+        return query_rows(trace, joint), query_vector(trace, joint.shape[-2], joint.device, joint.dtype)
     if query == "mean":
         mask = trace.token_mask
         if mask is None or tuple(mask.shape) != tuple(joint.shape[:2]):  # e.g. Swin's last stage: every row
             mask = torch.ones(joint.shape[:2], dtype=torch.bool, device=joint.device)
         w = mask.to(joint.dtype)
-        return (joint * w[:, :, None]).sum(1) / w.sum(1, keepdim=True).clamp_min(1)
+        row = (joint * w[:, :, None]).sum(1) / w.sum(1, keepdim=True).clamp_min(1)
+        return row, w / w.sum(1, keepdim=True).clamp_min(1)
     raise MethodError(f"query={query!r} is not a choice. Choices: ['cls', 'mean']")
+
+
+#: the methods that multiply (or average) the maps of several blocks: they need every block to map
+#: the same tokens to themselves, and tokens to mix nowhere but in the attention blocks
+ROLLOUT_METHODS = ("transformer_attribution", "ta_without_gradient", "rollout", "gradient_rollout",
+                   "value_zeroing")
+
+
+def rollout_blocks(trace, name: str, start_block: int = 0) -> list:
+    """The blocks ``start_block``.. of ``trace`` when a rollout over them is defined, else a
+    :class:`MethodError` that says why and names the methods that apply: every block a square map
+    of one token sequence (or of stages linked by a token merging, Swin), and no op mixing tokens
+    outside the attention blocks (:func:`relprop.graph.blocks.token_mixing`)."""
+    blocks = trace.blocks[start_block:]
+    others = "Methods that apply: " + ", ".join(sorted(set(all_methods()) - set(ROLLOUT_METHODS)))
+    for b in blocks:
+        q, k = b.attention.shape[-2], b.attention.shape[-1]
+        if q != k:
+            raise MethodError(f"{name} multiplies the token-to-token maps of the blocks, and block {b.index} "
+                              f"('{b.name}') maps {k} tokens to {q} queries (class attention, attention pooling or "
+                              f"downsampling), which a rollout does not cover. {others}")
+    stages = getattr(trace, "stages", None)
+    for prev, nxt in zip(blocks, blocks[1:]):
+        n0, n1 = prev.attention.shape[-1], nxt.attention.shape[-1]
+        if n0 != n1 and (stages is None or prev.index not in stages.links):
+            raise MethodError(f"{name} multiplies the token-to-token maps of the blocks, and block {prev.index} "
+                              f"('{prev.name}') has {n0} tokens while block {nxt.index} ('{nxt.name}') has {n1}, "
+                              f"with no token merging relprop can read off the graph between them. {others}")
+    mixing = getattr(trace, "token_mixing", None)
+    if mixing is not None:
+        raise MethodError(f"{name} multiplies the attention maps of the blocks, and the tokens of this model also mix "
+                          f"outside them: {mixing}; a rollout of the attention maps would leave that out. {others}")
+    return blocks

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from ..errors import MethodError
 from .registry import method
-from .rollout_utils import chain, head_mean, query_row, stage_transitions
+from .rollout_utils import chain, head_mean, query_row, rollout_blocks, stage_transitions
 
 
 @method("transformer_attribution",
@@ -31,6 +31,8 @@ def transformer_attribution(trace, start_block: int = 0, normalize_rows: bool = 
         raise MethodError("transformer_attribution needs attention blocks, and none were found in the graph")
     if not 0 <= start_block < len(blocks):
         raise MethodError(f"start_block={start_block} out of range: the model has blocks 0..{len(blocks) - 1}")
-    maps = [head_mean((b.gradient * b.relevance).clamp(min=0)) for b in blocks[start_block:]]
+    maps = [head_mean((b.gradient * b.relevance).clamp(min=0))
+            for b in rollout_blocks(trace, "transformer_attribution", start_block)]
     joint = chain(maps, normalize_rows=normalize_rows, transitions=stage_transitions(trace, start_block))
-    return {"tokens": query_row(trace, joint, query), "matrix": joint}
+    row, w = query_row(trace, joint, query)
+    return {"tokens": row, "matrix": joint, "query": w}

@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 import torch.fx
 
-from ..graph.analysis import SOFTMAX_OPS, TRANSPARENT_OPS
+from ..graph.blocks import SOFTMAX_OPS, TRANSPARENT_OPS
 from . import attnlrp
 from .gradient_forms import constant_operand, gradient_form, half_gradient
 from .registry import Preset, rule
