@@ -98,13 +98,15 @@ def test_batch_invariance(sized, name):
 
 @pytest.mark.parametrize("name", SMALL)
 def test_class_specific(sized, name):
-    """The explanation depends on the class. For the pooled model the query row is the mean of
-    the patch rows, which carries the rollout's identity (1/16 per patch); in this random tiny
-    model the class-dependent part is ~1e-8 and vanishes next to it in float32, so the block next
-    to the output is compared without the rollout (ta_last_block: the same E_h(dA ⊙ R_A)⁺)."""
+    """The explanation depends on the class. For the pooled models the query row is the mean of
+    the rows the head reads (16 patches; HF DINOv2: the class token and 16 patches), which carries
+    the rollout's identity (1/16 or 1/17 per row); in these random tiny models the class-dependent
+    part is ~1e-8 and vanishes next to it in float32, so the block next to the output is compared
+    without the rollout (ta_last_block: the same E_h(dA ⊙ R_A)⁺)."""
     model = sized(name)
     x = models.sized_images(model)
-    method = "ta_last_block" if name == "timm_vit_reg4_gap" else "transformer_attribution"
+    pooled = ("timm_vit_reg4_gap", "hf_dinov2_registers")
+    method = "ta_last_block" if name in pooled else "transformer_attribution"
     a = relprop.explain(model, x, target=0, method=method).scores
     b = relprop.explain(model, x, target=1, method=method).scores
     assert (a - b).abs().max() / a.abs().max() > 1e-2
@@ -126,8 +128,9 @@ def _trace(model, x, target):
 
 def test_pooled_model_without_class_token_reads_the_mean_of_its_patches(sized):
     """No class token, registers, global average pooling: the query is the mean of the patch rows
-    (the rows the head reads); the 4 registers are left out. With a class token the query stays
-    row 0 even when the head also pools the patches (HF DINOv2 with registers)."""
+    (the rows the head reads); the 4 registers are left out. A head that reads the class token and
+    the mean of the patches (HF DINOv2 with registers) reads 17 rows: the query is their mean (it was
+    row 0 alone, which left out what the head reads of the patches)."""
     model = sized("timm_vit_reg4_gap")
     x = models.sized_images(model)
     w = query_weights(_trace(model, x, 1))
@@ -137,4 +140,6 @@ def test_pooled_model_without_class_token_reads_the_mean_of_its_patches(sized):
     assert torch.allclose(e.scores, e.matrix[:, 4:, 4:].mean(1))  # the rows of the 16 patches, averaged
     hf = sized("hf_dinov2_registers")
     w = query_weights(_trace(hf, models.sized_images(hf), 1))
-    assert torch.equal(w, torch.nn.functional.one_hot(torch.zeros(2, dtype=torch.long), 21).float())
+    expected = torch.zeros(2, 21)
+    expected[:, 0] = expected[:, 5:] = 1 / 17  # [CLS], 4 registers, 16 patches
+    assert torch.allclose(w, expected)
