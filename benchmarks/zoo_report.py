@@ -22,7 +22,11 @@ import warnings
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
+sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]  # this checkout's relprop, and the zoo
+import relprop  # noqa: E402
+import timm  # noqa: E402
+import transformers  # noqa: E402
 import zoo  # noqa: E402
 from zoo_checks import run_cell  # noqa: E402
 
@@ -40,6 +44,8 @@ def main(argv=None):
         parser.error(f"unknown model(s) {unknown}; choices: {list(zoo.ZOO)}")
     torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
     warnings.filterwarnings("ignore")
+    print(f"relprop {relprop.__version__} from {os.path.dirname(relprop.__file__)}, torch {torch.__version__}, "
+          f"transformers {transformers.__version__}, timm {timm.__version__}\n")
 
     methods = list(zoo.METHODS)
     head = ["model", "tags"] + (["head reads"] if args.reads else []) + methods

@@ -41,10 +41,11 @@ class Entry:
     #: how many token-to-token self-attention blocks (square attention maps) the model has: a rollout
     #: must include every one of them (None: not checked)
     attention_blocks: Optional[int] = 2
-    #: the module whose output token states the head's query is read from, when it is not the layer of
-    #: the last block relprop records (CaiT, XCiT: the last self-attention block before the class-attention
-    #: blocks, whose outputs are the class token alone)
-    query_layer: Optional[str] = None
+    #: modules whose output token states the head's query may be read from, besides the layer of the last
+    #: block relprop records; the test takes the first whose token count is exp.matrix's row count. CaiT and
+    #: XCiT: the last self-attention block (patch tokens only; its class-attention blocks output the class
+    #: token alone) or the final norm ([class token, patches] after the class-attention blocks)
+    query_layers: Tuple[str, ...] = ()
     notes: str = ""
 
     @property
@@ -364,10 +365,10 @@ _ENTRIES = [
           "class token; rotary position embedding, SwiGLU", grid=(4, 4)),
     Entry("timm_cait", ("vision", "timm", "vit", "class-attention"), timm_cait, images(64), 1,
           "class-attention blocks (a class token added after the talking-heads self-attention blocks) read "
-          "every patch token", grid=(4, 4), query_layer="blocks.1"),
+          "every patch token", grid=(4, 4), query_layers=("blocks.1", "norm")),
     Entry("timm_xcit", ("vision", "timm", "channel-attention", "class-attention"), timm_xcit, images(64), 1,
           "class-attention blocks read every patch token; cross-covariance (channel) attention, conv stem "
-          "with BatchNorm", grid=(4, 4), attention_blocks=None, query_layer="blocks.1"),
+          "with BatchNorm", grid=(4, 4), attention_blocks=None, query_layers=("blocks.1", "norm")),
     Entry("timm_vit_reg", ("vision", "timm", "vit", "registers"), models.timm_dinov2_reg4, images(56), 1,
           "class token (row 0); 4 register tokens (rows 1-4)", grid=(4, 4)),
     Entry("timm_swin", ("vision", "timm", "windows", "hierarchical", "mean-pool"), models.timm_swin, images(32), 1,
@@ -413,8 +414,7 @@ ZOO: Dict[str, Entry] = {e.name: e for e in _ENTRIES}
 assert len(ZOO) == len(_ENTRIES)
 
 #: representative subset run by default (the rest is marked slow)
-FAST = ["bert", "deberta_v2", "gpt2_lm", "llama", "timm_vit", "timm_vit_gap", "timm_cait", "hf_vitmae", "timm_pit",
-        "clip_image"]
+FAST = ["bert", "deberta_v2", "llama", "timm_vit_gap", "timm_cait", "timm_pit", "hf_vitmae", "clip_image"]
 
 METHODS = {
     "transformer_attribution": {"method": "transformer_attribution"},
