@@ -88,6 +88,7 @@ class Outcome:
     error: Optional[BaseException] = None
     trace: str = ""
     seconds: float = 0.0
+    where: str = ""  # for a crash in a check's own explain() call: which check and call
 
     @property
     def passed(self) -> bool:
@@ -97,7 +98,8 @@ class Outcome:
         """What the test prints: the model, the method and every failed check."""
         head = f"[{self.model} × {self.method}] "
         if self.status == "crash":
-            head += f"CRASH: {type(self.error).__name__} leaked out of explain(): {self.error}"
+            where = f" (the {self.where})" if self.where else ""
+            head += f"CRASH: {type(self.error).__name__} leaked out of explain(){where}: {self.error}"
             rest = [f"  also: {f}" for f in self.failures]
             return "\n".join([head] + rest + ["", self.trace])
         lines = [head + f"{len(self.failures)} check(s) failed after explain() "
@@ -108,7 +110,8 @@ class Outcome:
     def cell(self, width: int = 90) -> str:
         """The report's cell: ok / refused: ... / WRONG: ... / CRASH: ..."""
         if self.status == "crash":
-            text = f"CRASH: {type(self.error).__name__}: {_first_line(self.error)}"
+            where = f"[{self.where}] " if self.where else ""
+            text = f"CRASH: {type(self.error).__name__}: {where}{_first_line(self.error)}"
         elif self.failures:
             text = "WRONG: " + "; ".join(self.failures)
         elif self.status == "refused":
@@ -466,7 +469,7 @@ def run_cell(name: str, method: str) -> Outcome:
     inputs = entry.inputs(model, BATCH, 0)
     before = snapshot(model)
     failures: List[str] = []
-    error, trace, status = None, "", "ok"
+    error, trace, status, where = None, "", "ok", ""
     try:
         exp = relprop.explain(model, inputs, target=entry.target, wrt=entry.wrt, **METHODS[method])
     except relprop.RelpropError as err:
@@ -485,7 +488,7 @@ def run_cell(name: str, method: str) -> Outcome:
                 failures.append(f"{check}: {r}")
             except Crash as c:
                 status, error, trace = "crash", c.error, "".join(traceback.format_exception(c.error))
-                failures.append(f"{check}: {c}")
+                where = f"{check} check's explain(), {c.where}"
                 break
     try:
         assert_same(before, snapshot(model))
@@ -495,4 +498,4 @@ def run_cell(name: str, method: str) -> Outcome:
         status = "wrong"
     if failures and status == "refused":
         status = "wrong"
-    return Outcome(name, method, status, failures, error, trace, time.perf_counter() - start)
+    return Outcome(name, method, status, failures, error, trace, time.perf_counter() - start, where)
