@@ -361,8 +361,8 @@ _ENTRIES = [
           "class token and distillation token (rows 0 and 1), the two heads averaged", grid=(4, 4)),
     Entry("timm_beit", ("vision", "timm", "vit", "mean-pool"), timm_beit, images(64), 1,
           "mean of the patch tokens (class token excluded); relative position bias", grid=(4, 4)),
-    Entry("timm_eva02", ("vision", "timm", "vit"), timm_eva02, images(56), 1,
-          "class token; rotary position embedding, SwiGLU", grid=(4, 4)),
+    Entry("timm_eva02", ("vision", "timm", "vit", "mean-pool"), timm_eva02, images(56), 1,
+          "mean of the patch tokens (class token excluded); rotary position embedding, SwiGLU", grid=(4, 4)),
     Entry("timm_cait", ("vision", "timm", "vit", "class-attention"), timm_cait, images(64), 1,
           "class-attention blocks (a class token added after the talking-heads self-attention blocks) read "
           "every patch token", grid=(4, 4), query_layers=("blocks.1", "norm")),
