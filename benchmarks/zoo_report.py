@@ -35,7 +35,7 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("models", nargs="*", help="zoo names (default: every model)")
     parser.add_argument("--fast", action="store_true", help="only the default subset of tests/test_zoo.py")
-    parser.add_argument("--width", type=int, default=110, help="longest cell, in characters")
+    parser.add_argument("--width", type=int, default=150, help="longest cell, in characters")
     parser.add_argument("--reads", action="store_true", help="add a column saying how each head reads its tokens")
     args = parser.parse_args(argv)
     names = args.models or (zoo.FAST if args.fast else list(zoo.ZOO))

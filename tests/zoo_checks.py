@@ -330,8 +330,8 @@ def check_blocks(exp, entry: Entry, method: str, **_):
     square = [b for b in exp.blocks if b.attention.dim() >= 3 and b.attention.shape[-1] == b.attention.shape[-2]]
     if len(square) < entry.attention_blocks:
         names = ", ".join(f"{b.layer} {tuple(b.attention.shape)}" for b in exp.blocks) or "none"
-        raise Wrong(f"exp.blocks holds {len(square)} token-to-token attention maps but the model has "
-                    f"{entry.attention_blocks} self-attention blocks (the rollout leaves some out); recorded: {names}")
+        raise Wrong(f"{len(square)} of the model's {entry.attention_blocks} self-attention blocks are in exp.blocks "
+                    f"(the rollout leaves the others out); recorded: {names}")
 
 
 def query_support(exp, entry: Entry, model, inputs) -> Tuple[torch.Tensor, str]:
@@ -393,9 +393,8 @@ def check_query(exp, entry: Entry, model, inputs, method: str, **_):
         err = float((got - ref).abs().max()) / scale
         if err > QUERY_TOL:
             what = _which_rows(m[i], got, cols, None if mask is None else mask[i])
-            raise Wrong(f"sample {i}: exp.scores differ from the query-weighted rows of exp.matrix by {err:.3g} "
-                        f"of the max |score|; the head reads rows {describe_rows(rows[i])} of {layer!r}, "
-                        f"the scores are {what}")
+            raise Wrong(f"sample {i}: off by {err:.3g} of the max |score|: the scores are {what} of exp.matrix, "
+                        f"the head reads rows {describe_rows(rows[i])} of {layer!r} (their mean is the query)")
 
 
 def check_batch(exp, entry: Entry, model, inputs, method: str, **_):
@@ -430,10 +429,10 @@ def check_shuffle(exp, entry: Entry, model, inputs, method: str, **_):
             err = float((got - ref).abs().max()) / scale
             if not err <= SHUFFLE_TOL:
                 same_values = torch.allclose(got.sort().values, ref.sort().values, rtol=0, atol=SHUFFLE_TOL * scale)
-                hint = (" (the same values in another order: the scores follow the model's internal token order, "
-                        "not the input's patches)" if same_values else "")
-                raise Wrong(f"shuffle {seed}, sample {i}: scores differ from the unshuffled input's by {err:.3g} "
-                            f"of the max |score|{hint}")
+                what = ("; the same values in another order: the scores follow the model's internal token order, "
+                        "not the input's patches" if same_values else "")
+                raise Wrong(f"shuffle {seed}, sample {i}: off the unshuffled input's scores by {err:.3g} "
+                            f"of the max |score|{what}")
 
 
 def check_conservation(exp, entry: Entry, model, inputs, method: str, **_):
