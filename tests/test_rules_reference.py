@@ -776,6 +776,8 @@ ROUTE_CASES = [
     ("reshape", aten.view.default, (X234, [6, 4])),
     ("index_select_repeat", aten.index_select.default, (X234, 2, torch.tensor([3, 0, 3, 3]))),
     ("gather_repeat", aten.gather.default, (X234, 1, torch.tensor([[[0, 2, 2, 1]], [[1, 1, 0, 0]]]))),
+    ("index_first_dim", aten.index.Tensor, (X234, [torch.tensor([1, 0, 1])])),
+    ("index_none_then_repeat", aten.index.Tensor, (X234, [None, torch.tensor([2, 0, 2])])),  # x[:, idx] (Falcon)
 ]
 
 

@@ -127,7 +127,7 @@ def build_trace(request: Request, result: Pass, notes: List[str]) -> Trace:
                  blocks=blocks, input_relevance=result.input_relevance, input_gradient=input_grad,
                  conservation=result.conservation, modality=a.modality, grid=a.grid, batch_size=batch,
                  session=session, token_mask=token_mask, stages=stages, notes=notes, token_map=result.tokens.get(0),
-                 token_maps=result.tokens, token_mixing=a.token_mixing)
+                 token_maps=result.tokens, token_mixing=a.token_mixing, unmapped_blocks=a.unmapped)
 
 
 def _unfolder(heads, batch: int):

@@ -102,6 +102,8 @@ class Trace:
     token_maps: Dict[int, torch.Tensor] = dataclasses.field(default_factory=dict)
     #: the first op that mixes tokens outside the attention blocks, in words (None: none)
     token_mixing: Optional[str] = None
+    #: why the blocks' attention cannot be read per sample as token-to-token maps (None: it can)
+    unmapped_blocks: Optional[str] = None
 
 
 @dataclasses.dataclass

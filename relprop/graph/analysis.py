@@ -64,8 +64,13 @@ class GraphAnalysis:
     tokens: Optional[TokenPlan] = None
     #: the first op that mixes tokens outside the attention blocks, in words (None: none)
     token_mixing: Optional[str] = None
-    #: softmax-times-values products left out of the blocks, and why
+    #: softmax-times-values products left out of the blocks or not mapped onto the tokens, and why
     left_out: List[str] = dataclasses.field(default_factory=list)
+
+    @property
+    def unmapped(self) -> Optional[str]:
+        """Why the blocks' attention cannot be read per sample as token-to-token maps (None: it can)."""
+        return next((why for why in self.left_out if "groups of tokens" in why), None)
 
     def nodes_in(self, layer: str) -> List[torch.fx.Node]:
         return [n for n in self.relevant if layer in module_paths(n)]
@@ -183,6 +188,11 @@ def analyze(program, graph: torch.fx.Graph, bindings, primary_name: str, static_
         grid = tokens.grid  # the grid flattened into tokens (after a stem of several convolutions)
     window_maps = windows.find_window_maps(blocks, live)
     links = windows.find_stage_links(blocks, live) if window_maps else {}
+    grouped = [b for b in blocks if b.groups and b.index not in window_maps]
+    if grouped:
+        b = grouped[0]
+        left_out.append(f"'{b.name}': attention within {b.groups} groups of tokens per sample (folded into the batch "
+                        "axis), which relprop maps onto the token grid only for non-overlapping windows (Swin)")
     return GraphAnalysis(primary, modality, sources, live, relevant, batch_dim, pixel_convs, blocks, grid, outputs,
                          window_maps, links, tokens=tokens, token_mixing=token_mixing(graph, live, blocks),
                          left_out=left_out)

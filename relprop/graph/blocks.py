@@ -67,6 +67,9 @@ class BlockInfo:
     keys: int = 0  # columns of A
     folded_heads: Optional[int] = None  # heads folded into the batch axis ([batch·heads, T, T])
     scores: Optional[torch.fx.Node] = None  # Q·Kᵀ, the product the softmax is computed from
+    #: groups of tokens folded into the batch axis ([batch·groups, heads, T, T]: windows, unfolded
+    #: patches), each attending only within itself; None when the block attends over all its tokens
+    groups: Optional[int] = None
 
     @property
     def square(self) -> bool:
@@ -183,13 +186,15 @@ def find_blocks(graph, live: Set[torch.fx.Node], fold_of: Callable[[torch.fx.Nod
         queries, keys = int(shape[-2]), int(shape[-1])
         value = product.args[1]
         folded = fold_of(attn) if len(shape) == 3 else None
+        groups = fold_of(attn) if len(shape) >= 4 else None
         if _channel_attention(shape, hidden, value, folded):
             left_out.append(f"'{module_path(attn)}': a softmax over the channels of the tokens ({keys} x {keys} per "
                             f"head), not attention between tokens")
             continue
         blocks.append(BlockInfo(len(blocks), module_path(attn), layer, sm, attn, product, hidden, output,
                                 value=value, features=_features(graph, attn, live), out_proj=_out_proj(product),
-                                queries=queries, keys=keys, folded_heads=folded, scores=_scores_of(sm, live)))
+                                queries=queries, keys=keys, folded_heads=folded, scores=_scores_of(sm, live),
+                                groups=groups))
     return blocks, left_out
 
 

@@ -18,6 +18,11 @@ def apply(info: MethodInfo, trace, options: Dict[str, Any], preset: Optional[str
         raise MethodError(f"method '{info.name}' reads the attention blocks, and no attention blocks (a softmax "
                           f"whose output multiplies the values) were found in {model_name}'s graph. "
                           f"Methods that apply without attention: {usable}")
+    unmapped = getattr(trace, "unmapped_blocks", None)
+    if info.needs_blocks and unmapped:
+        usable = sorted(n for n, m in all_methods().items() if not m.needs_blocks)
+        raise MethodError(f"method '{info.name}' reads the attention blocks as token-to-token maps, and {model_name} "
+                          f"computes {unmapped}. Methods that apply: {usable}")
     if info.needs_relevance and info.needs_blocks and any(b.relevance is None for b in trace.blocks):
         raise MethodError(f"method '{info.name}' reads the relevance of the attention maps (R_A), and preset "
                           f"'{preset}' gives them none (CP-LRP holds the attention constant). Use preset "

@@ -145,9 +145,10 @@ def gather_route(ctx, relevance):
 
 @rule(aten.index.Tensor, preset="base")
 def index_route(ctx, relevance):
-    """Advanced indexing (e.g. picking the last non-padding token): adjoint of the index map."""
+    """Advanced indexing (e.g. picking the last non-padding token, ``x[:, idx]``): adjoint of the index
+    map; the index list may hold None for the dimensions taken whole."""
     x, indices = ctx.args[0], ctx.args[1]
-    out = relevance.new_zeros(x.shape).index_put(tuple(indices), relevance, accumulate=True)
+    out = aten.index_put.default(relevance.new_zeros(x.shape), list(indices), relevance, True)
     return (out, None)
 
 
