@@ -12,6 +12,21 @@ import torch
 DEFAULT_EPS = 1e-9
 
 
+def promote(t):
+    """``t`` in the precision relevance is computed in: at least float32 (half precision, bfloat16,
+    integer and boolean tensors become float32), float64 kept. Anything but a tensor is returned
+    as it is. Used wherever relevance or a rule's arithmetic is computed, instead of ``.float()``,
+    so that a float64 model gets float64 relevance."""
+    if not torch.is_tensor(t) or t.dtype in (torch.float32, torch.float64):
+        return t
+    return t.float()
+
+
+def relevance_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype :func:`promote` gives a tensor of ``dtype``."""
+    return dtype if dtype in (torch.float32, torch.float64) else torch.float32
+
+
 def safe_divide(num: torch.Tensor, den: torch.Tensor, eps: float = DEFAULT_EPS) -> torch.Tensor:
     """``num / den`` with ``den`` pushed ``eps`` away from 0; 0 where ``den`` is 0 or not finite.
 
