@@ -28,7 +28,7 @@ from ..errors import RelpropError
 from ..graph.capture import Captured
 from ..graph.nodes import evaluate, is_live, live_outputs, module_path, output_leaves, relevance_path
 from ..rules import registry
-from ..rules.stabilize import safe_divide
+from ..rules.stabilize import promote, relevance_dtype, safe_divide
 from ..targets import find_logits, fixed, require_input_dependence
 from .forward import count_forward
 from .request import Request
@@ -155,7 +155,8 @@ def run_fast(request: Request) -> Trace:
     batch = scores.shape[0]
     input_rel = None
     for s, v, g in zip(a.sources, src_vals, grads):
-        r = (v.detach() * g).float() if g is not None else torch.zeros(v.shape, device=v.device)
+        r = promote(v.detach() * g) if g is not None else torch.zeros(v.shape, dtype=relevance_dtype(v.dtype),
+                                                                     device=v.device)
         if a.modality == "text":
             r = r.sum(-1)
         input_rel = r if input_rel is None else input_rel + r

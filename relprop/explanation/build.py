@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import RelpropError
+from ..rules.stabilize import promote
 from .result import Explanation
 from .special_tokens import special_positions
 
@@ -29,7 +30,7 @@ def build(info, preset: Optional[str], result: dict, trace, special_tokens_mask=
         gh, gw = trace.grid
         image = kwargs[captured.primary]
         if pixels is not None:
-            smap = pixels.float()
+            smap = promote(pixels)
             scores = patch_sums(smap, gh, gw)
             if tokens is not None:
                 prefix = tokens.shape[-1] - gh * gw
@@ -39,7 +40,7 @@ def build(info, preset: Optional[str], result: dict, trace, special_tokens_mask=
             if prefix < 0:
                 raise RelpropError(f"{n} tokens cannot hold a {gh}x{gw} patch grid")
             scores = tokens[:, prefix:]
-            smap = F.interpolate(scores.reshape(-1, 1, gh, gw).float(), size=tuple(image.shape[-2:]),
+            smap = F.interpolate(promote(scores.reshape(-1, 1, gh, gw)), size=tuple(image.shape[-2:]),
                                  mode="bilinear", align_corners=False)[:, 0]
         mask = torch.ones_like(scores, dtype=torch.bool)
     elif trace.modality == "text":

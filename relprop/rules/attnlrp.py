@@ -46,7 +46,7 @@ from .linear import require_constant_weight
 from .normalization import is_statistic
 from .reductions import pooling_z_rule
 from .registry import BASE, Preset, rule
-from .stabilize import finite, safe_divide
+from .stabilize import finite, promote, safe_divide
 
 aten = torch.ops.aten
 
@@ -58,11 +58,8 @@ ATTNLRP = Preset(
 PRESET = "attnlrp"
 
 
-def _f(t):
-    """Half precision upcast to float32 (relevance accumulates in float32 at least; float64 kept)."""
-    if torch.is_tensor(t) and t.is_floating_point() and t.dtype not in (torch.float32, torch.float64):
-        return t.float()
-    return t
+#: half precision upcast to float32 (relevance accumulates in float32 at least; float64 kept)
+_f = promote
 
 
 # ------------------------------------------------------------------------------------------------
