@@ -102,8 +102,9 @@ class CaptureCache:
         primary = primary if primary is not None else primary_input(kwargs)
         with self._lock:
             per_model = self._by_model.setdefault(model, collections.OrderedDict())
+            state = _parameter_state(model)
             for dynamic in (True, False):
-                key = signature(kwargs, dynamic, primary)
+                key = (signature(kwargs, dynamic, primary), state)
                 hit = per_model.get(key)
                 if hit is not None and hit.batch_dynamic == dynamic:
                     per_model.move_to_end(key)
@@ -111,7 +112,7 @@ class CaptureCache:
             captured = capture(model, kwargs, primary)
             captured.weight_cache = self._memos.setdefault(model, {})  # one memo per model, not per shape
             self.traces += 1
-            per_model[signature(kwargs, captured.batch_dynamic, primary)] = captured
+            per_model[(signature(kwargs, captured.batch_dynamic, primary), state)] = captured
             while len(per_model) > self.size:
                 per_model.popitem(last=False)
             return captured
@@ -124,6 +125,12 @@ class CaptureCache:
             else:
                 self._by_model.pop(model, None)
                 self._memos.pop(model, None)
+
+
+def _parameter_state(model: torch.nn.Module) -> tuple:
+    """The dtypes and devices of the model's parameters and buffers: a program captured before
+    ``model.double()`` (or ``.to(device)``) may hold casts and constants of the old ones."""
+    return tuple(sorted({(str(t.dtype), str(t.device)) for t in (*model.parameters(), *model.buffers())}))
 
 
 CACHE = CaptureCache()
