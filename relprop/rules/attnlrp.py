@@ -40,7 +40,7 @@ import types
 import torch
 
 from .convolution import conv_input_adjoint
-from .gradient_forms import (constant_operand, gradient_form, identity_rule, half_gradient,
+from .gradient_forms import (constant_operand, epsilon_stabilized, gradient_form, identity_rule, half_gradient,
                              layer_norm_const_std, plain, rms_norm_const_rms, uniform_product)
 from .linear import require_constant_weight
 from .normalization import is_statistic
@@ -66,7 +66,7 @@ _f = promote
 # ε-rule: linear maps (Eq. 8)
 # ------------------------------------------------------------------------------------------------
 @rule(aten.linear.default, preset=PRESET)
-@gradient_form(plain)
+@gradient_form(epsilon_stabilized())
 def epsilon_linear(ctx, relevance):
     """``y = x Wᵀ + b``: ε-rule (AttnLRP Eq. 8; Bach et al. 2015 Eq. 58),
     R_x = x ⊙ (R / y) W with y including the bias; the bias absorbs b ⊙ R / y."""
@@ -81,7 +81,7 @@ def epsilon_linear(ctx, relevance):
 
 
 @rule(aten.addmm.default, preset=PRESET)
-@gradient_form(plain)
+@gradient_form(epsilon_stabilized())
 def epsilon_addmm(ctx, relevance):
     """``y = β b + α x W`` (GPT-2's Conv1D): ε-rule (AttnLRP Eq. 8), the bias absorbs β b ⊙ R / y."""
     require_constant_weight(ctx, 2)
@@ -95,7 +95,7 @@ def epsilon_addmm(ctx, relevance):
 
 
 @rule(aten.convolution.default, preset=PRESET)
-@gradient_form(plain)
+@gradient_form(epsilon_stabilized())
 def epsilon_convolution(ctx, relevance):
     """Convolution (the patch embedding): ε-rule (AttnLRP Eq. 8), R_x = x ⊙ convᵀ(R / y, W); the
     bias absorbs b ⊙ R / y. (Not z^B as in ``"chefer2021"``: AttnLRP applies the ε-rule.)"""
@@ -133,7 +133,7 @@ def _matmul_form(node, live, eps):
 
 
 @rule(aten.matmul.default, aten.bmm.default, aten.mm.default, preset=PRESET)
-@gradient_form(_matmul_form)
+@gradient_form(epsilon_stabilized(_matmul_form))
 def uniform_matmul(ctx, relevance):
     """Matrix product. Two live operands (A·V, Q·Kᵀ): AttnLRP Prop. 3.3, the ε-rule on every
     product a_ji b_ip followed by the uniform rule (Eq. 7): R_a = a ⊙ (R/z) bᵀ / 2,
@@ -165,7 +165,7 @@ def epsilon_sum(ctx, relevance, sign: float):
 
 
 @rule(aten.add.Tensor, aten.add.Scalar, preset=PRESET)
-@gradient_form(plain)
+@gradient_form(epsilon_stabilized())
 def epsilon_add(ctx, relevance):
     """u + v (residual connections, position embeddings, masks, x + ε): ε-rule (AttnLRP Eq. 8),
     R_u = u ⊙ R / (u + v), R_v = v ⊙ R / (u + v); a constant operand absorbs its share."""
@@ -173,14 +173,19 @@ def epsilon_add(ctx, relevance):
 
 
 @rule(aten.sub.Tensor, aten.sub.Scalar, preset=PRESET)
-@gradient_form(plain)
+@gradient_form(epsilon_stabilized())
 def epsilon_sub(ctx, relevance):
     """u − v, as u + (−v): ε-rule (AttnLRP Eq. 8)."""
     return epsilon_sum(ctx, relevance, -1.0)
 
 
+def _pooled_count(node, args, z):
+    """The ε-rule of a mean divides by the sum of the pooled elements, n times the mean."""
+    return args[0].numel() / max(z.numel(), 1) if node.target is aten.mean.dim else 1
+
+
 @rule(aten.sum.dim_IntList, aten.mean.dim, preset=PRESET)
-@gradient_form(plain)
+@gradient_form(epsilon_stabilized(scale=_pooled_count))
 def epsilon_pooling(ctx, relevance):
     """Sum/mean over dimensions (pooling): ε-rule on a sum (AttnLRP Eq. 8), R_i = x_i R / Σ_k x_k."""
     return pooling_z_rule(ctx, relevance)
@@ -247,7 +252,7 @@ def layer_norm_shares(x, normalized_shape, weight, bias, eps_ln, out, relevance,
 
 
 @rule(aten.layer_norm.default, preset=PRESET)
-@gradient_form(layer_norm_const_std)
+@gradient_form(epsilon_stabilized(layer_norm_const_std))
 def layer_norm(ctx, relevance):
     """``layer_norm``: AttnLRP Prop. 3.4 (identity on the standard deviation) with the ε-rule on the
     remaining linear map (centering and gain, Eq. 8); β absorbs β ⊙ R / y. See
