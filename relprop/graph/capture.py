@@ -3,7 +3,7 @@
 * ``torch.export.export(model, (), kwargs, strict=False)`` of the model in eval mode (the flags are
   restored afterwards, see :mod:`relprop.graph.state`); nothing of the model is patched.
 * ``run_decompositions`` with torch's default table *minus* the ops we have rules for as a whole
-  (linear, layer_norm, softmax, gelu, silu, matmul, dropout): fused scaled-dot-product attention
+  (linear, layer_norm, softmax, gelu, silu, matmul, dropout, hardswish, ...): fused scaled-dot-product attention
   becomes matmul → scale → mask → softmax → matmul, so the attention probabilities are a node of
   the graph. Masks built by HuggingFace are large finite negatives, never ``-inf``; where a model
   does use ``-inf``, the rules give zero relevance there instead of ``-inf · 0 = NaN``.
@@ -39,6 +39,9 @@ KEEP_WHOLE = [
     aten.linear.default, aten.layer_norm.default, aten.softmax.int, aten._softmax.default,
     aten.gelu.default, aten.silu.default, aten.matmul.default, aten.dropout.default,
     aten.rms_norm.default, aten.tanh.default, aten.linalg_vector_norm.default,
+    # activations of hybrid models (LeViT, EfficientViT, MobileNet blocks): one element-wise function
+    # each, which the rules give the identity rule, instead of a clamp-and-product decomposition
+    aten.hardswish.default, aten.hardsigmoid.default, aten.mish.default,
 ]
 
 #: captured programs kept per model (least recently used dropped first)

@@ -11,7 +11,8 @@ embeddings, masks, ``+ ε``)                constant operand absorbs its share
 sum / mean pooling                         ε-rule on a sum (Eq. 8)
 multiplication / division by a constant    linear map without bias: ε-rule = R unchanged
 GELU, SiLU, tanh, sigmoid, ReLU, erf,      identity rule (Eq. 9): R_x = R_y
-x^p, √x, 1/√x (element-wise, one input)
+x^p, √x, 1/√x, hardswish, clamp, ...
+(element-wise, one input)
 softmax                                    Prop. 3.1 (Taylor decomposition at x with bias):
                                            R_x = x ⊙ (R − s ⊙ Σ R); the rest is absorbed (bias)
 attention products A·V and Q·Kᵀ (two      Prop. 3.3: ε-rule, then the uniform rule (Eq. 7):
@@ -22,6 +23,9 @@ LayerNorm, RMSNorm, products/divisions by  Prop. 3.4: the normalizing statistic 
 a normalizing statistic                    norm) is a constant and gets no relevance; the rest is
                                            linear: ε-rule (LayerNorm: centering x − mean(x) and
                                            gain; its bias β absorbs β ⊙ R / y; RMSNorm: R_x = R)
+BatchNorm (inference), GroupNorm,          registered in :mod:`relprop.rules.norm_layers` and
+avg / max pooling, upsampling              :mod:`relprop.rules.pooling`: ε-rule (Eq. 8), GroupNorm
+                                           with σ constant (Prop. 3.4)
 =========================================  ======================================================
 
 Every rule here is *conservative up to what constants absorb*: per sample, the relevance reaching
@@ -204,14 +208,17 @@ def epsilon_scaling(ctx, relevance):
 # ------------------------------------------------------------------------------------------------
 ELEMENTWISE = (aten.gelu.default, aten.tanh.default, aten.relu.default, aten.silu.default, aten.sigmoid.default,
                aten.erf.default, aten.hardtanh.default, aten.leaky_relu.default, aten.elu.default,
-               aten.pow.Tensor_Scalar, aten.rsqrt.default, aten.sqrt.default)
+               aten.pow.Tensor_Scalar, aten.rsqrt.default, aten.sqrt.default, aten.hardswish.default,
+               aten.hardsigmoid.default, aten.mish.default, aten.clamp.default, aten.clamp_min.default,
+               aten.clamp_max.default)
 
 
 @rule(*ELEMENTWISE, preset=PRESET)
 @gradient_form(identity_rule)
 def identity(ctx, relevance):
-    """Element-wise non-linearity of one input (GELU, SiLU, tanh, x^p, ...): the identity rule
-    (AttnLRP Eq. 9), R_x = R_y: a function of one variable explains itself entirely by it."""
+    """Element-wise non-linearity of one input (GELU, SiLU, tanh, x^p, hardswish, a clamp, ...): the
+    identity rule (AttnLRP Eq. 9), R_x = R_y: a function of one variable explains itself entirely by
+    it."""
     return (relevance,) + (None,) * (len(ctx.args) - 1)
 
 

@@ -42,7 +42,8 @@ _VIEWS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, at
           aten._to_copy.default, aten.contiguous.default, aten.alias.default, aten.expand.default}
 #: activation functions that make a factor a gate
 _ACTIVATIONS = {aten.gelu.default, aten.silu.default, aten.sigmoid.default, aten.tanh.default, aten.relu.default,
-                aten.erf.default, aten.hardtanh.default, aten.leaky_relu.default, aten.elu.default}
+                aten.erf.default, aten.hardtanh.default, aten.leaky_relu.default, aten.elu.default,
+                aten.hardswish.default, aten.hardsigmoid.default, aten.mish.default}
 
 
 def is_attention(arg, hops: int = 6) -> bool:

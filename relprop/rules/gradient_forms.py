@@ -23,6 +23,7 @@ gradient form               backward (g: incoming gradient)
 :func:`constant_operand`    no gradient into one operand: it is a constant of the linearization
                             (a normalizing statistic, AttnLRP Prop. 3.4; CP-LRP's attention)
 :func:`layer_norm_const_std` LayerNorm with the standard deviation held constant (AttnLRP Prop. 3.4)
+:func:`group_norm_const_std` GroupNorm with each group's standard deviation held constant (same)
 :func:`rms_norm_const_rms`  RMSNorm with the root mean square held constant (AttnLRP Prop. 3.4)
 ==========================  ====================================================================
 
@@ -127,6 +128,28 @@ class _LayerNormConstStd(Function):
         return gx, None, None, None, None
 
 
+class _GroupNormConstStd(Function):
+    """``native_group_norm`` forward; backward as if each group's standard deviation were a
+    constant: ∂y_j/∂x_i = γ_j / σ_g · (δ_ij − 1/N_g) within a group g of N_g elements."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, n, c, hw, groups, eps):
+        y, mean, rstd = torch.ops.aten.native_group_norm.default(x, weight, bias, n, c, hw, groups, eps)
+        ctx.save_for_backward(rstd, weight)
+        ctx.groups = groups
+        ctx.mark_non_differentiable(mean, rstd)
+        return y, mean, rstd
+
+    @staticmethod
+    def backward(ctx, g, _g_mean=None, _g_rstd=None):
+        rstd, weight = ctx.saved_tensors
+        shape = g.shape
+        u = g * weight.reshape((1, -1) + (1,) * (g.dim() - 2)) if weight is not None else g
+        u = u.reshape(shape[0], ctx.groups, -1)
+        gx = (u - u.mean(-1, keepdim=True)) * rstd.reshape(shape[0], ctx.groups, 1)
+        return gx.reshape(shape), None, None, None, None, None, None, None
+
+
 class _RMSNormConstRMS(Function):
     """``rms_norm`` forward; backward as if the root mean square were a constant: γ g / rms."""
 
@@ -175,6 +198,8 @@ def epsilon_stabilized(form: GradientForm = plain, scale: Optional[Callable] = N
 
         def call(*args, **kwargs):
             z = op(*args, **kwargs)
+            if isinstance(z, (tuple, list)):  # (y, statistics...) or (y, indices): y carries the relevance
+                return type(z)([stabilize(t, eps) if i == 0 else t for i, t in enumerate(z)])
             return stabilize(z, eps, scale(node, args, z) if scale is not None else 1)
         return call
     stabilized.inner = form
@@ -214,6 +239,14 @@ def layer_norm_const_std(node, live, stabilizer):
     """``aten.layer_norm`` with a constant standard deviation (AttnLRP Prop. 3.4)."""
     def call(input, normalized_shape, weight=None, bias=None, eps=1e-5, cudnn_enable=True):
         return _LayerNormConstStd.apply(input, list(normalized_shape), weight, bias, eps)
+    return call
+
+
+def group_norm_const_std(node, live, stabilizer):
+    """``aten.native_group_norm`` with constant standard deviations (AttnLRP Prop. 3.4); returns
+    (y, mean, rstd) like the op, the statistics without gradient."""
+    def call(input, weight, bias, n, c, hw, groups, eps):
+        return _GroupNormConstStd.apply(input, weight, bias, n, c, hw, groups, eps)
     return call
 
 
