@@ -130,6 +130,9 @@ class Walker:
         batch = self.batch
         out_val = self.env[consumer]
         ob = self.bdim.get(consumer)
+        if isinstance(out_val, (list, tuple)) and out_val and torch.is_tensor(out_val[0]):
+            # (y, statistics...) of a normalization: shares of constants are shaped like y
+            out_val, ob = out_val[0], _element_batch_dim(consumer, self.bdim)
         if torch.is_tensor(out_val) and ob is not None and rel.dim() == out_val.dim() and rel.shape[ob] % batch == 0:
             s = _sample_sum(rel, ob, batch)
         elif arg_bdim is not None and rel.dim() > arg_bdim and rel.shape[arg_bdim] == batch:
@@ -238,6 +241,14 @@ class Walker:
                                                 self.per_block_absorbed[b.layer]))
         cons = Conservation(self.injected, reached, absorbed, self.absorbed_by, blocks, self.preset)
         return self.rel_at, cons, input_rel
+
+
+def _element_batch_dim(node, bdim) -> Optional[int]:
+    """The batch dimension of element 0 of a node that returns a tuple (read off its ``getitem``)."""
+    for user in node.users:
+        if user.target is operator.getitem and user.args[1] == 0:
+            return bdim.get(user)
+    return None
 
 
 def _sample_sum(t: torch.Tensor, d: Optional[int], batch: int) -> torch.Tensor:
