@@ -92,8 +92,11 @@ class _Stabilize(Function):
     @staticmethod
     def backward(ctx, g):
         (z,) = ctx.saved_tensors
-        den = z * ctx.scale if ctx.scale != 1 else z
-        return g * safe_divide(den, den, ctx.eps), None, None
+        # z / (z + ε·sign z) = |z| / (|z| + ε): fewer passes over the tensor than safe_divide(z, z, ε);
+        # 0/0 (z = 0 with ε = 0) and inf/inf (z not finite) are NaN, set to 0 as safe_divide does
+        den = (z * ctx.scale).abs() if ctx.scale != 1 else z.abs()
+        factor = torch.nan_to_num_(den / (den + ctx.eps), nan=0.0)
+        return g * factor, None, None
 
 
 class _HalfGradient(Function):
