@@ -169,3 +169,43 @@ def test_cli_explain_coverage(tmp_path, capsys):
     assert "attention blocks (2):" in out and "every op on the relevance path has a rule" in out
     assert out.index("relprop coverage") < out.index("predicted")
     assert os.path.isdir(tmp_path / "vit")
+
+
+class _Chain(torch.nn.Module):
+    """Three different ops with no rule in sequence, linear layers between them."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.c, self.d = (torch.nn.Linear(4, 4) for _ in range(4))
+
+    def forward(self, x):
+        x = torch.exp(self.a(x))
+        x = torch.cumsum(self.b(x), dim=-1)
+        x = torch.sin(self.c(x))
+        return self.d(x)
+
+
+def test_every_missing_op_is_listed_not_only_the_first():
+    """The report follows the relevance path through ops without a rule (as if relevance reached all
+    their live arguments), so every missing op is listed and the ops upstream of one are labelled by
+    their own handling, not 'no relevance'; explain() still stops at the first one (nearest the
+    output) with the UnsupportedOperation it always raised."""
+    from relprop.errors import UnsupportedOperation
+    model = _Chain().eval()
+    x = torch.randn(2, 4)
+    report = relprop.coverage(model, x)
+    assert [o.op for o in report.missing] == ["aten.exp.default", "aten.cumsum.default", "aten.sin.default"]
+    assert [o.module for o in report.missing] == ["", "", ""]
+    statuses = [(o.op, o.status) for o in report.ops if o.op == "aten.linear.default"]
+    assert statuses == [("aten.linear.default", "rule")] * 4
+    assert report.counts()["no relevance"] == 0
+    summary = report.summary()
+    assert "MISSING: 3 op(s)" in summary
+    for op in ("aten.exp.default", "aten.cumsum.default", "aten.sin.default"):
+        assert op in summary
+    with pytest.raises(UnsupportedOperation) as info:
+        relprop.explain(model, x, target=1, method="lrp")
+    node = next(n for n in CACHE.get(model, relprop.graph.inputs.bind_inputs(model, x)).graph.nodes
+                if n.op == "call_function" and n.target is torch.ops.aten.sin.default)
+    expected = UnsupportedOperation(node.target, "", "top level", "lrp")
+    assert str(info.value) == str(expected)

@@ -20,7 +20,9 @@ preset:
 
 and the attention blocks found (a softmax whose output multiplies the values), input → output.
 The relevance path is the one the engine walks (:func:`relprop.graph.nodes.relevance_path`): from
-the outputs back along every argument a rule can give relevance to. The table is built from the
+the outputs back along every argument a rule can give relevance to. It goes on past an op with no
+rule as if relevance reached all of that op's live arguments, so every missing op of the model is
+listed, not only the first one :func:`relprop.explain` would stop at. The table is built from the
 registry, so a rule registered with ``@relprop.rule`` shows up at once.
 """
 from __future__ import annotations
@@ -158,7 +160,7 @@ def report(captured: Captured, preset: str, model_name: str = "model") -> Covera
     """Build the :class:`Coverage` of a captured graph under ``preset``."""
     p = registry.get_preset(preset)
     a = captured.analysis
-    path = set(relevance_path(captured.graph, a.live, a.sources, lambda n: p.lookup(n.target)))
+    path = set(relevance_path(captured.graph, a.live, a.sources, lambda n: p.lookup(n.target), through_missing=True))
     sources = set(a.sources)
     ops = []
     for node in captured.graph.nodes:

@@ -6,9 +6,11 @@ is not their own gradient swapped for autograd functions whose backward implemen
 (identity rule on element-wise non-linearities, detached normalization statistics, halved
 gradients for bilinear products), the target's relevance is turned into an output gradient
 (g = R / y: the seed divided by the output, so that y ⊙ g = R), and one ``torch.autograd.grad``
-gives the gradient at the relevance sources; relevance = source ⊙ gradient. This equals the
-rule-by-rule walk of :mod:`relprop.engine.walk` (the reference) up to the ε of the
-denominators, at the cost of about one forward and one backward pass (Achtibat et al., ICML 2024,
+gives the gradient at the relevance sources; relevance = source ⊙ gradient. The ε-rule nodes
+multiply the gradient reaching them by z / (z + ε·sign z), the stabilizer the interpreter applies
+there (:func:`relprop.rules.gradient_forms.epsilon_stabilized`), so this equals the rule-by-rule
+walk of :mod:`relprop.engine.walk` (the reference) to float rounding, whatever ``eps``, at the
+cost of about one forward and one backward pass (Achtibat et al., ICML 2024,
 §3.3; Arras et al. 2025). What it does not give: per-block records (A, dA, R_A, ...), the
 itemized absorbed relevance (``Trace.conservation`` is None) and the unmodified input gradient.
 :func:`relprop.explain` uses it for methods that only read the input relevance (``"lrp"``) under a
@@ -28,7 +30,7 @@ from ..errors import RelpropError
 from ..graph.capture import Captured
 from ..graph.nodes import evaluate, is_live, live_outputs, module_path, output_leaves, relevance_path
 from ..rules import registry
-from ..rules.stabilize import safe_divide
+from ..rules.stabilize import promote, relevance_dtype, safe_divide
 from ..targets import find_logits, fixed, require_input_dependence
 from .forward import count_forward
 from .request import Request
@@ -150,12 +152,14 @@ def run_fast(request: Request) -> Trace:
             if seed is None:
                 continue
             roots.append(env[n])
-            grad_outputs.append(safe_divide(seed, env[n].detach(), eps).to(env[n].dtype))
+            # exact R / y: the ε of the ε-rule enters at each ε-rule node, as in the interpreter
+            grad_outputs.append(safe_divide(seed, env[n].detach(), 0.0).to(env[n].dtype))
         grads = torch.autograd.grad(roots, src_vals, grad_outputs, allow_unused=True)
     batch = scores.shape[0]
     input_rel = None
     for s, v, g in zip(a.sources, src_vals, grads):
-        r = (v.detach() * g).float() if g is not None else torch.zeros(v.shape, device=v.device)
+        r = promote(v.detach() * g) if g is not None else torch.zeros(v.shape, dtype=relevance_dtype(v.dtype),
+                                                                     device=v.device)
         if a.modality == "text":
             r = r.sum(-1)
         input_rel = r if input_rel is None else input_rel + r

@@ -19,6 +19,7 @@ from ..errors import RelpropWarning
 from ..graph.nodes import live_outputs
 from ..graph.tokens import token_positions
 from ..graph.windows import globalize, locate_windows
+from ..rules.stabilize import promote
 from ..targets import find_logits, fixed, require_input_dependence
 from .forward import forward, output_seed
 from .low_memory import run_low
@@ -97,21 +98,21 @@ def build_trace(request: Request, result: Pass, notes: List[str]) -> Trace:
         unfold = _unfolder(b.folded_heads, batch)
         blocks.append(BlockRecord(
             index=b.index, name=b.name, layer=b.layer,
-            attention=unfold(env[b.attention].detach().float()), gradient=unfold(grad[b.attention].detach().float()),
+            attention=unfold(_record(env[b.attention])), gradient=unfold(_record(grad[b.attention])),
             relevance=unfold(rel_at.get(b.attention)),
-            hidden=env[b.hidden].detach().float() if b.hidden is not None else None,
-            hidden_gradient=grad[b.hidden].detach().float() if b.hidden is not None else None,
+            hidden=_record(env[b.hidden]) if b.hidden is not None else None,
+            hidden_gradient=_record(grad[b.hidden]) if b.hidden is not None else None,
             hidden_relevance=rel_at.get(b.hidden) if b.hidden is not None else None,
-            value=unfold(env[b.value].detach().float()) if b.value is not None else None,
-            features=env[b.features].detach().float() if b.features is not None else None,
-            features_gradient=grad[b.features].detach().float() if b.features is not None else None,
-            out_proj_weight=env[b.out_proj].detach().float() if b.out_proj is not None else None,
+            value=unfold(_record(env[b.value])) if b.value is not None else None,
+            features=_record(env[b.features]) if b.features is not None else None,
+            features_gradient=_record(grad[b.features]) if b.features is not None else None,
+            out_proj_weight=_record(env[b.out_proj]) if b.out_proj is not None else None,
         ))
     blocks, stages = globalize(result.windows, blocks, batch)
     input_grad = None
     if a.sources:
         g = [grad[s] for s in a.sources]
-        input_grad = g[0].detach().float() if len(g) == 1 else torch.stack(g).sum(0).detach().float()
+        input_grad = _record(g[0]) if len(g) == 1 else _record(torch.stack(g).sum(0))
     outputs = pytree.tree_map(lambda t: t.detach() if torch.is_tensor(t) else t, result.outputs)
     logits = find_logits(outputs)
     score = request.target.score if result.target is None else fixed(result.target, captured.primary).score
@@ -128,6 +129,11 @@ def build_trace(request: Request, result: Pass, notes: List[str]) -> Trace:
                  conservation=result.conservation, modality=a.modality, grid=a.grid, batch_size=batch,
                  session=session, token_mask=token_mask, stages=stages, notes=notes, token_map=result.tokens.get(0),
                  token_maps=result.tokens, token_mixing=a.token_mixing, unmapped_blocks=a.unmapped)
+
+
+def _record(t: torch.Tensor) -> torch.Tensor:
+    """A value or gradient as the Trace records it: detached, in at least float32 (float64 kept)."""
+    return promote(t.detach())
 
 
 def _unfolder(heads, batch: int):

@@ -7,6 +7,7 @@ import torch
 
 from ..graph.capture import Captured
 from ..graph.nodes import module_paths
+from ..rules.stabilize import promote
 from ..targets import fixed
 from .forward import forward
 
@@ -46,7 +47,7 @@ class Session:
             srcs = self.captured.analysis.sources
             grads = torch.autograd.grad(scores.sum(), [env[s] for s in srcs], allow_unused=True)
         g = [torch.zeros_like(env[s]) if gr is None else gr for s, gr in zip(srcs, grads)]
-        return env[srcs[0]].detach().float(), sum(g).detach().float()
+        return promote(env[srcs[0]].detach()), promote(sum(g).detach())
 
     def target_scores(self, **replace) -> torch.Tensor:
         """Target scores with some model inputs replaced (e.g. ``pixel_values=masked``;
@@ -61,7 +62,7 @@ class Session:
             kwargs[k] = v
         with torch.no_grad():
             _, outputs = forward(self.captured, self.model, kwargs)
-            return self.score_fn(outputs).detach().float()
+            return promote(self.score_fn(outputs).detach())
 
     def block_output_with_value_scaled(self, base_env: dict, block_index: int, scale: torch.Tensor) -> torch.Tensor:
         """Re-evaluate block ``block_index`` with its values V multiplied by ``scale`` (broadcast
@@ -72,7 +73,7 @@ class Session:
         with torch.no_grad():
             env, _ = forward(self.captured, self.model, self.kwargs, overrides={b.value: v * scale.to(v.dtype)},
                              env=base_env, only=scope)
-        return env[b.output].detach().float()
+        return promote(env[b.output].detach())
 
     def base_env(self) -> dict:
         """Every node's value on this batch (one forward pass without gradients)."""

@@ -21,6 +21,7 @@ from ..graph.nodes import evaluate, is_live, module_path, module_paths, module_t
 from ..rules import registry
 from ..rules.context import RuleContext
 from ..rules.generic import gradient_times_input
+from ..rules.stabilize import promote, relevance_dtype
 from .memory import read_after_walk
 from .trace import BlockConservation, Conservation
 
@@ -96,16 +97,21 @@ class Walker:
         self.options = {"reads_pixels": a.pixel_convs,
                         "weight_cache": weight_cache}
         self.R: Dict[torch.fx.Node, Any] = {}
-        self.dev = dev = seed[out_nodes[0]].device if out_nodes else torch.device("cpu")
-        self.per_block_absorbed = {b.layer: torch.zeros(batch, device=dev) for b in a.blocks}
+        self.dev = seed[out_nodes[0]].device if out_nodes else torch.device("cpu")
+        # per-sample bookkeeping in the relevance's precision (float64 for a float64 model)
+        self.dtype = relevance_dtype(seed[out_nodes[0]].dtype) if out_nodes else torch.float32
+        self.per_block_absorbed = {b.layer: self._zeros() for b in a.blocks}
         for n in out_nodes:
-            self.R[n] = seed[n].detach().float()
-        self.injected = torch.zeros(batch, device=dev)
+            self.R[n] = promote(seed[n].detach())
+        self.injected = self._zeros()
         for n in out_nodes:
             self.injected = self.injected + _sample_sum(self.R[n], self.bdim.get(n), batch)
         self.input_parts = []
         self.needed_later = read_after_walk(a)
         self.done = None
+
+    def _zeros(self) -> torch.Tensor:
+        return torch.zeros(self.batch, device=self.dev, dtype=self.dtype)
 
     def value(self, n):
         """The forward value of node ``n`` (recomputed, without autograd, if it was discarded)."""
@@ -124,6 +130,9 @@ class Walker:
         batch = self.batch
         out_val = self.env[consumer]
         ob = self.bdim.get(consumer)
+        if isinstance(out_val, (list, tuple)) and out_val and torch.is_tensor(out_val[0]):
+            # (y, statistics...) of a normalization: shares of constants are shaped like y
+            out_val, ob = out_val[0], _element_batch_dim(consumer, self.bdim)
         if torch.is_tensor(out_val) and ob is not None and rel.dim() == out_val.dim() and rel.shape[ob] % batch == 0:
             s = _sample_sum(rel, ob, batch)
         elif arg_bdim is not None and rel.dim() > arg_bdim and rel.shape[arg_bdim] == batch:
@@ -167,18 +176,19 @@ class Walker:
             return
         out_val = self.value(node)
         if isinstance(out_val, (list, tuple)):
-            r = [r.get(i, torch.zeros(v.shape, dtype=torch.float32, device=v.device)) if isinstance(r, dict) else r[i]
+            r = [r.get(i, torch.zeros(v.shape, dtype=relevance_dtype(v.dtype), device=v.device)) if isinstance(r, dict)
+                 else r[i]
                  for i, v in enumerate(out_val)]
         preset = self.preset
         fn = self.rule_of(node)
         if fn is None:
             raise UnsupportedOperation(node.target, module_path(node), module_type(node), preset)
-        # rules compute in float32 at least: half-precision activations are upcast
+        # rules compute in float32 at least: half-precision activations are upcast, float64 kept
         value = self.value
         args, kw = torch.fx.node.map_arg((node.args, node.kwargs),
-                                         lambda n: _f32(value(n)) if n in a.live else value(n))
+                                         lambda n: promote(value(n)) if n in a.live else value(n))
         live = tuple(is_live(x, a.live) for x in node.args)
-        ctx = RuleContext(node=node, args=tuple(args), kwargs=kw, out=pytree.tree_map(_f32, out_val), live=live,
+        ctx = RuleContext(node=node, args=tuple(args), kwargs=kw, out=pytree.tree_map(promote, out_val), live=live,
                           batch_dim=bdim.get(node), batch_size=batch, eps=self.eps, preset=preset,
                           options=self.options)
         shares = fn(ctx, r)
@@ -200,7 +210,7 @@ class Walker:
     def deliver(self, arg, share, consumer):
         if isinstance(arg, torch.fx.Node) and arg in self.a.live:
             val = self.value(arg)
-            share = _fit(share.float(), val.shape)
+            share = _fit(promote(share), val.shape)
             R = self.R
             R[arg] = R[arg] + share if arg in R else share
             return
@@ -208,35 +218,37 @@ class Walker:
             return
         if isinstance(arg, torch.fx.Node):
             label = _constant_label(arg, self.placeholders, consumer)
-            self.absorb(label, share.float(), consumer, self.bdim.get(arg))
+            self.absorb(label, promote(share), consumer, self.bdim.get(arg))
         else:
-            self.absorb(f"{module_path(consumer) or 'model'}:{consumer.name}:const", share.float(), consumer, None)
+            self.absorb(f"{module_path(consumer) or 'model'}:{consumer.name}:const", promote(share), consumer,
+                        None)
 
     def finish(self):
-        a, batch, dev = self.a, self.batch, self.dev
+        a, batch = self.a, self.batch
         input_rel = None
-        reached = torch.zeros(batch, device=dev)
+        reached = self._zeros()
         for node, r in self.input_parts:
             reached = reached + _sample_sum(r, self.bdim.get(node), batch)
             if a.modality == "text":
                 r = r.sum(-1)
             input_rel = r if input_rel is None else input_rel + r
-        absorbed = sum(self.absorbed_by.values(), torch.zeros(batch, device=dev))
+        absorbed = sum(self.absorbed_by.values(), self._zeros())
         blocks = []
         for b in a.blocks:
             if b.layer in self.per_block_in:
                 blocks.append(BlockConservation(b.name, self.per_block_in[b.layer],
-                                                self.per_block_out.get(b.layer, torch.zeros(batch, device=dev)),
+                                                self.per_block_out.get(b.layer, self._zeros()),
                                                 self.per_block_absorbed[b.layer]))
         cons = Conservation(self.injected, reached, absorbed, self.absorbed_by, blocks, self.preset)
         return self.rel_at, cons, input_rel
 
 
-def _f32(v):
-    """A float16/bfloat16 tensor as float32 (anything else unchanged)."""
-    if torch.is_tensor(v) and v.dtype in (torch.float16, torch.bfloat16):
-        return v.float()
-    return v
+def _element_batch_dim(node, bdim) -> Optional[int]:
+    """The batch dimension of element 0 of a node that returns a tuple (read off its ``getitem``)."""
+    for user in node.users:
+        if user.target is operator.getitem and user.args[1] == 0:
+            return bdim.get(user)
+    return None
 
 
 def _sample_sum(t: torch.Tensor, d: Optional[int], batch: int) -> torch.Tensor:
@@ -246,7 +258,7 @@ def _sample_sum(t: torch.Tensor, d: Optional[int], batch: int) -> torch.Tensor:
         else:
             return t.sum().reshape(1).expand(batch) / batch
     t = t.movedim(d, 0)  # [batch, ...] or [batch·k, ...] (k groups per sample, batch-major)
-    return t.reshape(batch, -1).sum(1).float()
+    return promote(t.reshape(batch, -1).sum(1))
 
 
 def _constant_label(arg, placeholders, consumer) -> str:

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 
 from ..errors import MethodError, RelpropError
 from ..methods.layout import positions as token_positions
+from ..rules.stabilize import promote
 from .result import Explanation
 from .special_tokens import special_positions
 
@@ -33,14 +34,14 @@ def build(info, preset: Optional[str], result: dict, trace, special_tokens_mask=
         gh, gw = trace.grid
         image = kwargs[captured.primary]
         if pixels is not None:
-            smap = pixels.float()
+            smap = promote(pixels)
             scores = patch_sums(smap, gh, gw)
             if tokens is not None:
                 prefix = tokens.shape[-1] - gh * gw
             mask = torch.ones_like(scores, dtype=torch.bool)
         else:
             scores, mask, prefix = on_grid(tokens, trace, info.name)
-            smap = F.interpolate(scores.reshape(-1, 1, gh, gw).float(), size=tuple(image.shape[-2:]),
+            smap = F.interpolate(promote(scores.reshape(-1, 1, gh, gw)), size=tuple(image.shape[-2:]),
                                  mode="bilinear", align_corners=False)[:, 0]
     elif trace.modality == "text":
         special, why = special_positions(model, kwargs, captured.primary, tuple(scores.shape), scores.device,

@@ -3,7 +3,7 @@
 * ``torch.export.export(model, (), kwargs, strict=False)`` of the model in eval mode (the flags are
   restored afterwards, see :mod:`relprop.graph.state`); nothing of the model is patched.
 * ``run_decompositions`` with torch's default table *minus* the ops we have rules for as a whole
-  (linear, layer_norm, softmax, gelu, silu, matmul, dropout): fused scaled-dot-product attention
+  (linear, layer_norm, softmax, gelu, silu, matmul, dropout, hardswish, ...): fused scaled-dot-product attention
   becomes matmul → scale → mask → softmax → matmul, so the attention probabilities are a node of
   the graph. Masks built by HuggingFace are large finite negatives, never ``-inf``; where a model
   does use ``-inf``, the rules give zero relevance there instead of ``-inf · 0 = NaN``.
@@ -39,6 +39,9 @@ KEEP_WHOLE = [
     aten.linear.default, aten.layer_norm.default, aten.softmax.int, aten._softmax.default,
     aten.gelu.default, aten.silu.default, aten.matmul.default, aten.dropout.default,
     aten.rms_norm.default, aten.tanh.default, aten.linalg_vector_norm.default,
+    # activations of hybrid models (LeViT, EfficientViT, MobileNet blocks): one element-wise function
+    # each, which the rules give the identity rule, instead of a clamp-and-product decomposition
+    aten.hardswish.default, aten.hardsigmoid.default, aten.mish.default,
 ]
 
 #: captured programs kept per model (least recently used dropped first)
@@ -102,8 +105,9 @@ class CaptureCache:
         primary = primary if primary is not None else primary_input(kwargs)
         with self._lock:
             per_model = self._by_model.setdefault(model, collections.OrderedDict())
+            state = _parameter_state(model)
             for dynamic in (True, False):
-                key = signature(kwargs, dynamic, primary)
+                key = (signature(kwargs, dynamic, primary), state)
                 hit = per_model.get(key)
                 if hit is not None and hit.batch_dynamic == dynamic:
                     per_model.move_to_end(key)
@@ -111,7 +115,7 @@ class CaptureCache:
             captured = capture(model, kwargs, primary)
             captured.weight_cache = self._memos.setdefault(model, {})  # one memo per model, not per shape
             self.traces += 1
-            per_model[signature(kwargs, captured.batch_dynamic, primary)] = captured
+            per_model[(signature(kwargs, captured.batch_dynamic, primary), state)] = captured
             while len(per_model) > self.size:
                 per_model.popitem(last=False)
             return captured
@@ -124,6 +128,12 @@ class CaptureCache:
             else:
                 self._by_model.pop(model, None)
                 self._memos.pop(model, None)
+
+
+def _parameter_state(model: torch.nn.Module) -> tuple:
+    """The dtypes and devices of the model's parameters and buffers: a program captured before
+    ``model.double()`` (or ``.to(device)``) may hold casts and constants of the old ones."""
+    return tuple(sorted({(str(t.dtype), str(t.device)) for t in (*model.parameters(), *model.buffers())}))
 
 
 CACHE = CaptureCache()

@@ -80,15 +80,17 @@ def output_values(graph: torch.fx.Graph, out_spec, value: Callable[[torch.fx.Nod
 
 # ---------------------------------------------------------------------------------- relevance path
 
-def relevance_path(graph: torch.fx.Graph, live, sources, rule_of: Callable[[torch.fx.Node], Optional[Callable]]
-                   ) -> List[torch.fx.Node]:
+def relevance_path(graph: torch.fx.Graph, live, sources, rule_of: Callable[[torch.fx.Node], Optional[Callable]],
+                   through_missing: bool = False) -> List[torch.fx.Node]:
     """The nodes relevance reaches, in the order a depth-first walk from the outputs visits them.
 
     From the live outputs back: a source (pixels, an embedding lookup) or a placeholder ends a
     branch; an element of a list output (``getitem``) leads to the list; any other node leads to
     its live arguments except the positions its rule declares in ``no_relevance_to`` (the divisor
     of a normalization). ``rule_of(node)`` returns the node's rule, or None when it has none: such
-    a node is on the path but the walk does not go past it.
+    a node is on the path but the walk does not go past it, unless ``through_missing`` (the
+    coverage report), which goes on as if relevance reached every live argument of it, so that the
+    ops upstream of a missing one are labelled too.
     """
     sources = set(sources)
     stack = [n for n in output_leaves(graph) if isinstance(n, torch.fx.Node) and n in live]
@@ -104,7 +106,7 @@ def relevance_path(graph: torch.fx.Graph, live, sources, rule_of: Callable[[torc
             stack.append(node.args[0])
             continue
         fn = rule_of(node)
-        if fn is None:
+        if fn is None and not through_missing:
             continue
         blocked = getattr(fn, "no_relevance_to", ())
         for i, arg in enumerate(node.args):

@@ -32,6 +32,7 @@ import torch
 
 from ..engine.session import Session
 from ..errors import MethodError
+from ..rules.stabilize import promote
 from .progress import progress_bar
 from .registry import method
 
@@ -55,7 +56,7 @@ def _source(trace, name: str) -> torch.Tensor:
         raise MethodError(f"{name} needs a float input (pixels) or a token-embedding lookup to differentiate "
                           "with respect to, and this model's graph has neither. Methods that need only the "
                           "attention maps: raw_attention, rollout, attention_norm.")
-    return s.source_value.float()
+    return promote(s.source_value)
 
 
 def _per_sample(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:

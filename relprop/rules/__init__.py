@@ -15,12 +15,14 @@ module              ops
 ``windows``         Swin's shape ops: constant_pad_nd, roll, as_strided, unfold, flip
 ``attnlrp``         the AttnLRP preset (Achtibat et al., ICML 2024), with modified-gradient forms
 ``cp_lrp``          the CP-LRP preset (Ali et al., ICML 2022): attention and gates held constant
+``norm_layers``     BatchNorm in inference and GroupNorm (hybrid and convolutional models), every preset
+``pooling``         average/max pooling and upsampling of feature maps, every preset
 ``gradient_forms``  rules as modified gradients (autograd functions) for the one-backward fast path
 ==================  ======================================================================
 """
 # the rule modules register their rules when imported; a preset's table is complete after the last
 from . import routing, passthrough, linear, products, residual, convolution, reductions
-from . import pointwise, normalization, windows, attnlrp, cp_lrp
+from . import pointwise, normalization, windows, attnlrp, cp_lrp, norm_layers, pooling
 from .context import RuleContext
 from .gradient_forms import gradient_form
 from .registry import Preset, describe, get_preset, lookup, override, presets, rule, seal_builtins
@@ -30,5 +32,5 @@ seal_builtins(presets())
 __all__ = ["Preset", "RuleContext", "describe", "get_preset", "gradient_form", "lookup", "override", "presets",
            "rule",
            # the rule modules, one per op family
-           "attnlrp", "convolution", "cp_lrp", "linear", "normalization", "passthrough", "pointwise", "products",
-           "reductions", "residual", "routing", "windows"]
+           "attnlrp", "convolution", "cp_lrp", "linear", "norm_layers", "normalization", "passthrough", "pointwise",
+           "pooling", "products", "reductions", "residual", "routing", "windows"]

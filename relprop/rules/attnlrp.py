@@ -11,7 +11,8 @@ embeddings, masks, ``+ ε``)                constant operand absorbs its share
 sum / mean pooling                         ε-rule on a sum (Eq. 8)
 multiplication / division by a constant    linear map without bias: ε-rule = R unchanged
 GELU, SiLU, tanh, sigmoid, ReLU, erf,      identity rule (Eq. 9): R_x = R_y
-x^p, √x, 1/√x (element-wise, one input)
+x^p, √x, 1/√x, hardswish, clamp, ...
+(element-wise, one input)
 softmax                                    Prop. 3.1 (Taylor decomposition at x with bias):
                                            R_x = x ⊙ (R − s ⊙ Σ R); the rest is absorbed (bias)
 attention products A·V and Q·Kᵀ (two      Prop. 3.3: ε-rule, then the uniform rule (Eq. 7):
@@ -22,6 +23,9 @@ LayerNorm, RMSNorm, products/divisions by  Prop. 3.4: the normalizing statistic 
 a normalizing statistic                    norm) is a constant and gets no relevance; the rest is
                                            linear: ε-rule (LayerNorm: centering x − mean(x) and
                                            gain; its bias β absorbs β ⊙ R / y; RMSNorm: R_x = R)
+BatchNorm (inference), GroupNorm,          registered in :mod:`relprop.rules.norm_layers` and
+avg / max pooling, upsampling              :mod:`relprop.rules.pooling`: ε-rule (Eq. 8), GroupNorm
+                                           with σ constant (Prop. 3.4)
 =========================================  ======================================================
 
 Every rule here is *conservative up to what constants absorb*: per sample, the relevance reaching
@@ -40,13 +44,13 @@ import types
 import torch
 
 from .convolution import conv_input_adjoint
-from .gradient_forms import (constant_operand, gradient_form, identity_rule, half_gradient,
+from .gradient_forms import (constant_operand, epsilon_stabilized, gradient_form, identity_rule, half_gradient,
                              layer_norm_const_std, plain, rms_norm_const_rms, uniform_product)
 from .linear import require_constant_weight
 from .normalization import is_statistic
 from .reductions import pooling_z_rule
 from .registry import BASE, Preset, rule
-from .stabilize import finite, safe_divide
+from .stabilize import finite, promote, safe_divide
 
 aten = torch.ops.aten
 
@@ -58,18 +62,15 @@ ATTNLRP = Preset(
 PRESET = "attnlrp"
 
 
-def _f(t):
-    """Half precision upcast to float32 (relevance accumulates in float32 at least; float64 kept)."""
-    if torch.is_tensor(t) and t.is_floating_point() and t.dtype not in (torch.float32, torch.float64):
-        return t.float()
-    return t
+#: half precision upcast to float32 (relevance accumulates in float32 at least; float64 kept)
+_f = promote
 
 
 # ------------------------------------------------------------------------------------------------
 # ε-rule: linear maps (Eq. 8)
 # ------------------------------------------------------------------------------------------------
 @rule(aten.linear.default, preset=PRESET)
-@gradient_form(plain)
+@gradient_form(epsilon_stabilized())
 def epsilon_linear(ctx, relevance):
     """``y = x Wᵀ + b``: ε-rule (AttnLRP Eq. 8; Bach et al. 2015 Eq. 58),
     R_x = x ⊙ (R / y) W with y including the bias; the bias absorbs b ⊙ R / y."""
@@ -84,7 +85,7 @@ def epsilon_linear(ctx, relevance):
 
 
 @rule(aten.addmm.default, preset=PRESET)
-@gradient_form(plain)
+@gradient_form(epsilon_stabilized())
 def epsilon_addmm(ctx, relevance):
     """``y = β b + α x W`` (GPT-2's Conv1D): ε-rule (AttnLRP Eq. 8), the bias absorbs β b ⊙ R / y."""
     require_constant_weight(ctx, 2)
@@ -98,7 +99,7 @@ def epsilon_addmm(ctx, relevance):
 
 
 @rule(aten.convolution.default, preset=PRESET)
-@gradient_form(plain)
+@gradient_form(epsilon_stabilized())
 def epsilon_convolution(ctx, relevance):
     """Convolution (the patch embedding): ε-rule (AttnLRP Eq. 8), R_x = x ⊙ convᵀ(R / y, W); the
     bias absorbs b ⊙ R / y. (Not z^B as in ``"chefer2021"``: AttnLRP applies the ε-rule.)"""
@@ -136,7 +137,7 @@ def _matmul_form(node, live, eps):
 
 
 @rule(aten.matmul.default, aten.bmm.default, aten.mm.default, preset=PRESET)
-@gradient_form(_matmul_form)
+@gradient_form(epsilon_stabilized(_matmul_form))
 def uniform_matmul(ctx, relevance):
     """Matrix product. Two live operands (A·V, Q·Kᵀ): AttnLRP Prop. 3.3, the ε-rule on every
     product a_ji b_ip followed by the uniform rule (Eq. 7): R_a = a ⊙ (R/z) bᵀ / 2,
@@ -168,7 +169,7 @@ def epsilon_sum(ctx, relevance, sign: float):
 
 
 @rule(aten.add.Tensor, aten.add.Scalar, preset=PRESET)
-@gradient_form(plain)
+@gradient_form(epsilon_stabilized())
 def epsilon_add(ctx, relevance):
     """u + v (residual connections, position embeddings, masks, x + ε): ε-rule (AttnLRP Eq. 8),
     R_u = u ⊙ R / (u + v), R_v = v ⊙ R / (u + v); a constant operand absorbs its share."""
@@ -176,14 +177,19 @@ def epsilon_add(ctx, relevance):
 
 
 @rule(aten.sub.Tensor, aten.sub.Scalar, preset=PRESET)
-@gradient_form(plain)
+@gradient_form(epsilon_stabilized())
 def epsilon_sub(ctx, relevance):
     """u − v, as u + (−v): ε-rule (AttnLRP Eq. 8)."""
     return epsilon_sum(ctx, relevance, -1.0)
 
 
+def _pooled_count(node, args, z):
+    """The ε-rule of a mean divides by the sum of the pooled elements, n times the mean."""
+    return args[0].numel() / max(z.numel(), 1) if node.target is aten.mean.dim else 1
+
+
 @rule(aten.sum.dim_IntList, aten.mean.dim, preset=PRESET)
-@gradient_form(plain)
+@gradient_form(epsilon_stabilized(scale=_pooled_count))
 def epsilon_pooling(ctx, relevance):
     """Sum/mean over dimensions (pooling): ε-rule on a sum (AttnLRP Eq. 8), R_i = x_i R / Σ_k x_k."""
     return pooling_z_rule(ctx, relevance)
@@ -202,14 +208,17 @@ def epsilon_scaling(ctx, relevance):
 # ------------------------------------------------------------------------------------------------
 ELEMENTWISE = (aten.gelu.default, aten.tanh.default, aten.relu.default, aten.silu.default, aten.sigmoid.default,
                aten.erf.default, aten.hardtanh.default, aten.leaky_relu.default, aten.elu.default,
-               aten.pow.Tensor_Scalar, aten.rsqrt.default, aten.sqrt.default)
+               aten.pow.Tensor_Scalar, aten.rsqrt.default, aten.sqrt.default, aten.hardswish.default,
+               aten.hardsigmoid.default, aten.mish.default, aten.clamp.default, aten.clamp_min.default,
+               aten.clamp_max.default)
 
 
 @rule(*ELEMENTWISE, preset=PRESET)
 @gradient_form(identity_rule)
 def identity(ctx, relevance):
-    """Element-wise non-linearity of one input (GELU, SiLU, tanh, x^p, ...): the identity rule
-    (AttnLRP Eq. 9), R_x = R_y: a function of one variable explains itself entirely by it."""
+    """Element-wise non-linearity of one input (GELU, SiLU, tanh, x^p, hardswish, a clamp, ...): the
+    identity rule (AttnLRP Eq. 9), R_x = R_y: a function of one variable explains itself entirely by
+    it."""
     return (relevance,) + (None,) * (len(ctx.args) - 1)
 
 
@@ -250,7 +259,7 @@ def layer_norm_shares(x, normalized_shape, weight, bias, eps_ln, out, relevance,
 
 
 @rule(aten.layer_norm.default, preset=PRESET)
-@gradient_form(layer_norm_const_std)
+@gradient_form(epsilon_stabilized(layer_norm_const_std))
 def layer_norm(ctx, relevance):
     """``layer_norm``: AttnLRP Prop. 3.4 (identity on the standard deviation) with the ε-rule on the
     remaining linear map (centering and gain, Eq. 8); β absorbs β ⊙ R / y. See

@@ -26,7 +26,7 @@ import torch.fx
 
 from ..graph.blocks import SOFTMAX_OPS, TRANSPARENT_OPS
 from . import attnlrp
-from .gradient_forms import constant_operand, gradient_form, half_gradient
+from .gradient_forms import constant_operand, epsilon_stabilized, gradient_form, half_gradient
 from .registry import Preset, rule
 
 aten = torch.ops.aten
@@ -42,7 +42,8 @@ _VIEWS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, at
           aten._to_copy.default, aten.contiguous.default, aten.alias.default, aten.expand.default}
 #: activation functions that make a factor a gate
 _ACTIVATIONS = {aten.gelu.default, aten.silu.default, aten.sigmoid.default, aten.tanh.default, aten.relu.default,
-                aten.erf.default, aten.hardtanh.default, aten.leaky_relu.default, aten.elu.default}
+                aten.erf.default, aten.hardtanh.default, aten.leaky_relu.default, aten.elu.default,
+                aten.hardswish.default, aten.hardsigmoid.default, aten.mish.default}
 
 
 def is_attention(arg, hops: int = 6) -> bool:
@@ -89,7 +90,7 @@ def _matmul_form(node, live, eps):
 
 
 @rule(aten.matmul.default, aten.bmm.default, aten.mm.default, preset=PRESET)
-@gradient_form(_matmul_form)
+@gradient_form(epsilon_stabilized(_matmul_form))
 def attention_head_matmul(ctx, relevance):
     """A·V with A attention probabilities: Ali et al. (ICML 2022) LRP-AH, A is a constant, so the
     head is linear in V: R_V = V ⊙ Aᵀ (R / z) (the ε-rule of :func:`attnlrp.epsilon_matmul_shares`)

@@ -4,16 +4,26 @@ Arras et al. (2025, "Close Look at Decomposition-based XAI-Methods for Transform
 Models", the "Input × Gradient framework" of AttnLRP's library) observe that a chain of ε-rules is a
 chain of Jacobian-vector products: if every tensor t carries the relevance R_t = t ⊙ g_t, then the
 ε-rule of a linear map z = W x + b, R_x = x ⊙ Wᵀ (R_z / z), is x ⊙ Wᵀ g_z: the ordinary gradient.
-Only the ops whose rule is *not* their gradient need a modified backward:
+Only the ops whose rule is *not* their gradient need a modified backward.
+
+The stabilizer ε of the ε-rule, R_x = x ⊙ Wᵀ (R_z / (z + ε·sign z)), is not in the gradient: the
+interpreter applies it at every ε-rule node, so the fast path does too
+(:func:`epsilon_stabilized`): the gradient reaching the node's output is multiplied by
+z / (z + ε·sign z), which turns x ⊙ Wᵀ g_z (g_z = R_z / z) into the interpreter's
+x ⊙ Wᵀ (R_z / (z + ε·sign z)), and the seed at the model's outputs is the exact R / y. The identity
+rule's ratio f(x) / x is exact as well (no ε: the interpreter's R_x = R_y has none). Fast path and
+interpreter then agree to float rounding for every ε.
 
 ==========================  ====================================================================
 gradient form               backward (g: incoming gradient)
 ==========================  ====================================================================
 :func:`identity_rule`       g · f(x) / x: the identity rule R_x = R_y (AttnLRP Eq. 9)
+:func:`epsilon_stabilized`  g · z / (z + ε·sign z) at the output z of an ε-rule node (Eq. 8's ε)
 :func:`uniform_product`     g / 2 to both factors: the uniform rule (AttnLRP Eq. 7, Props. 3.2-3.3)
 :func:`constant_operand`    no gradient into one operand: it is a constant of the linearization
                             (a normalizing statistic, AttnLRP Prop. 3.4; CP-LRP's attention)
 :func:`layer_norm_const_std` LayerNorm with the standard deviation held constant (AttnLRP Prop. 3.4)
+:func:`group_norm_const_std` GroupNorm with each group's standard deviation held constant (same)
 :func:`rms_norm_const_rms`  RMSNorm with the root mean square held constant (AttnLRP Prop. 3.4)
 ==========================  ====================================================================
 
@@ -54,18 +64,39 @@ def plain(node, live, eps):
 # autograd functions
 # ------------------------------------------------------------------------------------------------
 class _IdentityRule(Function):
-    """y = f(x) forward; backward g · f(x) / x (stabilized), so that x ⊙ ĝ_x = y ⊙ g_y = R_y."""
+    """y = f(x) forward; backward g · f(x) / x (exact; 0 where x = 0), so that x ⊙ ĝ_x = y ⊙ g_y = R_y."""
 
     @staticmethod
     def forward(ctx, x, fn, eps):
         y = fn(x)
-        ctx.save_for_backward(safe_divide(y, x, eps))
+        ctx.save_for_backward(safe_divide(y, x, 0.0))
         return y
 
     @staticmethod
     def backward(ctx, g):
         (ratio,) = ctx.saved_tensors
         return g * ratio, None, None
+
+
+class _Stabilize(Function):
+    """Identity forward; backward g · s z / (s z + ε·sign z) (0 where z = 0 or is not finite): the
+    ε-rule's stabilizer on the denominator s·z of a node with output z (s = 1 but for a mean, whose
+    ε-rule divides by the sum n·z)."""
+
+    @staticmethod
+    def forward(ctx, z, eps, scale):
+        ctx.save_for_backward(z)
+        ctx.eps, ctx.scale = eps, scale
+        return z.view_as(z)
+
+    @staticmethod
+    def backward(ctx, g):
+        (z,) = ctx.saved_tensors
+        # z / (z + ε·sign z) = |z| / (|z| + ε): fewer passes over the tensor than safe_divide(z, z, ε);
+        # 0/0 (z = 0 with ε = 0) and inf/inf (z not finite) are NaN, set to 0 as safe_divide does
+        den = (z * ctx.scale).abs() if ctx.scale != 1 else z.abs()
+        factor = torch.nan_to_num_(den / (den + ctx.eps), nan=0.0)
+        return g * factor, None, None
 
 
 class _HalfGradient(Function):
@@ -98,6 +129,28 @@ class _LayerNormConstStd(Function):
         u = g * weight if weight is not None else g
         gx = (u - u.mean(ctx.dims, keepdim=True)) * rstd
         return gx, None, None, None, None
+
+
+class _GroupNormConstStd(Function):
+    """``native_group_norm`` forward; backward as if each group's standard deviation were a
+    constant: ∂y_j/∂x_i = γ_j / σ_g · (δ_ij − 1/N_g) within a group g of N_g elements."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, n, c, hw, groups, eps):
+        y, mean, rstd = torch.ops.aten.native_group_norm.default(x, weight, bias, n, c, hw, groups, eps)
+        ctx.save_for_backward(rstd, weight)
+        ctx.groups = groups
+        ctx.mark_non_differentiable(mean, rstd)
+        return y, mean, rstd
+
+    @staticmethod
+    def backward(ctx, g, _g_mean=None, _g_rstd=None):
+        rstd, weight = ctx.saved_tensors
+        shape = g.shape
+        u = g * weight.reshape((1, -1) + (1,) * (g.dim() - 2)) if weight is not None else g
+        u = u.reshape(shape[0], ctx.groups, -1)
+        gx = (u - u.mean(-1, keepdim=True)) * rstd.reshape(shape[0], ctx.groups, 1)
+        return gx.reshape(shape), None, None, None, None, None, None, None
 
 
 class _RMSNormConstRMS(Function):
@@ -133,6 +186,29 @@ def identity_rule(node, live, eps):
     return call
 
 
+def stabilize(z: torch.Tensor, eps: float, scale: float = 1) -> torch.Tensor:
+    """``z`` unchanged, its gradient multiplied by s z / (s z + ε·sign z) (see :class:`_Stabilize`)."""
+    return _Stabilize.apply(z, eps, scale)
+
+
+def epsilon_stabilized(form: GradientForm = plain, scale: Optional[Callable] = None) -> GradientForm:
+    """A form factory for the ε-rule nodes: ``form``'s replacement (the plain op where it gives
+    None) with the ε-rule's stabilizer on the output's gradient, so that the modified gradient
+    equals the interpreter's R / (z + ε·sign z) (module docstring). ``scale(node, args, z)`` gives s when
+    the rule's denominator is s·z (a mean: the sum of the pooled elements, s = n)."""
+    def stabilized(node, live, eps):
+        op = form(node, live, eps) or node.target
+
+        def call(*args, **kwargs):
+            z = op(*args, **kwargs)
+            if isinstance(z, (tuple, list)):  # (y, statistics...) or (y, indices): y carries the relevance
+                return type(z)([stabilize(t, eps) if i == 0 else t for i, t in enumerate(z)])
+            return stabilize(z, eps, scale(node, args, z) if scale is not None else 1)
+        return call
+    stabilized.inner = form
+    return stabilized
+
+
 def uniform_product(node, live, eps):
     """Product of two live factors with the uniform rule (AttnLRP Eq. 7, Props. 3.2–3.3): the
     gradient of both factors halved."""
@@ -166,6 +242,14 @@ def layer_norm_const_std(node, live, stabilizer):
     """``aten.layer_norm`` with a constant standard deviation (AttnLRP Prop. 3.4)."""
     def call(input, normalized_shape, weight=None, bias=None, eps=1e-5, cudnn_enable=True):
         return _LayerNormConstStd.apply(input, list(normalized_shape), weight, bias, eps)
+    return call
+
+
+def group_norm_const_std(node, live, stabilizer):
+    """``aten.native_group_norm`` with constant standard deviations (AttnLRP Prop. 3.4); returns
+    (y, mean, rstd) like the op, the statistics without gradient."""
+    def call(input, weight, bias, n, c, hw, groups, eps):
+        return _GroupNormConstStd.apply(input, weight, bias, n, c, hw, groups, eps)
     return call
 
 

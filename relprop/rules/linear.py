@@ -21,7 +21,7 @@ import torch
 from ..errors import UnsupportedOperation
 from ..graph.nodes import module_type
 from .registry import rule
-from .stabilize import safe_divide
+from .stabilize import promote, safe_divide
 
 aten = torch.ops.aten
 
@@ -40,7 +40,7 @@ def signed_split(w: torch.Tensor, cache: dict = None, key=None) -> torch.Tensor:
         hit = cache.get(key)
         if hit is not None and hit[0] == stamp:
             return hit[1]
-    wf = w.to(torch.promote_types(w.dtype, torch.float32))  # float32 at least (float64 kept)
+    wf = promote(w)  # float32 at least (float64 kept)
     split = torch.cat([wf.clamp(min=0), wf.clamp(max=0)], dim=-1)
     if cache is not None and key is not None:
         cache[key] = (stamp, split)
@@ -102,9 +102,9 @@ def with_formula(formula):
 def linear(ctx, relevance):
     """``y = x Wᵀ + b``: LRP-alpha1beta0 with a joint denominator (CVPR 2021, Eq. 5); bias ignored."""
     require_constant_weight(ctx, 1)
-    x, w = ctx.args[0].float(), ctx.args[1]
+    x, w = promote(ctx.args[0]), ctx.args[1]
     split = signed_split(w, ctx.options.get("weight_cache"), ctx.node.name)
-    rx = alpha1_beta0(x, w.float().t(), relevance, ctx.eps, split=split)
+    rx = alpha1_beta0(x, promote(w).t(), relevance, ctx.eps, split=split)
     return (rx,) + (None,) * (len(ctx.args) - 1)
 
 
@@ -113,7 +113,7 @@ def linear(ctx, relevance):
 def linear_lrp_baseline(ctx, relevance):
     """``y = x Wᵀ + b``: the linear rule of the authors' LRP baseline (:func:`lrp_baseline`); bias ignored."""
     require_constant_weight(ctx, 1)
-    rx = lrp_baseline(ctx.args[0].float(), ctx.args[1].float().t(), relevance, ctx.eps)
+    rx = lrp_baseline(promote(ctx.args[0]), promote(ctx.args[1]).t(), relevance, ctx.eps)
     return (rx,) + (None,) * (len(ctx.args) - 1)
 
 
@@ -122,7 +122,7 @@ def linear_lrp_baseline(ctx, relevance):
 def addmm(ctx, relevance):
     """``y = b + x @ W`` (GPT-2's Conv1D): LRP-alpha1beta0 (Eq. 5), bias ignored."""
     require_constant_weight(ctx, 2)
-    return (None, alpha1_beta0(ctx.args[1].float(), ctx.args[2].float(), relevance, ctx.eps), None)
+    return (None, alpha1_beta0(promote(ctx.args[1]), promote(ctx.args[2]), relevance, ctx.eps), None)
 
 
 @rule(aten.addmm.default, preset="lrp")
@@ -130,7 +130,7 @@ def addmm(ctx, relevance):
 def addmm_lrp_baseline(ctx, relevance):
     """``y = b + x @ W``: the authors' LRP-baseline linear rule (:func:`lrp_baseline`), bias ignored."""
     require_constant_weight(ctx, 2)
-    return (None, lrp_baseline(ctx.args[1].float(), ctx.args[2].float(), relevance, ctx.eps), None)
+    return (None, lrp_baseline(promote(ctx.args[1]), promote(ctx.args[2]), relevance, ctx.eps), None)
 
 
 def linear_formula(ctx):
@@ -151,14 +151,14 @@ def constant_matrix_product(ctx, relevance):
     if ctx.live[0] is True and ctx.live[1] is not True:
         fn = linear_formula(ctx)
         if b.dim() == 1:
-            return (fn(a.float(), b.float().unsqueeze(-1), relevance.unsqueeze(-1), ctx.eps), None)
-        return (fn(a.float(), b.float(), relevance, ctx.eps), None)
+            return (fn(promote(a), promote(b).unsqueeze(-1), relevance.unsqueeze(-1), ctx.eps), None)
+        return (fn(promote(a), promote(b), relevance, ctx.eps), None)
     if ctx.live[1] is True and ctx.live[0] is not True:
         fn = linear_formula(ctx)
         if a.dim() == 1:
-            r = fn(b.float().transpose(-1, -2), a.float().unsqueeze(-1), relevance.unsqueeze(-1), ctx.eps)
+            r = fn(promote(b).transpose(-1, -2), promote(a).unsqueeze(-1), relevance.unsqueeze(-1), ctx.eps)
             return (None, r.transpose(-1, -2))
         # (W x)^T = x^T W^T
-        r = fn(b.float().transpose(-1, -2), a.float().transpose(-1, -2), relevance.transpose(-1, -2), ctx.eps)
+        r = fn(promote(b).transpose(-1, -2), promote(a).transpose(-1, -2), relevance.transpose(-1, -2), ctx.eps)
         return (None, r.transpose(-1, -2))
     return (None, None)

@@ -21,9 +21,12 @@ PAPER_PRESETS = ("chefer2021", "lrp")
       aten.erf.default, aten.softmax.int, aten._softmax.default, aten._safe_softmax.default,
       aten.log_softmax.int, aten._log_softmax.default, aten.hardtanh.default, aten.leaky_relu.default,
       aten.elu.default, aten.quick_gelu.default if hasattr(aten, "quick_gelu") else aten.gelu.default,
-      preset=PAPER_PRESETS)
+      aten.hardswish.default, aten.hardsigmoid.default, aten.mish.default, aten.clamp.default,
+      aten.clamp_min.default, aten.clamp_max.default, preset=PAPER_PRESETS)
 def identity(ctx, relevance):
-    """Element-wise activations and softmax: R_in = R_out (CVPR 2021 code, ``RelProp.relprop``)."""
+    """Element-wise activations and softmax: R_in = R_out (CVPR 2021 code, ``RelProp.relprop``).
+    Hardswish, hardsigmoid, mish and clamps (ReLU6-like bounds) are element-wise functions of one
+    input like GELU: the identity rule too (the bounds of a clamp are numbers and get none)."""
     return (relevance,) + (None,) * (len(ctx.args) - 1)
 
 

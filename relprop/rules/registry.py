@@ -2,10 +2,11 @@
 
 A *rule* is a function ``rule(ctx, relevance) -> sequence`` called once per graph node on the
 relevance path, walking from the output to the input. ``relevance`` is the relevance that reached
-the node's output (float32, shaped like the output). The rule returns one entry per positional
-argument of the op (``node.args``): a relevance tensor (shaped like that argument, or like the
-node's output when the argument was broadcast), ``None`` for arguments that receive nothing
-(weights, shapes, dims), or a list of those for list arguments (``aten.cat``). Relevance given to
+the node's output (float32 at least, float64 for a float64 model; shaped like the output). The
+rule returns one entry per positional argument of the op (``node.args``): a relevance tensor
+(shaped like that argument, or like the node's output when the argument was broadcast), ``None``
+for arguments that receive nothing (weights, shapes, dims), or a list of those for list arguments
+(``aten.cat``). Relevance given to
 an argument that does not depend on the input (a parameter, the class token, a mask) is counted as
 *absorbed* by that constant; relevance given to an input-dependent argument keeps flowing. A rule
 reads only its :class:`relprop.rules.RuleContext`; it never branches on the preset's name: what

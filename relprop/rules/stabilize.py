@@ -12,6 +12,21 @@ import torch
 DEFAULT_EPS = 1e-9
 
 
+def promote(t):
+    """A floating tensor in the precision relevance is computed in: at least float32 (float16 and
+    bfloat16 are upcast), float64 kept. Anything else (integer and boolean tensors, numbers, None)
+    is returned as it is. Used wherever relevance or a rule's arithmetic is computed, instead of
+    ``.float()``, so that a float64 model gets float64 relevance."""
+    if torch.is_tensor(t) and t.is_floating_point() and t.dtype not in (torch.float32, torch.float64):
+        return t.float()
+    return t
+
+
+def relevance_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype relevance has for activations of ``dtype``: float64 for float64, else float32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
 def safe_divide(num: torch.Tensor, den: torch.Tensor, eps: float = DEFAULT_EPS) -> torch.Tensor:
     """``num / den`` with ``den`` pushed ``eps`` away from 0; 0 where ``den`` is 0 or not finite.
 

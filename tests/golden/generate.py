@@ -10,6 +10,7 @@ intended, and say why in the commit message)::
 
     python tests/golden/generate.py            # every case
     python tests/golden/generate.py --check    # compare with the file instead of writing it
+    python tests/golden/generate.py --update lrp@attnlrp lrp@cp_lrp   # re-record only these labels
 
 Outputs of the sampling methods use few samples (``n_samples=3``, ``n_steps=3``) to stay small.
 """
@@ -147,13 +148,18 @@ def flatten(exp) -> dict:
     return out
 
 
-def record(case, progress=print) -> dict:
-    """{label: flattened Explanation, or ("error", class name)} for one case."""
+def record(case, progress=print, labels=None) -> dict:
+    """{label: flattened Explanation, or ("error", class name)} for one case (only ``labels``, if given)."""
     name, make, inputs_of, kw = case
     model = make()
     x = inputs_of(model)
     results = {}
     calls = [(m, {"method": m, **SAMPLING_OPTIONS.get(m, {})}) for m in relprop.methods()] + VARIANTS
+    if labels is not None:
+        unknown = set(labels) - {label for label, _ in calls}
+        if unknown:
+            raise SystemExit(f"unknown label(s) {sorted(unknown)}; labels: {[label for label, _ in calls]}")
+        calls = [(label, extra) for label, extra in calls if label in labels]
     for label, extra in calls:
         try:
             exp = relprop.explain(model, x, **kw, **extra)
@@ -224,7 +230,22 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--check", action="store_true", help="compare with the golden file instead of writing it")
     p.add_argument("--only", nargs="*", help="case names (default: every case)")
+    p.add_argument("--update", nargs="+", metavar="LABEL",
+                   help="re-record only these labels (e.g. lrp@attnlrp) of every case (or of --only) in the "
+                        "file, every other record left as it is; needs the recording environment")
     args = p.parse_args(argv)
+    if args.update:
+        torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+        golden = load()
+        if golden["environment"] != environment():
+            raise SystemExit(f"--update needs the recording environment {golden['environment']}; "
+                             f"this is {environment()}")
+        for case in cases():
+            if not args.only or case[0] in args.only:
+                golden["cases"][case[0]].update(record(case, labels=args.update))
+        save(golden)
+        print(f"re-recorded {args.update} in {GOLDEN}")
+        return 0
     if not args.check:
         data = generate()
         save(data)
