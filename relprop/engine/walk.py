@@ -98,8 +98,10 @@ class Walker:
         self.R: Dict[torch.fx.Node, Any] = {}
         self.dev = dev = seed[out_nodes[0]].device if out_nodes else torch.device("cpu")
         self.per_block_absorbed = {b.layer: torch.zeros(batch, device=dev) for b in a.blocks}
+        # relevance is float32, or float64 when the model computes in float64 (rules: stabilize.upcast)
+        self.dtype = torch.float64 if any(seed[n].dtype == torch.float64 for n in out_nodes) else torch.float32
         for n in out_nodes:
-            self.R[n] = seed[n].detach().float()
+            self.R[n] = seed[n].detach().to(self.dtype)
         self.injected = torch.zeros(batch, device=dev)
         for n in out_nodes:
             self.injected = self.injected + _sample_sum(self.R[n], self.bdim.get(n), batch)
@@ -167,7 +169,7 @@ class Walker:
             return
         out_val = self.value(node)
         if isinstance(out_val, (list, tuple)):
-            r = [r.get(i, torch.zeros(v.shape, dtype=torch.float32, device=v.device)) if isinstance(r, dict) else r[i]
+            r = [r.get(i, torch.zeros(v.shape, dtype=self.dtype, device=v.device)) if isinstance(r, dict) else r[i]
                  for i, v in enumerate(out_val)]
         preset = self.preset
         fn = self.rule_of(node)
@@ -200,7 +202,7 @@ class Walker:
     def deliver(self, arg, share, consumer):
         if isinstance(arg, torch.fx.Node) and arg in self.a.live:
             val = self.value(arg)
-            share = _fit(share.float(), val.shape)
+            share = _fit(share.to(self.dtype), val.shape)
             R = self.R
             R[arg] = R[arg] + share if arg in R else share
             return

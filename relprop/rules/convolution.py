@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from .registry import rule
-from .stabilize import safe_divide
+from .stabilize import safe_divide, upcast
 
 aten = torch.ops.aten
 
@@ -56,7 +56,7 @@ def conv_alpha1_beta0(x, w, p, relevance, eps, joint=True):
 
 def _convolution(ctx, relevance, joint: bool):
     """z^B on a convolution that reads the pixels (per-sample bounds), else alpha1-beta0."""
-    x, w = ctx.args[0].float(), ctx.args[1].float()
+    x, w = upcast(ctx.args[0]), upcast(ctx.args[1])
     p = tuple(ctx.args[3:9])
     if ctx.options.get("reads_pixels", {}).get(ctx.node.name, False):
         dims = list(range(1, x.dim()))

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from .stabilize import finite, safe_divide
+from .stabilize import finite, safe_divide, upcast
 
 
 def gradient_times_input(ctx, relevance):
@@ -21,16 +21,16 @@ def gradient_times_input(ctx, relevance):
         args = list(ctx.args)
         leaves = []
         for i in live:
-            leaf = args[i].detach().float().requires_grad_(True)
+            leaf = upcast(args[i].detach()).requires_grad_(True)
             args[i] = leaf.to(ctx.args[i].dtype)
             leaves.append(leaf)
         y = ctx.node.target(*args, **ctx.kwargs)
         if isinstance(y, (list, tuple)):
             y = y[0]
-        s = safe_divide(relevance, y.detach().float(), ctx.eps)
+        s = safe_divide(relevance, upcast(y.detach()), ctx.eps)
         grads = torch.autograd.grad(y, leaves, s.to(y.dtype), allow_unused=True)
     out = [None] * len(ctx.args)
     for i, leaf, g in zip(live, leaves, grads):
         if g is not None:
-            out[i] = finite(leaf.detach() * g.float())
+            out[i] = finite(leaf.detach() * upcast(g))
     return tuple(out)

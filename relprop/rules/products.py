@@ -14,7 +14,7 @@ import torch
 from .linear import constant_matrix_product
 from .normalization import is_statistic
 from .registry import rule
-from .stabilize import safe_divide
+from .stabilize import safe_divide, upcast
 
 aten = torch.ops.aten
 
@@ -44,8 +44,8 @@ def matmul(ctx, relevance):
     if a.dim() < 2 or b.dim() < 2:
         # vector operands: promote to matrices as torch.matmul does; shares come back in the
         # broadcast shape (the interpreter sums them onto the operand)
-        a2 = a.float().unsqueeze(0) if a.dim() == 1 else a.float()
-        b2 = b.float().unsqueeze(-1) if b.dim() == 1 else b.float()
+        a2 = upcast(a).unsqueeze(0) if a.dim() == 1 else upcast(a)
+        b2 = upcast(b).unsqueeze(-1) if b.dim() == 1 else upcast(b)
         z = a2 @ b2
         ra, rb = z_rule_matmul(a2, b2, z, relevance.reshape(z.shape), ctx.eps)
         if a.dim() == 1:
@@ -53,7 +53,7 @@ def matmul(ctx, relevance):
         if b.dim() == 1:
             rb = rb.squeeze(-1)
         return (ra / 2, rb / 2)
-    ra, rb = z_rule_matmul(a.float(), b.float(), ctx.out.float(), relevance, ctx.eps)
+    ra, rb = z_rule_matmul(upcast(a), upcast(b), upcast(ctx.out), relevance, ctx.eps)
     return (ra / 2, rb / 2)
 
 
@@ -74,9 +74,9 @@ def multiply(ctx, relevance):
     if live_a and live_b and is_statistic(ctx, 0):
         return (None, relevance)
     if live_a and live_b:
-        z = ctx.out.float()
+        z = upcast(ctx.out)
         s = safe_divide(relevance, z, ctx.eps)
-        return (a.float() * b.float() * s / 2, a.float() * b.float() * s / 2)
+        return (upcast(a) * upcast(b) * s / 2, upcast(a) * upcast(b) * s / 2)
     if live_a:
         return (relevance, None)
     if live_b:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from .registry import rule
-from .stabilize import safe_divide
+from .stabilize import safe_divide, upcast
 
 aten = torch.ops.aten
 
@@ -31,7 +31,7 @@ def _reduced_dims(x, dims):
 @rule(aten.sum.dim_IntList, aten.mean.dim, preset=("chefer2021", "lrp"))
 def pooling_z_rule(ctx, relevance):
     """Sum/mean pooling: R_i = x_i / Σ_k x_k · R over each pooled group (z-rule)."""
-    x = ctx.args[0].float()
+    x = upcast(ctx.args[0])
     dims = _reduced_dims(x, ctx.args[1] if len(ctx.args) > 1 else None)
     keepdim = bool(ctx.args[2]) if len(ctx.args) > 2 else bool(ctx.kwargs.get("keepdim", False))
     z = x.sum(dims, keepdim=True)

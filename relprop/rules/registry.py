@@ -2,7 +2,7 @@
 
 A *rule* is a function ``rule(ctx, relevance) -> sequence`` called once per graph node on the
 relevance path, walking from the output to the input. ``relevance`` is the relevance that reached
-the node's output (float32, shaped like the output). The rule returns one entry per positional
+the node's output (float32, or float64 when the model computes in float64; shaped like the output). The rule returns one entry per positional
 argument of the op (``node.args``): a relevance tensor (shaped like that argument, or like the
 node's output when the argument was broadcast), ``None`` for arguments that receive nothing
 (weights, shapes, dims), or a list of those for list arguments (``aten.cat``). Relevance given to

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from .registry import rule
-from .stabilize import finite, safe_divide
+from .stabilize import finite, safe_divide, upcast
 
 aten = torch.ops.aten
 
@@ -45,9 +45,9 @@ def _sum_rule(ctx, relevance, sign: float, normalize: bool):
         return (relevance,) + (None,) * (len(ctx.args) - 1)
     if not torch.is_tensor(u):
         return (None, relevance) + (None,) * (len(ctx.args) - 2)
-    z = ctx.out.float()
-    uu = u.float().expand_as(z)
-    vv = (sign * alpha * v.float()).expand_as(z)
+    z = upcast(ctx.out)
+    uu = upcast(u).expand_as(z)
+    vv = (sign * alpha * upcast(v)).expand_as(z)
     ru, rv = z_rule_sum(uu, vv, z, relevance, ctx.eps)
     if normalize:
         ru, rv = normalize_shares(ctx, ru, rv, relevance, ctx.eps)

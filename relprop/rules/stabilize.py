@@ -26,6 +26,12 @@ def safe_divide(num: torch.Tensor, den: torch.Tensor, eps: float = DEFAULT_EPS) 
     return torch.nan_to_num_(out, nan=0.0, posinf=0.0, neginf=0.0) if out.is_floating_point() else out
 
 
+def upcast(t: torch.Tensor) -> torch.Tensor:
+    """``t`` in the precision the rules compute in: float32 at least (half precision, integers and
+    booleans become float32), float64 kept, so that a float64 model is explained in float64."""
+    return t if t.dtype in (torch.float32, torch.float64) else t.float()
+
+
 def finite(t: torch.Tensor) -> torch.Tensor:
     """``t`` with NaN and ±inf replaced by 0 (used on products of relevance with masks)."""
     return torch.nan_to_num(t, nan=0.0, posinf=0.0, neginf=0.0)
