@@ -101,7 +101,8 @@ def authors(checkout: str) -> types.SimpleNamespace:
         sys.modules.setdefault(name, types.ModuleType(name))
     sys.modules["gensim.models"].KeyedVectors = None
     mods = {k: importlib.import_module(v) for k, v in {
-        "vit_orig": "baselines.ViT.ViT_orig_LRP", "vit_ours": "baselines.ViT.ViT_LRP", "vit_new": "baselines.ViT.ViT_new",
+        "vit_orig": "baselines.ViT.ViT_orig_LRP", "vit_ours": "baselines.ViT.ViT_LRP",
+        "vit_new": "baselines.ViT.ViT_new",
         "vit_gen": "baselines.ViT.ViT_explanation_generator",
         "bert_orig": "BERT_explainability.modules.BERT.BERT_orig_lrp",
         "bert_ours": "BERT_explainability.modules.BERT.BERT",

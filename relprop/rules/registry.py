@@ -2,10 +2,11 @@
 
 A *rule* is a function ``rule(ctx, relevance) -> sequence`` called once per graph node on the
 relevance path, walking from the output to the input. ``relevance`` is the relevance that reached
-the node's output (float32, or float64 when the model computes in float64; shaped like the output). The rule returns one entry per positional
-argument of the op (``node.args``): a relevance tensor (shaped like that argument, or like the
-node's output when the argument was broadcast), ``None`` for arguments that receive nothing
-(weights, shapes, dims), or a list of those for list arguments (``aten.cat``). Relevance given to
+the node's output (float32, or float64 when the model computes in float64; shaped like the
+output). The rule returns one entry per positional argument of the op (``node.args``): a
+relevance tensor (shaped like that argument, or like the node's output when the argument was
+broadcast), ``None`` for arguments that receive nothing (weights, shapes, dims), or a list of
+those for list arguments (``aten.cat``). Relevance given to
 an argument that does not depend on the input (a parameter, the class token, a mask) is counted as
 *absorbed* by that constant; relevance given to an input-dependent argument keeps flowing. A rule
 reads only its :class:`relprop.rules.RuleContext`; it never branches on the preset's name: what
@@ -298,5 +299,6 @@ CHEFER2021 = Preset(
                 "normalized residual adds (Lemma 2), halved attention products (Lemma 1), z^B patch embedding")
 LRP = Preset(
     "lrp", extends=BASE, conservative=False,
-    description="the paper's plain-LRP baseline (authors' layers_lrp.py): un-normalized adds and the baseline's "
-                "linear rule; NOT conservative (each linear layer returns between 1/2 and 3/2 of its relevance)")
+    description="the paper's plain-LRP baseline as the authors' layers_lrp.py computes it (newest commit, c3e578f): "
+                "plain z-rule sums, linear layers and convolutions with separate denominators for x+W+ and x-W-; "
+                "NOT conservative (a linear layer fed by both signs returns about twice its relevance)")
