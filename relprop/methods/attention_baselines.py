@@ -129,13 +129,16 @@ def lrp(trace):
     z-rule sums, and linear layers whose x⁺W⁺ and x⁻W⁻ parts each have their own denominator (each
     part passes all the relevance, so the rules are not conservative). On identical weights this
     equals the authors' ``generate_LRP(method="full")`` (ViT) and, at the encoder input
-    (``exp.blocks[0].hidden_relevance``), their BERT ``generate_full_lrp`` to float64 rounding
-    (``benchmarks/authors_reference.py``); their BERT pass stops there, relprop goes on to the word
-    embeddings (z-rule on the embedding sums). An explicit ``preset=`` replaces the rules: ``explain(method="lrp",
-    preset="attnlrp")`` is AttnLRP (Achtibat et al., ICML 2024), ``"cp_lrp"`` CP-LRP (Ali et al.,
-    ICML 2022), both computed with one modified-gradient backward pass where possible
-    (:mod:`relprop.graph.modified_gradient`). Images: ``pixels`` = the input relevance summed over the colour channels;
-    text: ``tokens`` = the token embeddings' relevance summed over the embedding size. Signed.
+    (``exp.blocks[0].hidden_relevance``), their BERT ``generate_full_lrp``, to float64 rounding when
+    both run in float64 with ``eps=0`` (in float32 the plain z-rule magnifies rounding where a sum
+    nearly cancels: ``benchmarks/authors_reference.py``, ``benchmarks/RESULTS.md`` §7); their BERT
+    pass stops at the encoder input, relprop goes on to the word embeddings (z-rule on the
+    embedding sums). An explicit ``preset=`` replaces the rules:
+    ``explain(method="lrp", preset="attnlrp")`` is AttnLRP (Achtibat et al., ICML 2024),
+    ``"cp_lrp"`` CP-LRP (Ali et al., ICML 2022), both computed with one modified-gradient backward
+    pass where possible (:mod:`relprop.engine.fast_path`). Images: ``pixels`` = the input relevance
+    summed over the colour channels; text: ``tokens`` = the token embeddings' relevance summed over
+    the embedding size. Signed.
     """
     rel = trace.input_relevance
     if rel is None:
