@@ -57,8 +57,9 @@ def distribute(pairs, r_j, eps, rule, low=0.0, high=0.0):
     ``pairs`` is the list of (x_i, w_ij) feeding output j; returns one relevance per pair.
       z        : t_i = x_i w_ij;                        R_i = t_i / Σ t · r_j        (z-rule, Eq. 1)
       ab       : t_i = x⁺w⁺ + x⁻w⁻;                     R_i = t_i / Σ t · r_j        (Eq. 5, α1β0)
-      lrp      : p_i = x⁺w⁺, n_i = x⁻w⁻;  R_i = p_i/(Σp+Σn) r_j + n_i/(2Σn) r_j      (layers_lrp Linear)
-      lrp_sep  : R_i = p_i/Σp · r_j + n_i/Σn · r_j                                 (layers_lrp Conv2d)
+      lrp      : p_i = x⁺w⁺, n_i = x⁻w⁻;  R_i = p_i/Σp · r_j + n_i/Σn · r_j          (layers_lrp Linear
+                 and Conv2d at the authors' HEAD c3e578f, alpha=1: each part has its own denominator.
+                 The reference encoded the reverted commit 07d8c72 before, p_i/(Σp+Σn) + n_i/(2Σn).)
       zbox     : t_i = x_i w_ij − l w⁺_ij − h w⁻_ij;    R_i = t_i / Σ t · r_j        (supp. §B, z^B)
     """
     if rule in ("z", "ab", "zbox"):
@@ -72,12 +73,9 @@ def distribute(pairs, r_j, eps, rule, low=0.0, high=0.0):
         return [ti * s for ti in t]
     p = [pos(x) * pos(w) for x, w in pairs]
     n = [neg(x) * neg(w) for x, w in pairs]
-    if rule == "lrp":
-        s1, s2 = sdiv(r_j, sum(p) + sum(n), eps), sdiv(r_j, sum(n) + sum(n), eps)
-    elif rule == "lrp_sep":
-        s1, s2 = sdiv(r_j, sum(p), eps), sdiv(r_j, sum(n), eps)
-    else:
+    if rule != "lrp":
         raise ValueError(rule)
+    s1, s2 = sdiv(r_j, sum(p), eps), sdiv(r_j, sum(n), eps)
     return [pi * s1 + ni * s2 for pi, ni in zip(p, n)]
 
 
@@ -229,7 +227,7 @@ def test_safe_divide_matches_reference_elementwise():
 
 
 # ------------------------------------------------------------------------------------------------
-# linear layers: alpha1_beta0 (Eq. 5) and lrp_baseline (layers_lrp.Linear)
+# linear layers: alpha1_beta0 (Eq. 5) and lrp_baseline (layers_lrp.Linear at c3e578f)
 # ------------------------------------------------------------------------------------------------
 LINEAR_SHAPES = [((4,), (4, 5)), ((3, 4), (4, 5)), ((2, 3, 4), (4, 2)), ((1, 1), (1, 1)),
                  ((2, 3, 4), (2, 4, 5))]
@@ -248,7 +246,7 @@ def test_alpha1_beta0_matches_reference(xs, ws, seed):
 @pytest.mark.parametrize("xs, ws", LINEAR_SHAPES)
 @pytest.mark.parametrize("seed", [0, 1])
 def test_lrp_baseline_matches_reference(xs, ws, seed):
-    """layers_lrp.Linear (LRP baseline): x⁺w⁺/(z1+z2) + x⁻w⁻/(z2+z2), vs explicit loops."""
+    """layers_lrp.Linear at c3e578f (LRP baseline): x⁺w⁺/z⁺ + x⁻w⁻/z⁻, separate denominators, vs loops."""
     x, w = rand(xs, seed), rand(ws, seed + 10)
     R = rand(xs[:-1] + ws[-1:], seed + 20)
     got = lrp_baseline(x, w, R, EPS)
@@ -623,7 +621,7 @@ def _conv_args(x, w, p):
 
 
 @pytest.mark.parametrize("p, xs, ws", CONV_CASES)
-@pytest.mark.parametrize("preset, rule", [("chefer2021", "ab"), ("lrp", "lrp_sep")])
+@pytest.mark.parametrize("preset, rule", [("chefer2021", "ab"), ("lrp", "lrp")])
 @pytest.mark.parametrize("zeros", [False, True])
 def test_registered_convolution_non_pixel_is_alpha1_beta0(p, xs, ws, preset, rule, zeros):
     """aten.convolution not reading pixels: Eq. 5 α1β0 (chefer2021) / layers_lrp.Conv2d (lrp);
@@ -660,7 +658,7 @@ def test_registered_convolution_reading_pixels_is_z_box(p, xs, ws, preset):
     # another node's name in the option does not switch the rule
     ctx.options = {"reads_pixels": {ctx.node.name + "_other": True}}
     r2 = registry.lookup(preset, aten.convolution.default)(ctx, R)
-    other = "ab" if preset == "chefer2021" else "lrp_sep"
+    other = "ab" if preset == "chefer2021" else "lrp"
     torch.testing.assert_close(r2[0].double(), ref_conv(x, w, p, R, EPS, other), **F32)
 
 

@@ -133,12 +133,20 @@ def ta_second_block(trace):
         needs_relevance=True, preset="lrp", needs_blocks=False)
 def lrp(trace):
     """Full LRP (Eq. 4; supplementary §A, "LRP") under the ``"lrp"`` preset: the rules of the
-    authors' LRP baseline (``layers_lrp.py``), whose separate positive/negative denominators make
-    it non-conservative. An explicit ``preset=`` replaces them: ``explain(method="lrp",
-    preset="attnlrp")`` is AttnLRP (Achtibat et al., ICML 2024), ``"cp_lrp"`` CP-LRP (Ali et al.,
-    ICML 2022), both computed with one modified-gradient backward pass where possible
-    (:mod:`relprop.graph.modified_gradient`). Images: ``pixels`` = the input relevance summed over the colour channels;
-    text: ``tokens`` = the token embeddings' relevance summed over the embedding size. Signed.
+    authors' LRP baseline as ``layers_lrp.py`` computes them at their newest commit (c3e578f): plain
+    z-rule sums, and linear layers whose x⁺W⁺ and x⁻W⁻ parts each have their own denominator (each
+    part passes all the relevance, so the rules are not conservative). On identical weights this
+    equals the authors' ``generate_LRP(method="full")`` (ViT) and, at the encoder input
+    (``exp.blocks[0].hidden_relevance``), their BERT ``generate_full_lrp``, to float64 rounding when
+    both run in float64 with ``eps=0`` (in float32 the plain z-rule magnifies rounding where a sum
+    nearly cancels: ``benchmarks/authors_reference.py``, ``benchmarks/RESULTS.md`` §7); their BERT
+    pass stops at the encoder input, relprop goes on to the word embeddings (z-rule on the
+    embedding sums). An explicit ``preset=`` replaces the rules:
+    ``explain(method="lrp", preset="attnlrp")`` is AttnLRP (Achtibat et al., ICML 2024),
+    ``"cp_lrp"`` CP-LRP (Ali et al., ICML 2022), both computed with one modified-gradient backward
+    pass where possible (:mod:`relprop.engine.fast_path`). Images: ``pixels`` = the input relevance
+    summed over the colour channels; text: ``tokens`` = the token embeddings' relevance summed over
+    the embedding size. Signed.
     """
     rel = trace.input_relevance
     if rel is None:
@@ -162,9 +170,10 @@ def lrp(trace):
         needs_relevance=True, preset="lrp")
 def partial_lrp(trace):
     """Partial LRP (Voita et al. 2019, as the CVPR 2021 paper applies it, supplementary §A):
-    E_h[(R_A)⁺] of the block next to the output (R^(n_1)), under the ``"lrp"`` preset;
-    scores = its classification-token row. The positive part follows the authors' code
-    (``last_layer`` without ``is_ablation``).
+    E_h[(R_A)⁺] of the block next to the output (R^(n_1)), under the ``"lrp"`` preset (the
+    authors' ``layers_lrp.py`` rules at c3e578f); scores = its classification-token row. The
+    positive part follows the authors' code (``last_layer`` without ``is_ablation`` in
+    ``ViT_orig_LRP.py``; ``generate_LRP_last_layer`` for BERT).
     """
     block = _blocks(trace, "partial_lrp")[-1]
     m = head_mean(_relevance(block, "partial_lrp").clamp(min=0))
@@ -199,8 +208,10 @@ def rollout(trace, start_block: int = 0, normalize_rows: bool = True, query: str
     ----------
     start_block : first block (counted from the input, 0-based) in the product; default 0 (every
         block, Eq. 16).
-    normalize_rows : divide each I + E_h A_b by its row sums (default on: Abnar & Zuidema and the
-        authors' ViT code; their BERT code leaves it out, which doubles each row's sum per block).
+    normalize_rows : divide each I + E_h A_b by its row sums (default on: Abnar & Zuidema, and the
+        authors' code for both ViT and BERT — ``compute_rollout_attention`` in
+        ``ViT_explanation_generator.py`` and, since their commit 7cf1edb of February 2021, in
+        ``BERT_explainability/modules/BERT/ExplanationGenerator.py``).
     """
     blocks = _blocks(trace, "rollout")
     _check_start(start_block, blocks, "rollout")
@@ -238,9 +249,14 @@ def attention_gradcam(trace):
 
     For images the columns exclude the class/distillation tokens (the last gh*gw tokens are the
     patches), as the authors' ViT code. For text every real position is a column (padding is
-    excluded so that a padded batch explains like each text alone); the authors' BERT code
-    averaged ∇A over every row and column instead. The authors' final min-max rescaling of each
-    map is left out (it does not change the ranking).
+    excluded so that a padded batch explains like each text alone). The authors' BERT code
+    averages ∇A over every row and column; in the block next to the output of a [CLS]-pooled
+    classifier only the [CLS] row of ∇A is non-zero, so that mean is the [CLS]-row mean times
+    1/tokens, the same factor for every head, which the positive part and their min-max rescaling
+    do not see: on a text alone the two agree (Pearson 1.000000, ``benchmarks/authors_reference.py``).
+    Run on a padded text, their mean also takes in the padding columns, and their map moves away
+    from their map of the text alone (Pearson 0.87–0.97 with relprop's in that benchmark). The
+    authors' final min-max rescaling of each map is left out (it does not change the ranking).
     """
     block = _blocks(trace, "attention_gradcam")[-1]
     a, da = block.attention, block.gradient

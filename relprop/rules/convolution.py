@@ -8,8 +8,11 @@ supplementary §B, with per-sample bounds l = min(x), h = max(x)::
     R_i = Σ_j (x_i w_ji − l w⁺_ji − h w⁻_ji) / z_j · R_j
 
 We apply z^B whenever the convolution reads the model's pixel input directly (whatever the number
-of channels). Any other convolution gets the preset's linear rule (alpha1-beta0 for chefer2021,
-the separate-denominator rule of ``layers_lrp.Conv2d`` for lrp). Both presets share z^B.
+of channels). Any other convolution gets the preset's linear rule: alpha1-beta0 with a joint
+denominator for chefer2021 (``layers_ours.Conv2d``), and for lrp the separate denominators of
+``layers_lrp.Conv2d`` at c3e578f (x⁺W⁺ / z⁺ + x⁻W⁻ / z⁻, as :func:`relprop.rules.linear.lrp_baseline`).
+Both presets share z^B. Its denominator is ≥ 0; the authors add 1e-9 to it, as ``safe_divide`` does
+where it is > 0 (where it is 0, a constant image, we give 0 and they divide by 1e-9).
 """
 from __future__ import annotations
 
@@ -45,7 +48,8 @@ def z_box(x, w, p, relevance, eps, low, high):
 
 
 def conv_alpha1_beta0(x, w, p, relevance, eps, joint=True):
-    """alpha1-beta0 for a convolution; ``joint=False`` gives the LRP baseline's separate denominators."""
+    """alpha1-beta0 for a convolution (CVPR 2021 Eq. 5, ``layers_ours.Conv2d``); ``joint=False`` gives the
+    LRP baseline's separate denominators (``layers_lrp.Conv2d`` at c3e578f)."""
     xp, xn = x.clamp(min=0), x.clamp(max=0)
     wp, wn = w.clamp(min=0), w.clamp(max=0)
     z1, z2 = _conv(xp, wp, p), _conv(xn, wn, p)
@@ -78,5 +82,5 @@ def convolution(ctx, relevance):
 @rule(aten.convolution.default, preset="lrp")
 def convolution_lrp_baseline(ctx, relevance):
     """Patch embedding: z^B on pixels (supplementary §B); any other convolution: the LRP
-    baseline's separate denominators (``layers_lrp.Conv2d``)."""
+    baseline's separate denominators for x⁺W⁺ and x⁻W⁻ (``layers_lrp.Conv2d`` at c3e578f)."""
     return _convolution(ctx, relevance, joint=False)

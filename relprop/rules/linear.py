@@ -9,10 +9,20 @@ W⁻ = min(W, 0), one joint denominator per output, bias ignored::
 
 Every term is non-negative, so Σ_i R_i = Σ_j R_j wherever z_j ≠ 0: the rule conserves relevance.
 
-``"lrp"`` — the linear rule of the authors' LRP *baseline* (``modules/layers_lrp.py``), kept as the
-code has it because the paper's LRP and partial-LRP numbers come from it: the x⁺W⁺ part is divided
-by the joint denominator z⁺ + z⁻ (z⁺ = x⁺W⁺, z⁻ = x⁻W⁻) but the x⁻W⁻ part by 2·z⁻. Its total is
-Σ_j R_j (z⁺_j / (z⁺_j + z⁻_j) + 1/2): NOT conservative.
+``"lrp"`` — the linear rule of the authors' LRP *baseline* (``Linear.relprop`` of
+``modules/layers_lrp.py`` and ``BERT_explainability/modules/layers_lrp.py`` at the newest commit of
+hila-chefer/Transformer-Explainability, c3e578f, called with alpha=1), which the paper's LRP and
+partial-LRP numbers come from: the x⁺W⁺ and x⁻W⁻ parts each have their own denominator, bias
+ignored::
+
+    z⁺_j  = Σ_i x⁺_i W⁺_ji          z⁻_j = Σ_i x⁻_i W⁻_ji
+    R_i   = Σ_j x⁺_i W⁺_ji / z⁺_j · R_j  +  Σ_j x⁻_i W⁻_ji / z⁻_j · R_j
+
+Each part alone passes Σ_j R_j (over the outputs where its z is not 0), so the layer returns about
+2 Σ_j R_j: NOT conservative. (A commit of January 2021, 07d8c72, divided the x⁺W⁺ part by z⁺ + z⁻
+and the x⁻W⁻ part by 2·z⁻; 3c9da22 reverted it two weeks later.) Both z are ≥ 0, so the authors'
+stabilizer (+1e-9 on every non-zero denominator) and ours (1e-9 away from 0 in the sign's
+direction, :mod:`relprop.rules.stabilize`) give the same numbers here.
 """
 from __future__ import annotations
 
@@ -70,14 +80,16 @@ def alpha1_beta0(x: torch.Tensor, w: torch.Tensor, relevance: torch.Tensor, eps:
 
 
 def lrp_baseline(x: torch.Tensor, w: torch.Tensor, relevance: torch.Tensor, eps: float, split=None) -> torch.Tensor:
-    """Relevance of ``x`` for ``z = x @ w`` under the authors' LRP-baseline linear rule (not conservative)."""
+    """Relevance of ``x`` for ``z = x @ w`` under the authors' LRP-baseline linear rule (``layers_lrp.Linear``
+    at c3e578f): the x⁺W⁺ part divided by z⁺ = x⁺W⁺, the x⁻W⁻ part by z⁻ = x⁻W⁻ (not conservative).
+
+    ``w`` is [in, out] (or batched [..., in, out]); ``x`` is [..., in]; ``relevance`` is [..., out].
+    """
     xp, xn = x.clamp(min=0), x.clamp(max=0)
     wp, wn = w.clamp(min=0), w.clamp(max=0)
-    z1 = xp @ wp
-    z2 = xn @ wn
-    s1 = safe_divide(relevance, z1 + z2, eps)
-    s2 = safe_divide(relevance, z2 + z2, eps)
-    return xp * (s1 @ wp.transpose(-1, -2)) + xn * (s2 @ wn.transpose(-1, -2))
+    s_pos = safe_divide(relevance, xp @ wp, eps)
+    s_neg = safe_divide(relevance, xn @ wn, eps)
+    return xp * (s_pos @ wp.transpose(-1, -2)) + xn * (s_neg @ wn.transpose(-1, -2))
 
 
 def require_constant_weight(ctx, weight_pos):
@@ -111,7 +123,8 @@ def linear(ctx, relevance):
 @rule(aten.linear.default, preset="lrp")
 @with_formula(lrp_baseline)
 def linear_lrp_baseline(ctx, relevance):
-    """``y = x Wᵀ + b``: the linear rule of the authors' LRP baseline (:func:`lrp_baseline`); bias ignored."""
+    """``y = x Wᵀ + b``: the authors' LRP-baseline linear rule, separate denominators for x⁺W⁺ and x⁻W⁻
+    (``layers_lrp.Linear`` at c3e578f; :func:`lrp_baseline`); bias ignored."""
     require_constant_weight(ctx, 1)
     rx = lrp_baseline(promote(ctx.args[0]), promote(ctx.args[1]).t(), relevance, ctx.eps)
     return (rx,) + (None,) * (len(ctx.args) - 1)
@@ -128,7 +141,8 @@ def addmm(ctx, relevance):
 @rule(aten.addmm.default, preset="lrp")
 @with_formula(lrp_baseline)
 def addmm_lrp_baseline(ctx, relevance):
-    """``y = b + x @ W``: the authors' LRP-baseline linear rule (:func:`lrp_baseline`), bias ignored."""
+    """``y = b + x @ W`` (GPT-2's Conv1D): the authors' LRP-baseline linear rule (``layers_lrp.Linear`` at
+    c3e578f; :func:`lrp_baseline`), bias ignored."""
     require_constant_weight(ctx, 2)
     return (None, lrp_baseline(promote(ctx.args[1]), promote(ctx.args[2]), relevance, ctx.eps), None)
 

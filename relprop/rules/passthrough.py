@@ -41,14 +41,16 @@ def layer_norm_identity(ctx, relevance):
 
 @rule(aten.native_layer_norm.default, preset=PAPER_PRESETS)
 def native_layer_norm_identity(ctx, relevance):
-    """``native_layer_norm`` returns (y, mean, rstd); only y carries relevance (identity)."""
+    """``native_layer_norm`` returns (y, mean, rstd); only y carries relevance, unchanged (the CVPR 2021
+    code's identity rule on LayerNorm)."""
     r = relevance[0] if isinstance(relevance, (list, tuple)) else relevance
     return (r,) + (None,) * (len(ctx.args) - 1)
 
 
 @rule(aten.mul.Scalar, aten.div.Scalar, preset=PAPER_PRESETS)
 def scale_identity(ctx, relevance):
-    """Scaling by a Python number (e.g. the attention scale d^-1/2): R_in = R_out."""
+    """Scaling by a Python number (e.g. the attention scale d^-1/2): R_in = R_out (the authors' code
+    scales outside its modules, ``dots = self.matmul1([q, k]) * self.scale``, so R passes unchanged)."""
     return (relevance, None)
 
 

@@ -33,7 +33,9 @@ def z_rule_matmul(a: torch.Tensor, b: torch.Tensor, z: torch.Tensor, relevance: 
 
 @rule(aten.matmul.default, aten.bmm.default, aten.mm.default, preset=("chefer2021", "lrp"))
 def matmul(ctx, relevance):
-    """Attention products (both operands live): z-rule on each operand, then both halved.
+    """Attention products (both operands live): z-rule on each operand, then both halved
+    (CVPR 2021 Lemma 1 and §3.2; ``cam1 /= 2`` etc. in ``Attention.relprop`` of the authors'
+    ``ViT_LRP.py`` and ``ViT_orig_LRP.py``, the same in their BERT).
 
     With one constant operand the product is a linear layer: the active preset's linear rule
     (:func:`relprop.rules.linear.constant_matrix_product`).

@@ -8,7 +8,11 @@ we take them per sample, so a batch explains like its samples one by one.
 A constant operand (position embedding, class-token bias, attention mask) keeps its share: it is
 reported as absorbed.
 
-``"lrp"`` (the authors' LRP baseline, ``layers_lrp.Add``): the z-rule alone, not normalized.
+``"lrp"`` (the authors' LRP baseline: ``Add`` of ``modules/layers_lrp.py`` at c3e578f, a
+``RelPropSimple``, i.e. gradient × input): the z-rule alone, not normalized. The authors'
+stabilizer adds +1e-9 to every non-zero z, also a negative one; ours moves z 1e-9 away from 0 in the
+direction of its sign (:mod:`relprop.rules.stabilize`), which differs only where |z| is within a few
+1e-9 of 0 (``benchmarks/authors_reference.py`` measures what this changes).
 Adding a Python number (``x + 1e-6``) passes the relevance to x unchanged in both presets.
 """
 from __future__ import annotations
@@ -68,17 +72,19 @@ def residual_sub(ctx, relevance):
 
 @rule(aten.add.Tensor, preset="lrp")
 def add_z_rule(ctx, relevance):
-    """u + v: plain z-rule shares (authors' LRP baseline ``layers_lrp.Add``)."""
+    """u + v: plain z-rule shares, not normalized (CVPR 2021 Eq. 6 alone; the authors' LRP baseline,
+    ``layers_lrp.Add`` at c3e578f)."""
     return _sum_rule(ctx, relevance, 1.0, normalize=False)
 
 
 @rule(aten.sub.Tensor, preset="lrp")
 def sub_z_rule(ctx, relevance):
-    """u - v: plain z-rule shares (LRP baseline)."""
+    """u - v, as u + (-v): plain z-rule shares, not normalized (as ``layers_lrp.Add`` at c3e578f)."""
     return _sum_rule(ctx, relevance, -1.0, normalize=False)
 
 
 @rule(aten.add.Scalar, aten.sub.Scalar, preset=("chefer2021", "lrp"))
 def add_number(ctx, relevance):
-    """x + c for a Python number c: R passes to x unchanged."""
+    """x + c for a Python number c: R passes to x unchanged (the authors' code adds such numbers
+    outside its modules, e.g. LayerNorm's ε, so they have no rule there)."""
     return (relevance, None, None)[: len(ctx.args)]

@@ -8,9 +8,14 @@ versions, CPU capability and thread count), to float32 rounding otherwise.
 Run from the repository root (it overwrites the file; do so only when a change of numbers is
 intended, and say why in the commit message)::
 
-    python tests/golden/generate.py            # every case
-    python tests/golden/generate.py --check    # compare with the file instead of writing it
-    python tests/golden/generate.py --update lrp@attnlrp lrp@cp_lrp   # re-record only these labels
+    python tests/golden/generate.py                          # every case
+    python tests/golden/generate.py --check                  # compare with the file instead of writing it
+    python tests/golden/generate.py --update lrp partial_lrp # re-record these call labels only
+
+``--update LABEL ...`` re-records the given call labels (a method name, or a variant such as
+``lrp@attnlrp``) in every case (``--only`` narrows the cases) and leaves every other record as it
+was: the same objects, pickled to the same bytes (checked before the file is written). It refuses
+when this environment is not the one the file was recorded in, so that one file never mixes two.
 
 Outputs of the sampling methods use few samples (``n_samples=3``, ``n_steps=3``) to stay small.
 """
@@ -18,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import pickle
 import sys
 
 import torch
@@ -43,7 +49,6 @@ SAMPLING_OPTIONS = {"smoothgrad": {"n_samples": 3}, "integrated_gradients": {"n_
 
 def save(data: dict, path: str = GOLDEN) -> None:
     import gzip
-    import pickle
     with gzip.open(path, "wb") as f:
         pickle.dump(data, f, protocol=4)
 
@@ -148,19 +153,20 @@ def flatten(exp) -> dict:
     return out
 
 
+def calls() -> list:
+    """(label, explain keywords) of every recorded call: one per method, then :data:`VARIANTS`."""
+    return [(m, {"method": m, **SAMPLING_OPTIONS.get(m, {})}) for m in relprop.methods()] + VARIANTS
+
+
 def record(case, progress=print, labels=None) -> dict:
-    """{label: flattened Explanation, or ("error", class name)} for one case (only ``labels``, if given)."""
+    """{label: flattened Explanation, or ("error", class name)} for one case (only ``labels`` if given)."""
     name, make, inputs_of, kw = case
     model = make()
     x = inputs_of(model)
     results = {}
-    calls = [(m, {"method": m, **SAMPLING_OPTIONS.get(m, {})}) for m in relprop.methods()] + VARIANTS
-    if labels is not None:
-        unknown = set(labels) - {label for label, _ in calls}
-        if unknown:
-            raise SystemExit(f"unknown label(s) {sorted(unknown)}; labels: {[label for label, _ in calls]}")
-        calls = [(label, extra) for label, extra in calls if label in labels]
-    for label, extra in calls:
+    for label, extra in calls():
+        if labels is not None and label not in labels:
+            continue
         try:
             exp = relprop.explain(model, x, **kw, **extra)
             results[label] = flatten(exp)
@@ -226,26 +232,55 @@ def compare(expected: dict, got: dict, exact: bool, rtol: float = 1e-3) -> list:
     return problems
 
 
+def update(labels, only=None) -> int:
+    """Re-record ``labels`` in every case (or the cases in ``only``), keep every other record as it is."""
+    import pickle
+    known = [label for label, _ in calls()]
+    unknown = [label for label in labels if label not in known]
+    if unknown:
+        print(f"unknown call labels {unknown}; the labels are {known}")
+        return 2
+    torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+    golden = load()
+    if golden["environment"] != environment():
+        print(f"refusing to update: the golden file was recorded in {golden['environment']}, this is "
+              f"{environment()}; re-record the whole file (python tests/golden/generate.py) or update it there")
+        return 1
+    before = {(c, label): pickle.dumps(rec, protocol=4) for c, recs in golden["cases"].items() for label, rec in
+              recs.items()}
+    changed = []
+    for case in cases():
+        if only and case[0] not in only:
+            continue
+        new = record(case, progress=lambda s: None, labels=set(labels))
+        for label in labels:
+            old = golden["cases"][case[0]].get(label)
+            if pickle.dumps(old, protocol=4) != pickle.dumps(new[label], protocol=4):
+                changed.append(f"{case[0]}/{label}")
+            golden["cases"][case[0]][label] = new[label]
+        print(f"{case[0]}: re-recorded {', '.join(labels)}")
+    save(golden)
+    reread = load()  # every record not re-recorded pickles to the bytes it had before
+    kept = {k: v for k, v in before.items() if not ((not only or k[0] in only) and k[1] in labels)}
+    for (c, label), blob in kept.items():
+        if pickle.dumps(reread["cases"][c][label], protocol=4) != blob:
+            raise AssertionError(f"{c}/{label} changed although it was not re-recorded")
+    if reread["environment"] != golden["environment"] or set(reread["cases"]) != set(golden["cases"]):
+        raise AssertionError("the file's environment or list of cases changed")
+    print(f"wrote {GOLDEN}: {len(changed)} records changed ({', '.join(changed) or 'none'}); "
+          f"{len(kept)} other records kept byte for byte")
+    return 0
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--check", action="store_true", help="compare with the golden file instead of writing it")
     p.add_argument("--only", nargs="*", help="case names (default: every case)")
     p.add_argument("--update", nargs="+", metavar="LABEL",
-                   help="re-record only these labels (e.g. lrp@attnlrp) of every case (or of --only) in the "
-                        "file, every other record left as it is; needs the recording environment")
+                   help="re-record only these call labels (e.g. lrp partial_lrp) and keep every other record")
     args = p.parse_args(argv)
     if args.update:
-        torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
-        golden = load()
-        if golden["environment"] != environment():
-            raise SystemExit(f"--update needs the recording environment {golden['environment']}; "
-                             f"this is {environment()}")
-        for case in cases():
-            if not args.only or case[0] in args.only:
-                golden["cases"][case[0]].update(record(case, labels=args.update))
-        save(golden)
-        print(f"re-recorded {args.update} in {GOLDEN}")
-        return 0
+        return update(args.update, args.only)
     if not args.check:
         data = generate()
         save(data)
