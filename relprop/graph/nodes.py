@@ -16,6 +16,8 @@ import torch
 import torch.fx
 import torch.utils._pytree as pytree
 
+from .torch_fixes import safe_target
+
 
 # ------------------------------------------------------------------------------------------ provenance
 
@@ -122,7 +124,7 @@ def evaluate(node: torch.fx.Node, value: Callable[[torch.fx.Node], Any], fn: Opt
     """The value of ``node`` computed from ``value(arg)`` of each argument node, by ``node.target``
     (or by ``fn``, a replacement that takes the same arguments)."""
     args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), value)
-    return (fn or node.target)(*args, **kwargs)
+    return (fn or safe_target(node.target))(*args, **kwargs)
 
 
 def is_live(x, live):

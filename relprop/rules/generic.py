@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import torch
 
+from ..graph.torch_fixes import safe_target
 from .stabilize import finite, promote, safe_divide
 
 
@@ -49,7 +50,7 @@ def gradient_times_input(ctx, relevance):
     if not leaves:
         return tuple(out)
     with torch.enable_grad():
-        y = ctx.node.target(*args, **ctx.kwargs)
+        y = safe_target(ctx.node.target)(*args, **ctx.kwargs)
         outs = list(y) if isinstance(y, (list, tuple)) else [y]
         rels = list(relevance) if isinstance(relevance, (list, tuple)) else [relevance]
         roots, seeds = [], []

@@ -41,6 +41,7 @@ from typing import Callable, Optional
 import torch
 from torch.autograd import Function
 
+from ..graph.torch_fixes import safe_target
 from .stabilize import safe_divide
 
 #: signature of a gradient form: (node, live flags of node.args, eps) -> replacement or None
@@ -179,7 +180,7 @@ class _RMSNormConstRMS(Function):
 # ------------------------------------------------------------------------------------------------
 def identity_rule(node, live, eps):
     """Element-wise non-linearity with the identity rule (AttnLRP Eq. 9): backward g · f(x)/x."""
-    op = node.target
+    op = safe_target(node.target)
 
     def call(x, *args, **kwargs):
         return _IdentityRule.apply(x, lambda t: op(t, *args, **kwargs), eps)
@@ -197,7 +198,7 @@ def epsilon_stabilized(form: GradientForm = plain, scale: Optional[Callable] = N
     equals the interpreter's R / (z + ε·sign z) (module docstring). ``scale(node, args, z)`` gives s when
     the rule's denominator is s·z (a mean: the sum of the pooled elements, s = n)."""
     def stabilized(node, live, eps):
-        op = form(node, live, eps) or node.target
+        op = form(node, live, eps) or safe_target(node.target)
 
         def call(*args, **kwargs):
             z = op(*args, **kwargs)
@@ -212,7 +213,7 @@ def epsilon_stabilized(form: GradientForm = plain, scale: Optional[Callable] = N
 def uniform_product(node, live, eps):
     """Product of two live factors with the uniform rule (AttnLRP Eq. 7, Props. 3.2–3.3): the
     gradient of both factors halved."""
-    op = node.target
+    op = safe_target(node.target)
 
     def call(*args, **kwargs):
         return _HalfGradient.apply(op(*args, **kwargs))
@@ -227,7 +228,7 @@ def half_gradient(z: torch.Tensor) -> torch.Tensor:
 def constant_operand(position: int):
     """A form factory: argument ``position`` is held constant (detached) for the relevance."""
     def form(node, live, eps):
-        op = node.target
+        op = safe_target(node.target)
 
         def call(*args, **kwargs):
             if torch.is_tensor(args[position]):

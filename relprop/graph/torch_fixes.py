@@ -1,0 +1,60 @@
+"""Workarounds for torch kernels whose gradient is wrong in cases relprop meets.
+
+**Inference BatchNorm, batch of one.** On CPU (torch 2.x), the backward of
+``aten._native_batch_norm_legit_no_training`` returns wrong values when the batch has one sample and
+the incoming gradient is strided unusually (batch stride smaller than the sample's size, as after a
+``flatten(2).transpose(1, 2)`` of the tokens, e.g. EfficientFormer, LeViT): up to the whole gradient's
+scale, so a single image was explained unlike the same image in a batch. Computing the op as it is and
+handing its backward a contiguous gradient gives the exact gradient, a ⊙ g per channel.
+
+:func:`safe_target` returns, for an op of the graph, the callable relprop evaluates it with: the op
+itself, or the op with such a fix. Every evaluation of a graph node goes through it
+(:func:`relprop.graph.nodes.evaluate`, the rules' gradient forms).
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch.autograd import Function
+
+aten = torch.ops.aten
+
+
+class _ContiguousGradient(Function):
+    """Identity forward; backward hands on the incoming gradient made contiguous."""
+
+    @staticmethod
+    def forward(ctx, z):
+        return z.view_as(z)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g.contiguous()
+
+
+def contiguous_gradient(z: torch.Tensor) -> torch.Tensor:
+    """``z`` unchanged; the gradient that reaches the op that made ``z`` is contiguous."""
+    return _ContiguousGradient.apply(z) if z.requires_grad else z
+
+
+def _batch_norm_no_training(*args, **kwargs):
+    out = aten._native_batch_norm_legit_no_training.default(*args, **kwargs)
+    return (contiguous_gradient(out[0]),) + tuple(out[1:])
+
+
+def _native_batch_norm(*args, **kwargs):
+    out = aten.native_batch_norm.default(*args, **kwargs)
+    return (contiguous_gradient(out[0]),) + tuple(out[1:])
+
+
+_FIXED = {
+    aten._native_batch_norm_legit_no_training.default: _batch_norm_no_training,
+    aten.native_batch_norm.default: _native_batch_norm,
+}
+
+
+def safe_target(target: Callable) -> Callable:
+    """The callable to evaluate a graph op ``target`` with: ``target``, or ``target`` with a fix for
+    a wrong gradient of its torch kernel (module docstring)."""
+    return _FIXED.get(target, target)

@@ -1,0 +1,60 @@
+"""Workarounds for torch kernels whose gradient is wrong (``relprop.graph.torch_fixes``).
+
+Inference BatchNorm on CPU, batch of one, gradient strided as after ``flatten(2).transpose(1, 2)``: the
+native backward is wrong; relprop's evaluation of the op must give a ⊙ g exactly, and a hybrid model
+whose tokens are read that way must explain one image as it explains the same image in a batch.
+"""
+import torch
+
+import relprop
+from relprop.graph.torch_fixes import safe_target
+
+aten = torch.ops.aten
+
+
+def _bn_args(c=16):
+    g = torch.Generator().manual_seed(0)
+    return (torch.randn(c, generator=g), torch.randn(c, generator=g), torch.randn(c, generator=g),
+            torch.rand(c, generator=g) + 0.5)
+
+
+def test_batch_norm_gradient_with_a_transposed_gradient_and_one_sample():
+    w, b, mean, var = _bn_args()
+    x = torch.randn(1, 16, 7, 7, requires_grad=True)
+    grad = torch.randn(1, 49, 16).transpose(1, 2).view(1, 16, 7, 7)  # batch stride 16 < 16·49
+    expected = grad * (w / torch.sqrt(var + 1e-5))[:, None, None]
+    op = aten._native_batch_norm_legit_no_training.default
+    y = safe_target(op)(x, w, b, mean, var, 0.1, 1e-5)[0]
+    (got,) = torch.autograd.grad(y, x, grad)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    assert torch.equal(y, op(x, w, b, mean, var, 0.1, 1e-5)[0])
+
+
+class _ConvBnTokens(torch.nn.Module):
+    """A conv stem with BatchNorm whose output is read as tokens (flatten(2).transpose(1, 2))."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = torch.nn.Conv2d(3, 16, 4, stride=4)
+        self.norm = torch.nn.BatchNorm2d(16)
+        self.head = torch.nn.Linear(16, 5)
+        with torch.no_grad():
+            self.norm.running_mean.normal_()
+            self.norm.running_var.uniform_(0.5, 2.0)
+            self.norm.weight.normal_()
+            self.norm.bias.normal_()
+
+    def forward(self, x):
+        tokens = self.norm(self.conv(x)).flatten(2).transpose(1, 2)
+        return self.head(torch.nn.functional.gelu(tokens).mean(1))
+
+
+def test_one_image_explains_as_in_a_batch_through_batch_norm():
+    torch.manual_seed(0)
+    model = _ConvBnTokens().eval()
+    x = torch.randn(2, 3, 28, 28)
+    for fast_path in (True, False):
+        both = relprop.explain(model, x, target=1, method="lrp", preset="attnlrp", fast_path=fast_path)
+        alone = relprop.explain(model, x[:1], target=1, method="lrp", preset="attnlrp", fast_path=fast_path)
+        scale = alone.input_relevance.abs().max()
+        assert (both.input_relevance[:1] - alone.input_relevance).abs().max() <= 1e-5 * scale
