@@ -22,6 +22,7 @@ from relprop.errors import MethodError
 from relprop.graph.capture import CACHE
 from relprop.graph.inputs import bind_inputs
 from relprop.engine import supports
+from relprop.engine.walk import STABILIZER
 from relprop.rules import registry
 from relprop.rules.context import RuleContext
 from relprop.rules.gradient_forms import _LayerNormConstStd, _RMSNormConstRMS
@@ -442,6 +443,24 @@ def test_conservation_bias_free(zoo, decoders, name, preset):
         assert float(b.error.max()) < 1e-4, (b.name, b.relevance_in, b.relevance_out, b.absorbed)
     biases = [v for k, v in c.absorbed_by.items() if k.endswith("bias")]
     assert all(float(v.abs().max()) < 1e-6 for v in biases)  # zero biases absorb nothing
+
+
+@pytest.mark.parametrize("eps", [1e-9, 1e-3, 1e-1])
+def test_stabilizer_share_closes_the_ledger(zoo, eps):
+    """An ε-rule passes Σ R |z| / (|z| + ε) to its operands; the rest is booked under
+    ``STABILIZER``: the ledger closes for every ε (relative error < 1e-4), and the stabilizer's share
+    is the gap the ledger would show without it (growing with ε)."""
+    vit = zoo("timm_vit_tiny")
+    x = models.image_batch(vit, batch=2, seed=3)
+    c = relprop.explain(vit, x, target=[0, 1], method="lrp", preset="attnlrp", fast_path=False, eps=eps).conservation
+    assert float(c.error.max()) < 1e-4, c
+    kept = c.absorbed_by[STABILIZER]
+    gap = c.injected - c.input - (c.absorbed - kept)
+    torch.testing.assert_close(kept, gap, rtol=1e-3, atol=1e-5)  # float32 sums of relevance 1
+    if eps >= 1e-3:
+        assert float(kept.abs().min()) > 1e-6
+    for b in c.blocks:
+        assert float(b.error.max()) < 1e-4, (b.name, b.relevance_in, b.relevance_out, b.absorbed)
 
 
 @pytest.mark.parametrize("preset", PRESETS)

@@ -107,7 +107,10 @@ def test_text_tower_padding_batch_invariance(clip):
                "pixel_values": batch["pixel_values"]}
         alone = relprop.explain(clip, one, target=similarity_to_image(0), method=["transformer_attribution", "lrp"])
         for f, a in zip(full, alone):
-            assert (f.scores[i, :n] - a.scores[0]).abs().max() < 1e-5, f.method
+            # the "lrp" preset's linear rule (the authors' LRP baseline) divides by x⁻W⁻ alone, which can be
+            # near 0: float32 rounding of the batch's matmuls grows to ~2e-5 of the scores' scale there
+            tol = 1e-5 if f.method != "lrp" else 1e-4 * float(a.scores.abs().max())
+            assert (f.scores[i, :n] - a.scores[0]).abs().max() < tol, f.method
             assert (f.scores[i, n:] == 0).all()
 
 

@@ -4,6 +4,10 @@ The nodes are visited in reverse topological order; each node's relevance is com
 reached, its preset's rule splits it among the node's arguments, and relevance given to constants
 is booked as absorbed, per sample. The walk records R_A at each attention map and R_h at each
 block input, and the relevance entering and leaving each block (:class:`Conservation`).
+
+An ε-rule (AttnLRP Eq. 8) passes Σ R ⊙ |z| / (|z| + ε) to its operands, not Σ R: the rest is kept by
+its stabilizer and booked as absorbed under :data:`STABILIZER`, so that the ledger closes exactly
+and a rule that loses relevance otherwise still shows as a conservation error.
 """
 from __future__ import annotations
 
@@ -24,6 +28,9 @@ from ..rules.generic import gradient_times_input
 from ..rules.stabilize import promote, relevance_dtype
 from .memory import read_after_walk
 from .trace import BlockConservation, Conservation
+
+#: the label under which the ε-rules' stabilizer's share is booked in ``Conservation.absorbed_by``
+STABILIZER = "eps stabilizer (the ε-rules' denominators z + ε·sign z)"
 
 
 def rule_finder(preset: str, unsupported: str):
@@ -192,6 +199,11 @@ class Walker:
                           batch_dim=bdim.get(node), batch_size=batch, eps=self.eps, preset=preset,
                           options=self.options)
         shares = fn(ctx, r)
+        lost = getattr(getattr(fn, "gradient_form", None), "lost", None)
+        if lost is not None and shares is not None:  # an ε-rule: book what its stabilizer keeps
+            kept = lost(node, ctx.args, ctx.out, r, self.eps)
+            if kept is not None:
+                self.absorb(STABILIZER, kept, node, None)
         del ctx, args, kw, r
         if shares is None:
             raise UnsupportedOperation(node.target, module_path(node), module_type(node), preset,

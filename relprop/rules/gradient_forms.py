@@ -206,7 +206,20 @@ def epsilon_stabilized(form: GradientForm = plain, scale: Optional[Callable] = N
                 return type(z)([stabilize(t, eps) if i == 0 else t for i, t in enumerate(z)])
             return stabilize(z, eps, scale(node, args, z) if scale is not None else 1)
         return call
+
+    def lost(node, args, out, relevance, eps):
+        """The relevance the ε-rule's stabilizer keeps from the node's inputs: R ⊙ ε / (|s z| + ε)
+        per output element (all of R where s z = 0), the amount a conservation ledger books as
+        absorbed by the stabilizer (Σ of the shares of every operand is Σ R ⊙ |s z| / (|s z| + ε))."""
+        z = out[0] if isinstance(out, (tuple, list)) else out
+        r = relevance[0] if isinstance(relevance, (tuple, list)) else relevance
+        if not torch.is_tensor(z) or not torch.is_tensor(r):
+            return None
+        den = (z * scale(node, args, z)).abs() if scale is not None else z.abs()
+        kept = torch.nan_to_num(den / (den + eps), nan=0.0)
+        return r * (1 - kept)
     stabilized.inner = form
+    stabilized.lost = lost
     return stabilized
 
 
