@@ -42,8 +42,12 @@ DEFAULT_TEXTS: List[str] = [
 #: logit scale applied to the cosine similarities (as CLIP)
 DEFAULT_SCALE = 100.0
 
-#: the explanation method the demo uses by default (see :func:`default_method`)
+#: the explanation method the demo uses by default
 DEFAULT_METHOD = "gradient_rollout"
+
+#: options the demo passes to every method that takes them: the classifier mean-pools over the tokens,
+#: so rollout-style methods read the rows of all tokens (``query="mean"``), not a [CLS] row
+OPTIONS: Dict[str, str] = {"query": "mean"}
 
 
 class DemoUnavailable(RuntimeError):

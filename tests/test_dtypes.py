@@ -1,7 +1,7 @@
 """float16 and bfloat16 models ("dtypes and devices").
 
 A half-precision model runs its forward pass in its own dtype; the rules upcast its activations and
-every relevance tensor is float32. The tolerance, documented in the README: the
+every relevance tensor is float32. The tolerance, documented in docs/performance.md: the
 Spearman rank correlation between the token scores of the half-precision model and those of the
 same model in float32 is at least 0.99 for every sample, except for the bfloat16 ViT, where it is
 at least 0.975 (measured per sample 0.980, 0.984, 0.989 with torch 2.15 / timm 1.0.31; 0.984-0.996

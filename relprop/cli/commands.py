@@ -19,7 +19,7 @@ def methods_rows() -> List[Dict]:
 
 
 def methods_markdown() -> str:
-    """The methods table as markdown (for the README)."""
+    """The methods table as markdown."""
     lines = ["| method | what it computes | class-specific | signed | reference |",
              "|---|---|---|---|---|"]
     for r in methods_rows():

@@ -235,7 +235,7 @@ def load_demo(label_names: Optional[str] = None) -> Loaded:
     except demo.DemoUnavailable as err:
         raise CliError(str(err), EXIT_MODEL) from None
     return Loaded(model, "text", DEMO_NAME, labels=dict(model.config.id2label), tokenizer=tok,
-                  options={"query": "mean"}, default_method=demo.DEFAULT_METHOD, cosine_scale=model.scale)
+                  options=dict(demo.OPTIONS), default_method=demo.DEFAULT_METHOD, cosine_scale=model.scale)
 
 
 def num_classes(loaded: Loaded) -> Optional[int]:

@@ -142,7 +142,7 @@ class Coverage:
             lines += [f"  {op} in {mod or '(top level)'}" for op, mod in seen]
             op = seen[0][0]
             lines.append(f"register one with @relprop.rule(torch.ops.{op}, preset='{self.preset}') "
-                         "(README, 'Adding a rule')")
+                         "(docs/extending.md, 'Adding a rule')")
         else:
             lines.append(f"every op on the relevance path has a rule in preset '{self.preset}'")
         return "\n".join(lines)
