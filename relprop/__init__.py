@@ -17,12 +17,13 @@ from .errors import (CaptureError, InputError, MethodError, OptionError, PresetE
 from .explanation import Explanation
 from .graph.capture import CACHE_SIZE, clear_cache
 from .rules import Preset, RuleContext, get_preset, presets, rule
+from .targets import contrast
 from .version import __version__
 
 
 __all__ = [
     # explaining
-    "explain", "coverage", "methods", "Explanation", "Conservation", "Coverage", "Trace",
+    "explain", "coverage", "methods", "contrast", "Explanation", "Conservation", "Coverage", "Trace",
     # rules and presets
     "Preset", "RuleContext", "get_preset", "presets", "rule",
     # the capture cache

@@ -25,7 +25,7 @@ from .graph.inputs import bind_inputs, primary_input
 from .methods import MethodInfo, apply
 from .rules import get_preset
 from .rules.stabilize import DEFAULT_EPS
-from .targets import next_token, resolve
+from .targets import resolve, specify
 
 #: preset of the methods that do not name their own, when explain() is given none
 DEFAULT_PRESET = "chefer2021"
@@ -66,9 +66,12 @@ def explain(model: torch.nn.Module, inputs: Any, target: Any = None, method: Any
         are the same afterwards, also when this function raises.
     inputs : what the model's forward takes: a tensor (pixels), a tuple of positional arguments,
         or a dict of tensors such as a tokenizer's output.
-    target : None (each sample's predicted class), an int, one int per sample, a callable
-        ``target(outputs) -> [batch]`` scores, or ``"next_token"`` for a language model (the
-        predicted next token's logit at the last non-padding position, :func:`relprop.targets.next_token`).
+    target : None (each sample's predicted class), an int, one int per sample, a label name from the
+        model's ``config.id2label`` (or one per sample), a callable ``target(outputs) -> [batch]`` scores,
+        or :func:`relprop.contrast` ``(a, b)`` for the difference of two classes' scores. For a language
+        model (``model.can_generate()``) targets are next tokens at the last non-padding position: None
+        or ``"next_token"`` the predicted one, an int / a one-token string (with ``tokenizer=``) a given
+        one (:func:`relprop.targets.next_token`).
     method : an explanation method (``relprop.methods()`` lists them), or a list of methods: they
         share one forward pass (and one relevance pass per preset) and a list of Explanations is
         returned. Default: the paper's Transformer Attribution (Chefer et al., CVPR 2021, Eq. 13–14).
@@ -139,7 +142,7 @@ def explain(model: torch.nn.Module, inputs: Any, target: Any = None, method: Any
     try:
         return _explain(model, prepared, target, infos, many, preset, per_method,
                         dict(eps=eps, unsupported=unsupported, memory=memory, fast_path=fast_path),
-                        (special_tokens_mask, mask_source))
+                        (special_tokens_mask, mask_source), tokenizer)
     except RelpropError:
         raise
     except Exception as e:  # noqa: BLE001 - every error that leaves explain() is a RelpropError
@@ -148,12 +151,13 @@ def explain(model: torch.nn.Module, inputs: Any, target: Any = None, method: Any
                            "please report it with the model's name and this message") from e
 
 
-def _explain(model, prepared: "Prepared", target, infos, many, preset, per_method, engine_options, special):
+def _explain(model, prepared: "Prepared", target, infos, many, preset, per_method, engine_options, special,
+             tokenizer=None):
     """The body of :func:`explain` once every argument is checked and the graph captured."""
     special_tokens_mask, mask_source = special
     fast_path = engine_options.pop("fast_path")
-    if isinstance(target, str) and target == "next_token":  # language models: see targets.next_token
-        target = next_token(prepared.kwargs.get("attention_mask"))
+    # label names, next-token targets of language models, contrasts: see targets.specify
+    target = specify(target, model, tokenizer, prepared.kwargs.get("attention_mask"))
     request = Request(prepared.captured, model, prepared.kwargs, resolve(target, prepared.batch,
                                                                           prepared.captured.primary),
                       **engine_options)

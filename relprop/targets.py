@@ -4,13 +4,16 @@
 one int per sample (a list or a tensor), or a callable ``target(outputs) -> [batch]`` returning
 any differentiable score per sample (a logit difference, a similarity, ...). For language models,
 :func:`next_token` builds the callable for the next token's logit at the last non-padding position
-(``target="next_token"`` in :func:`relprop.explain`). The relevance seed is
+(``target="next_token"`` in :func:`relprop.explain`; a language model given ``target=None`` explains
+its predicted next token the same way). :func:`contrast` makes the target ``score(a) − score(b)`` of two
+classes or tokens, and :func:`specify` turns label names and token strings into indices. The relevance
+seed is
 the gradient of the summed scores with respect to the model's outputs: for a class index that is
 exactly the one-hot vector of that class (CVPR 2021, §3.3: relevance 1 at the target logit).
 """
 from __future__ import annotations
 
-from typing import Any, Callable, NamedTuple, Optional
+from typing import Any, Callable, Dict, NamedTuple, Optional
 
 import torch
 
@@ -67,7 +70,11 @@ def logits_of(outputs: Any, wrt: Optional[str] = None) -> torch.Tensor:
 def resolve(target: Any, batch: int, wrt: Optional[str] = None) -> Target:
     """The :class:`Target` of ``explain(target=...)``: the [batch] target scores and the [batch]
     class indices (None for a callable target) as functions of the model's outputs; ``wrt`` is the
-    explained input (it decides which similarity matrix of a CLIP model holds the classes)."""
+    explained input (it decides which similarity matrix of a CLIP model holds the classes).
+    A :class:`Contrast` scores ``score(a) − score(b)`` and, like a callable, explains no single class."""
+    if isinstance(target, Contrast):
+        ta, tb = resolve(target.a, batch, wrt), resolve(target.b, batch, wrt)
+        return Target(lambda outputs: ta.score(outputs) - tb.score(outputs), lambda outputs: None)
     if callable(target) and not torch.is_tensor(target):
         def score_fn(outputs):
             s = target(outputs)
@@ -199,3 +206,126 @@ def next_token(attention_mask: Optional[torch.Tensor] = None, token: Any = None)
         return rows.gather(1, t[:, None]).squeeze(1)
 
     return score
+
+
+def predicted_next_token(attention_mask: Optional[torch.Tensor] = None) -> Callable:
+    """:func:`next_token` for the token the model predicts on the explained inputs: the argmax is taken
+    once, at the first call (the engine's forward pass on the inputs themselves), and kept, so a method
+    that runs the model again on changed inputs (integrated gradients' path, SmoothGrad's noisy copies,
+    masks) keeps scoring the same token."""
+    chosen: Dict[str, torch.Tensor] = {}
+
+    def score(outputs):
+        if "token" not in chosen:
+            logits = logits_of(outputs)
+            if logits.dim() == 3:
+                b, n, _ = logits.shape
+                pos = last_positions(attention_mask, b, n).to(logits.device)
+                chosen["token"] = logits[torch.arange(b, device=logits.device), pos].detach().argmax(-1)
+        return next_token(attention_mask, chosen.get("token"))(outputs)
+
+    return score
+
+
+class Contrast(NamedTuple):
+    """The target ``score(a) − score(b)``: what makes the model choose ``a`` over ``b`` (see :func:`contrast`)."""
+
+    a: Any
+    b: Any
+
+
+def contrast(a: Any, b: Any) -> Contrast:
+    """A contrastive target for :func:`relprop.explain`: the difference of the scores (logits) of ``a``
+    and ``b``, ``f_a(x) − f_b(x)``, explained like any other score (the relevance seed is +1 at ``a`` and
+    −1 at ``b``; CVPR 2021 §3.3 seeds the one-hot of the explained logit, this seeds its difference).
+
+    ``a`` and ``b`` are each what ``target=`` takes for the model: a class index, a label name from the
+    model's ``config.label2id``, one of those per sample; for a language model a token id or a string of
+    one token (with ``tokenizer=``), scored at the last non-padding position. A callable
+    ``outputs -> [batch]`` is accepted too. ``exp.target`` is None (no single class is explained) and
+    ``exp.target_scores`` holds the differences.
+    """
+    for name, t in (("a", a), ("b", b)):
+        if t is None or isinstance(t, (bool, Contrast)) or (isinstance(t, str) and t == "next_token"):
+            raise TargetError(f"contrast({a!r}, {b!r}): {name} must be a class or token (an index, a label name, "
+                              "one per sample, or a callable), not the predicted class")
+    return Contrast(a, b)
+
+
+def is_language_model(model: Any) -> bool:
+    """True for a HuggingFace model that generates text (``model.can_generate()``), whose logits are
+    [batch, positions, vocabulary]: its targets are read at the last non-padding position."""
+    can = getattr(model, "can_generate", None)
+    try:
+        return bool(can()) if callable(can) else False
+    except Exception:  # noqa: BLE001 - a model whose can_generate() fails is not treated as a language model
+        return False
+
+
+def label_ids(model: Any) -> Dict[str, int]:
+    """Label name (lower case) → class index, from the model's ``config.id2label`` (HuggingFace) or
+    ``pretrained_cfg["label_names"]`` (timm); empty when the model names no labels."""
+    config = getattr(model, "config", None)
+    id2label = getattr(config, "id2label", None) if config is not None else None
+    if isinstance(id2label, dict) and id2label:
+        return {str(v).lower(): int(k) for k, v in id2label.items()}
+    cfg = getattr(model, "pretrained_cfg", None)
+    names = cfg.get("label_names") if isinstance(cfg, dict) else None
+    return {str(v).lower(): i for i, v in enumerate(names)} if names else {}
+
+
+def _class_of(name: str, labels: Dict[str, int], model: Any) -> int:
+    key = name.strip().lower()
+    if key in labels:
+        return labels[key]
+    if not labels:
+        raise TargetError(f"target {name!r} is a label name but {type(model).__name__} names no labels "
+                          "(no config.id2label); pass the class index")
+    shown = ", ".join(sorted(labels, key=labels.get)[:30]) + (", ..." if len(labels) > 30 else "")
+    raise TargetError(f"target {name!r} is not a label of {type(model).__name__}; its labels are: {shown}")
+
+
+def _token_of(text: str, tokenizer: Any) -> int:
+    if tokenizer is None:
+        raise TargetError(f"target {text!r} is a string for a language model: pass tokenizer= to turn it into "
+                          "a token id, or pass the token id")
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    if len(ids) != 1:
+        raise TargetError(f"target {text!r} is {len(ids)} tokens for this tokenizer ({ids}); a next-token "
+                          "target must be one token (e.g. ' Paris' with its leading space for GPT-2)")
+    return int(ids[0])
+
+
+def specify(target: Any, model: Any, tokenizer: Any = None, attention_mask: Optional[torch.Tensor] = None) -> Any:
+    """The ``target=`` of :func:`relprop.explain` in the form :func:`resolve` takes.
+
+    Label names (a string, or one per sample) become class indices from the model's labels. For a
+    language model (:func:`is_language_model`) every target is a next token at the last non-padding
+    position of ``attention_mask``: None or ``"next_token"`` the predicted one
+    (:func:`predicted_next_token`), an int / ints / a one-token string a given one (:func:`next_token`).
+    A :class:`Contrast` is specified part by part. Anything else is returned as it is.
+    """
+    lm = is_language_model(model)
+    labels = None if lm else label_ids(model)
+
+    def one(t):
+        if isinstance(t, str) and t != "next_token":
+            return _token_of(t, tokenizer) if lm else _class_of(t, labels, model)
+        if isinstance(t, (list, tuple)) and t and all(isinstance(x, str) for x in t):
+            return [one(x) for x in t]
+        return t
+
+    if isinstance(target, Contrast):
+        a, b = one(target.a), one(target.b)
+        if lm:
+            a = a if callable(a) else next_token(attention_mask, a)
+            b = b if callable(b) else next_token(attention_mask, b)
+        return Contrast(a, b)
+    t = one(target)
+    if isinstance(t, str):  # "next_token"
+        return predicted_next_token(attention_mask) if lm else next_token(attention_mask)
+    if lm and t is None:
+        return predicted_next_token(attention_mask)
+    if lm and not callable(t) and not isinstance(t, bool):
+        return next_token(attention_mask, t)
+    return t

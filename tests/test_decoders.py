@@ -192,8 +192,8 @@ def test_next_token_target(dec):
         next_token()(torch.zeros(4, 3))
     with pytest.raises(relprop.TargetError, match="out of range"):
         next_token(x["attention_mask"], 999)(logits)
-    with pytest.raises(relprop.TargetError, match="next_token"):
-        relprop.explain(model, x)  # no class index for a language model: the error says what to pass
+    c = relprop.explain(model, x)  # target=None: a language model explains its predicted next token
+    assert torch.equal(c.scores, a.scores) and torch.equal(c.target_scores, a.target_scores)
 
 
 # --------------------------------------------------------------------------------- capture

@@ -51,8 +51,6 @@ from typing import Any, Optional, Sequence
 
 import numpy as np
 import torch
-from scipy.integrate import trapezoid as _trapezoid
-from sklearn.metrics import auc as _sk_auc
 
 from ..errors import InputError
 from . import _util
@@ -105,14 +103,16 @@ class PerturbationResult:
         """Area under the accuracy curve over ``fractions`` (trapezoid, ``sklearn.metrics.auc``)."""
         if len(self.fractions) < 2 or len(self) == 0:
             return float("nan")
-        return float(_sk_auc(self.fractions, self.accuracy))
+        from sklearn.metrics import auc  # imported when used: `relprop --help` starts without sklearn
+        return float(auc(self.fractions, self.accuracy))
 
     @property
     def per_sample_auc(self) -> np.ndarray:
         """[samples] the area of each sample's 0/1 curve (their mean is :attr:`auc`)."""
         if len(self.fractions) < 2:
             return np.full(len(self), np.nan)
-        return _trapezoid(self.per_sample_correct.astype(np.float64), self.fractions, axis=1)
+        from scipy.integrate import trapezoid  # imported when used (start-up time)
+        return trapezoid(self.per_sample_correct.astype(np.float64), self.fractions, axis=1)
 
     @property
     def probability(self) -> np.ndarray:

@@ -26,7 +26,6 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 import torch.nn.functional as F
-from sklearn.metrics import average_precision_score
 
 from ..errors import InputError
 from ..explanation import Explanation
@@ -126,6 +125,7 @@ def segmentation_scores(maps: Any, masks: Any) -> SegmentationResult:
         warnings.simplefilter("ignore", RuntimeWarning)
         miou_mean = np.nanmean(miou, axis=1)
     truth_np, flat_np = _util.to_numpy(truth), _util.to_numpy(flat).astype(np.float64)
+    from sklearn.metrics import average_precision_score  # imported when used (start-up time)
     ap = np.array([average_precision_score(truth_np[i], flat_np[i]) if truth_np[i].any() else np.nan
                    for i in range(n)], dtype=np.float64)
     return SegmentationResult(pixel_accuracy=_util.to_numpy(accuracy).astype(np.float64),

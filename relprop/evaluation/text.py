@@ -23,7 +23,6 @@ from typing import Any, Optional, Sequence
 
 import numpy as np
 import torch
-from scipy.stats import kendalltau
 
 from ..errors import InputError
 from . import _util
@@ -104,6 +103,7 @@ def kendall_tau(scores_a: Any, scores_b: Any, mask: Optional[Any] = None) -> np.
         raise InputError(f"the two score tensors differ in shape: {tuple(a.shape)} and {tuple(b.shape)}")
     if mask is None and exp_b is not None and exp_b.mask is not None:
         m = m & exp_b.mask.to(a.device)
+    from scipy.stats import kendalltau  # imported when used: `relprop --help` starts without scipy
     a_np, b_np, m_np = _util.to_numpy(a), _util.to_numpy(b), _util.to_numpy(m)
     out = np.full(a_np.shape[0], np.nan)
     for i in range(a_np.shape[0]):
