@@ -15,7 +15,7 @@ from typing import Any, Dict, List, Optional
 import torch
 
 from . import options as opt
-from . import validation
+from . import raw_inputs, validation
 from .engine import FastPathUnavailable, Request, Trace, report, run, run_fast
 from .engine.coverage import Coverage
 from .errors import RelpropError, RelpropWarning
@@ -56,16 +56,22 @@ def prepare(model: torch.nn.Module, inputs: Any, wrt: Optional[str]) -> Prepared
 def explain(model: torch.nn.Module, inputs: Any, target: Any = None, method: Any = "transformer_attribution",
             preset: Any = None, *, eps: float = DEFAULT_EPS, unsupported: str = "error",
             special_tokens_mask: Optional[torch.Tensor] = None, tokenizer: Any = None,
-            fast_path: Optional[bool] = None, memory: str = "default", wrt: Optional[str] = None, **options):
+            fast_path: Optional[bool] = None, memory: str = "default", wrt: Optional[str] = None,
+            image_processor: Any = None, **options):
     """Explain the score of class ``target`` of an unmodified ``model`` on ``inputs``.
 
     Parameters
     ----------
     model : a HuggingFace ``transformers`` or ``timm`` model (or any ``nn.Module`` that
-        ``torch.export`` can capture). It is not modified; its parameters, buffers, mode and hooks
-        are the same afterwards, also when this function raises.
+        ``torch.export`` can capture), or a HuggingFace ``pipeline`` (text or image classification:
+        its model is explained, its tokenizer / image processor prepares raw inputs). The model is not
+        modified; its parameters, buffers, mode and hooks are the same afterwards, also when this
+        function raises.
     inputs : what the model's forward takes: a tensor (pixels), a tuple of positional arguments,
-        or a dict of tensors such as a tokenizer's output.
+        or a dict of tensors such as a tokenizer's output. Also raw inputs (:mod:`relprop.raw_inputs`):
+        a string or a list of strings (with ``tokenizer=`` or a pipeline), a PIL image, an image file
+        path or a list of them (prepared by ``image_processor=``, the pipeline's, or a timm model's
+        own pretrained transform).
     target : None (each sample's predicted class), an int, one int per sample, a label name from the
         model's ``config.id2label`` (or one per sample), a callable ``target(outputs) -> [batch]`` scores,
         or :func:`relprop.contrast` ``(a, b)`` for the difference of two classes' scores. For a language
@@ -90,7 +96,9 @@ def explain(model: torch.nn.Module, inputs: Any, target: Any = None, method: Any
         model's config names (cls/sep/bos/eos/pad). Padding is always left out. ``exp.notes`` says
         which positions were left out and where that came from.
     tokenizer : the model's tokenizer, whose special ids (the unknown token excepted) mark the
-        positions to leave out of text scores (see ``special_tokens_mask``).
+        positions to leave out of text scores (see ``special_tokens_mask``); it also tokenizes raw text
+        and turns a language model's string targets into token ids.
+    image_processor : a HuggingFace image processor that prepares raw images (PIL or paths).
     fast_path : when every method only reads the input relevance (``"lrp"``) and the preset's
         rules have modified-gradient forms (``"attnlrp"``, ``"cp_lrp"``), compute it with one
         backward pass (:mod:`relprop.engine.fast_path`); the Explanation then has no per-block
@@ -122,6 +130,7 @@ def explain(model: torch.nn.Module, inputs: Any, target: Any = None, method: Any
     -------
     Explanation (or a list of them, one per method, when ``method`` is a list)
     """
+    model, inputs, tokenizer = raw_inputs.adapt(model, inputs, tokenizer, image_processor)
     infos, many = opt.check_methods(method)
     preset = opt.check_preset(preset)
     for info in infos:
