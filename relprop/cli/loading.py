@@ -27,7 +27,8 @@ class Loaded:
     preprocess: Optional[Callable] = None  # image -> [C, H, W] tensor
     mean: Any = None
     std: Any = None
-    options: dict = dataclasses.field(default_factory=dict)  # explain() options of the default method
+    options: dict = dataclasses.field(default_factory=dict)  # method options, passed to the methods taking them
+    default_options: dict = dataclasses.field(default_factory=dict)  # explain() options of the default method
     default_method: str = "transformer_attribution"
     note: str = ""
     cosine_scale: Optional[float] = None  # the demo: score = scale × cosine
@@ -235,7 +236,8 @@ def load_demo(label_names: Optional[str] = None) -> Loaded:
     except demo.DemoUnavailable as err:
         raise CliError(str(err), EXIT_MODEL) from None
     return Loaded(model, "text", DEMO_NAME, labels=dict(model.config.id2label), tokenizer=tok,
-                  options=dict(demo.OPTIONS), default_method=demo.DEFAULT_METHOD, cosine_scale=model.scale)
+                  options=dict(demo.METHOD_OPTIONS), default_options=dict(demo.OPTIONS),
+                  default_method=demo.DEFAULT_METHOD, cosine_scale=model.scale)
 
 
 def num_classes(loaded: Loaded) -> Optional[int]:
@@ -261,11 +263,19 @@ def method_options(name: str, options: dict) -> dict:
 
 
 def run_methods(loaded: Loaded, inputs, target, names: List[str]):
-    """One explain() call for all methods (they share the forward pass); options only where they apply."""
-    opts = {}
-    for n in names:
-        opts.update(method_options(n, loaded.options))
-    return explain(loaded.model, inputs, target=target, method=list(names), **opts)
+    """One explain() call for all methods (they share the forward pass); options only where they apply.
+    The default method with its own explain() options (the demo's preset) is explained in a call of its own."""
+    own = [n for n in names if n == loaded.default_method and loaded.default_options]
+    rest = [n for n in names if n not in own]
+    out = {}
+    if own:
+        out[own[0]] = explain(loaded.model, inputs, target=target, method=own[0], **loaded.default_options)
+    if rest:
+        opts = {}
+        for n in rest:
+            opts.update(method_options(n, loaded.options))
+        out.update(zip(rest, explain(loaded.model, inputs, target=target, method=list(rest), **opts)))
+    return [out[n] for n in names]
 
 
 def class_scores(model, inputs):

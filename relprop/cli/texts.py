@@ -85,11 +85,17 @@ def explain_texts(loaded: Loaded, texts: List[str], names: List[str], args, coun
                         extra=("" if loaded.cosine_scale else f", p={float(probs[j, t]):.3f}") + (
                             "" if t == pred else f" — predicted {class_label(loaded.labels, pred)}")))
                     method_exp[exp.method] = exp
+                # the per-block picture shows the quantity the method sums (R_h for LRP, ∇h ⊙ h for
+                # CAT/AttCAT); other methods' per-block terms are token-to-token matrices: no picture
+                shown = [e for e in exps if e.method in vblocks.METHOD_SOURCE]
                 try:
-                    fig = vblocks.blocks_figure(exps[0], rows[j], j, labels=loaded.labels)
-                    written.append(vimg.save_figure(fig, os.path.join(out, f"text{i + 1}_blocks.png")))
+                    if shown:
+                        e = shown[0]
+                        fig = vblocks.blocks_figure(e, rows[j], j, labels=loaded.labels,
+                                                    source=vblocks.METHOD_SOURCE[e.method])
+                        written.append(vimg.save_figure(fig, os.path.join(out, f"text{i + 1}_blocks.png")))
                 except InputError:
-                    pass  # no attention blocks recorded: no per-block picture
+                    pass  # no attention blocks recorded (the fast path): no per-block picture
     if out is not None:
         html = vtext.page_html([vtext.section_html(method_exp[n], sections[n]) for n in names if n in method_exp],
                                title=title, note=f"model: {loaded.name}")

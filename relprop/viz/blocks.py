@@ -8,6 +8,7 @@ centred on 0 shows them, red for support, blue against.
 """
 from __future__ import annotations
 
+import textwrap
 from typing import TYPE_CHECKING, Optional, Sequence, Tuple
 
 if TYPE_CHECKING:  # numpy is imported where it is used: an optional dependency (relprop[viz])
@@ -18,6 +19,11 @@ from .image import _new_figure, _ticks, clip_limits, label_name
 from .text import _is_padding, tokens_of
 
 SOURCES = ("auto", "relevance", "gradient_x_hidden")
+
+
+#: the per-block quantity that a method's scores are made of, where it is a score per token: LRP's input
+#: relevance is the relevance R_h walked through every block; CAT and AttCAT sum ∇h ⊙ h over the blocks
+METHOD_SOURCE = {"lrp": "relevance", "cat": "gradient_x_hidden", "attcat": "gradient_x_hidden"}
 
 
 def block_scores(exp, index: int = 0, source: str = "auto") -> Tuple[np.ndarray, str]:
@@ -78,8 +84,10 @@ def blocks_figure(exp, tokens: Sequence[str], index: int = 0, *, source: str = "
     head = title
     if head is None:
         cls = "" if exp.target is None else f" for {label_name(labels, int(exp.target[index]))}"
-        head = f"{what} entering each block, summed over the hidden size{cls}"
-    ax.set_title(head, fontsize=9)
+        preset = f", preset {exp.preset}" if used == "relevance" and getattr(exp, "preset", None) else ""
+        head = f"{what} entering each block, summed over the hidden size{cls} ({exp.method}{preset})"
+    width_in = fig.get_size_inches()[0]
+    ax.set_title(textwrap.fill(head, width=max(30, int(width_in * 12))), fontsize=9)  # wrapped, never clipped
     cb = fig.colorbar(im, ax=ax, fraction=0.04, pad=0.02)
     cb.set_ticks([vmin, 0.0, vmax])
     cb.set_ticklabels(_ticks([vmin, 0.0, vmax]))
