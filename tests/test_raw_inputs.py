@@ -102,3 +102,29 @@ def test_bad_raw_inputs(tmp_path):
         relprop.explain(model, str(bad))
     with pytest.raises(relprop.InputError, match="takes images"):
         relprop.explain(model, "a fine film")
+
+
+def test_overlay_array_and_word_scores(classifier, tok, picture):
+    """exp.overlay(): the uint8 picture save() draws, as an array; exp.words(): (word, score) pairs whose
+    scores are the sums of the pieces' scores, special tokens and padding left out."""
+    from relprop.viz import image as vimg
+    model = models.timm_vit_tiny()
+    exp = relprop.explain(model, [str(picture)])
+    x = relprop.raw_inputs.pixels(model, [str(picture)])
+    arr = exp.overlay(x)
+    assert arr.dtype == np.uint8 and arr.shape == (64, 64, 3)
+    values = vimg._resize(vimg.relevance_map(exp, 0), (64, 64))
+    lo, hi = vimg.clip_limits(values, False)
+    ref = vimg.blend(vimg.display_image(x), values, False, lo, hi)
+    assert np.abs(arr.astype(float) - ref * 255).max() <= 0.5 + 1e-6
+    assert relprop.viz.overlay(exp).shape == tuple(exp.map.shape[1:]) + (3,)  # the coloured map alone
+    batch = tok(["an unbelievably fine film", "ok"], padding=True, return_tensors="pt")
+    e = relprop.explain(classifier, batch, tokenizer=tok, method="input_x_gradient")
+    words = e.words(tok, batch)
+    assert [w for w, _ in words[0]] == ["an", "unbelievably", "fine", "film"] and [w for w, _ in words[1]] == ["ok"]
+    pieces = tok.convert_ids_to_tokens(batch["input_ids"][0])
+    split = tok.tokenize("unbelievably")
+    assert len(split) > 1  # the word is several pieces
+    start = pieces.index(split[0])
+    assert abs(words[0][1][1] - float(e.scores[0, start:start + len(split)].sum())) < 1e-6
+    assert e.words(tok, batch, index=1) == words[1]

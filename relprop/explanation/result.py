@@ -75,6 +75,15 @@ class Explanation:
         :func:`relprop.viz.api.save`."""
         return viz_api.save(self, path, **kwargs)
 
+    def words(self, tokenizer=None, inputs=None, index: Optional[int] = None, **kwargs):
+        """Word-level scores as ``(word, score)`` pairs (pieces merged, their scores summed), one list per
+        sample or that of ``index``; see :func:`relprop.viz.api.words`."""
+        return viz_api.words(self, tokenizer, inputs, index, **kwargs)
+
+    def overlay(self, image=None, index: int = 0, **kwargs):
+        """The overlay of sample ``index`` as an [H, W, 3] uint8 array; see :func:`relprop.viz.api.overlay`."""
+        return viz_api.overlay(self, image, index, **kwargs)
+
     def __len__(self) -> int:
         return self.scores.shape[0]
 

@@ -10,11 +10,12 @@ from .image import (DEFAULT_PERCENTILE, DIVERGING_CMAP, SEQUENTIAL_CMAP, clip_li
 from .text import (colour, merge_word_pieces, page_html, print_terminal, rich_text, sample_html, section_html,
                    text_figure, to_html, token_strings, tokens_of, top_tokens)
 from .blocks import block_scores, blocks_figure
+from .api import overlay, words
 
 __all__ = [
     "DEFAULT_PERCENTILE", "DIVERGING_CMAP", "SEQUENTIAL_CMAP", "clip_limits", "display_image", "draw_overlay",
     "grid_figure", "overlay_figure", "save_figure",
     "colour", "merge_word_pieces", "page_html", "print_terminal", "rich_text", "sample_html", "section_html",
     "text_figure", "to_html", "token_strings", "tokens_of", "top_tokens",
-    "block_scores", "blocks_figure",
+    "block_scores", "blocks_figure", "overlay", "words",
 ]

@@ -111,3 +111,38 @@ def show(exp, *, image: Any = None, tokens: Optional[Sequence] = None, tokenizer
         vtext.print_terminal(exp, rows, labels=labels, counterfactual=counterfactual, merge_words=merge_words,
                              top=top, indices=None if index is None else [index])
     return page
+
+
+def overlay(exp, image: Any = None, index: int = 0, *, mean=None, std=None, signed: Optional[bool] = None,
+            percentile: float = vimg.DEFAULT_PERCENTILE, cmap: Optional[str] = None, alpha: float = 0.5):
+    """The picture of sample ``index``'s map as an [H, W, 3] uint8 numpy array (for notebooks and logging
+    tools: ``wandb.Image(relprop.viz.overlay(exp, x))``): the same colours as :func:`save` draws (a
+    non-negative map min-max scaled into ``jet`` blended half-and-half over the image, as in Chefer et al.
+    2021, Fig. 1; a signed map in a diverging colormap centred on 0 over a grey copy), without axes or
+    colourbar. Without ``image`` the coloured map alone, at the size of ``exp.map``."""
+    import numpy as np
+    if exp.grid is None:
+        raise InputError(f"explanation '{exp.method}' has no patch grid: an overlay is for image explanations; "
+                         "for text use exp.words(tokenizer, inputs)")
+    values = vimg.relevance_map(exp, index)
+    signed = bool(exp.signed) if signed is None else signed
+    img = None
+    if image is not None:
+        img = vimg.display_image(image, mean, std)
+        values = vimg._resize(values, img.shape[:2])
+    vmin, vmax = vimg.clip_limits(values, signed, percentile)
+    rgb = vimg.blend(img, values, signed, vmin, vmax, cmap, alpha)
+    return (np.clip(rgb, 0.0, 1.0) * 255).round().astype(np.uint8)
+
+
+def words(exp, tokenizer=None, inputs=None, index: Optional[int] = None, *, tokens: Optional[Sequence] = None,
+          merge_words: bool = True):
+    """Word-level scores as ``(word, score)`` pairs: word pieces merged into words, a word's score the sum
+    of its pieces' scores (relevance is additive; CVPR 2021 scores tokens, a word is the sum of its
+    tokens), padding and special tokens left out. ``tokenizer`` and ``inputs`` (the batch explained) give
+    the token strings, or ``tokens=`` per sample. One list per sample, or that of sample ``index``."""
+    rows = _tokens(exp, tokens, tokenizer, inputs)
+    picked = range(len(exp)) if index is None else [index]
+    out = [[(t.text, t.score) for t in vtext.tokens_of(exp, i, rows[i], merge_words) if not t.special]
+           for i in picked]
+    return out if index is None else out[0]
