@@ -143,6 +143,7 @@ def explain(model: torch.nn.Module, inputs: Any, target: Any = None, method: Any
                                                         else batch_mask)
     per_method = opt.method_options(infos, options, many)
     prepared = prepare(model, inputs, wrt)
+    validation.warn_left_padding(model, prepared.kwargs)
     if special_tokens_mask is None and tokenizer is not None:
         ids = prepared.kwargs[prepared.captured.primary]
         if torch.is_tensor(ids) and not ids.is_floating_point():

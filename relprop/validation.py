@@ -11,11 +11,12 @@ The result is checked too: relprop never hands back NaN or ±inf scores (:func:`
 """
 from __future__ import annotations
 
+import warnings
 from typing import Any, Dict, Iterable
 
 import torch
 
-from .errors import CaptureError, InputError, RelpropError
+from .errors import CaptureError, InputError, RelpropError, RelpropWarning
 from .graph.state import eval_mode
 
 #: inputs that hold one row per sample and one column per token, like ``input_ids``
@@ -71,6 +72,33 @@ def check_inputs(model: torch.nn.Module, kwargs: Dict[str, Any], primary: str) -
             rows = torch.nonzero(empty).flatten().tolist()
             raise InputError(f"sample(s) {rows} have an attention mask of all zeros (only padding): there is no "
                              "token to explain; drop those rows from the batch")
+
+
+def warn_left_padding(model: torch.nn.Module, kwargs: Dict[str, Any]) -> bool:
+    """Warn (:class:`relprop.RelpropWarning`) when a causal decoder (GPT-2, LLaMA, ...: ``config.is_decoder``
+    or a model that generates) is given a left-padded batch without ``position_ids``: HuggingFace decoders
+    number positions 0..n-1 whatever the mask, so a left-padded text is not the computation it is alone and
+    its explanation is not the text's. Returns True when it warned."""
+    mask = kwargs.get("attention_mask")
+    config = getattr(model, "config", None)
+    can = getattr(model, "can_generate", None)
+    try:
+        causal = bool(getattr(config, "is_decoder", False)) or (bool(can()) if callable(can) else False)
+    except Exception:  # noqa: BLE001 - a can_generate() that fails: not known to be a decoder
+        causal = False
+    causal = causal or getattr(config, "model_type", None) in ("gpt2", "llama", "mistral", "gpt_neox", "gptj",
+                                                                 "opt", "qwen2", "phi", "gemma")
+    if not causal or not torch.is_tensor(mask) or mask.dim() != 2 or "position_ids" in kwargs:
+        return False
+    m = mask != 0
+    left = (~m[:, 0]) & m.any(1)
+    if not bool(left.any()):
+        return False
+    warnings.warn(f"{type(model).__name__}: samples {left.nonzero().flatten().tolist()} are left-padded; this "
+                  "decoder numbers positions 0..n-1 whatever the mask, so a left-padded text is not computed as it "
+                  "is alone and its explanation is not the text's. Pad on the right (tokenizer.padding_side = "
+                  "'right') or pass position_ids", RelpropWarning, stacklevel=4)
+    return True
 
 
 def _check_token_ids(name: str, ids: torch.Tensor, embeddings) -> None:

@@ -120,3 +120,23 @@ def test_language_model_token_strings():
     exp = relprop.explain(lm, x, target=contrast(" Paris", " Rome"), tokenizer=tok, method="input_x_gradient")
     assert torch.allclose(exp.target_scores, logits[torch.arange(2), last, 11] - logits[torch.arange(2), last, 13],
                           atol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["hf_gpt2_lm", "hf_gpt2_cls", "hf_llama"])
+def test_left_padded_decoder_batch_warns(name):
+    model = getattr(models, name)()
+    x = models.decoder_batch((7, 5))
+    left = {k: v.clone() for k, v in x.items()}
+    for k in left:  # move sample 1's padding to the left
+        left[k][1] = torch.roll(x[k][1], shifts=2)
+    assert left["attention_mask"][1, 0] == 0 and left["attention_mask"][1, -1] == 1
+    with pytest.warns(relprop.RelpropWarning, match=r"samples \[1\] are left-padded"):
+        relprop.explain(model, left, method="raw_attention")
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", relprop.RelpropWarning)
+        relprop.explain(model, x, method="raw_attention")  # right padding: no warning
+    bert = models.hf_bert()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", relprop.RelpropWarning)
+        relprop.explain(bert, left, method="raw_attention", special_tokens_mask=left["attention_mask"] == 0)
