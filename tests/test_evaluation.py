@@ -377,3 +377,26 @@ def test_command_as_a_subcommand_reports_bad_input(tmp_path, capsys):
                               "--method", "rollout", "--method", "lrp"])
     assert args.func is command.run and args.method == ["rollout", "lrp"]
     assert args.func(args) == 2 and "nothing.jsonl" in capsys.readouterr().err
+
+
+def test_command_agrees_with_explain(tmp_path, capsys):
+    """`relprop evaluate` takes the model names and the comma-separated methods of `relprop explain`, and a
+    model it cannot load is relprop's one-line error with exit status 3, as for explain."""
+    from relprop import cli
+    data = str(tmp_path / "texts.jsonl")
+    _write_jsonl(data)
+    model_dir = str(tmp_path / "bert")
+    models.hf_bert().save_pretrained(model_dir)
+    _tokenizer().save_pretrained(model_dir)
+    out = tmp_path / "out"
+    code = command.main([data, "--model", model_dir, "--method", "rollout,raw_attention", "--out", str(out),
+                         "--no-progress", "--no-aopc"])
+    assert code == 0
+    assert [r["method"] for r in _csv_rows(out / "results.csv")] == ["rollout", "raw_attention"]
+    capsys.readouterr()
+    for spec in ("no_such_model_xyz", str(tmp_path / "no_such_folder")):
+        assert cli.main(["evaluate", data, "--model", spec, "--out", str(tmp_path / "o2")]) == 3
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("relprop: error: ") and "Traceback" not in err[0], err
+    assert cli.main(["evaluate", data, "--model", model_dir, "--method", "rollout,nope", "--out", str(out)]) == 2
+    assert "unknown method: 'nope'" in capsys.readouterr().err

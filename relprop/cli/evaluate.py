@@ -28,6 +28,8 @@ from ..errors import RelpropError
 from ..evaluation import datasets, report, sharded
 from ..evaluation.perturbation import DEFAULT_STEPS
 from ..methods import table
+from . import loading
+from .common import EXIT_MODEL, CliError, fail, parse_methods
 
 #: the paper's Table 1–2 line-up (CVPR 2021)
 DEFAULT_METHODS = ("transformer_attribution", "rollout", "raw_attention", "attention_gradcam", "partial_lrp", "lrp")
@@ -49,11 +51,12 @@ def configure(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("data", help="a folder with images/ and masks/ (optional labels.csv), or a .jsonl file "
                                      "of {\"text\", \"label\", \"rationale\"} lines")
     parser.add_argument("--model", required=True,
-                        help="local HuggingFace model folder or hub id (image or sequence classifier), "
-                             "or timm:NAME")
+                        help="as for relprop explain: a local HuggingFace model folder, a timm model name, or a "
+                             "HuggingFace hub id in the local cache (timm:NAME also names a timm model)")
     parser.add_argument("--method", nargs="+", action="extend", default=None, metavar="NAME",
-                        help="explanation method(s) (several allowed; 'all' = every registered method). "
-                             f"Default: {' '.join(DEFAULT_METHODS)}")
+                        help="explanation method(s), comma-separated or repeated as for relprop explain "
+                             "('all' = every registered method). "
+                             f"Default: {','.join(DEFAULT_METHODS)}")
     parser.add_argument("--out", required=True, help="output folder")
     parser.add_argument("--target", choices=("predicted", "label"), default="predicted",
                         help="explain and score the predicted class (default) or the dataset's labels")
@@ -128,12 +131,20 @@ def run(args: argparse.Namespace) -> int:
         if kind == "text" and not os.path.isfile(args.data):
             raise RelpropError(f"{args.data} is neither a folder nor a file")
         timm_kwargs = json.loads(args.timm_kwargs) if args.timm_kwargs else None
-        model = load_model(args.model, kind, args.checkpoint, timm_kwargs)
+        names = [n.strip() for v in (args.method or []) for n in v.split(",") if n.strip()]
+        methods = sorted(table()) if "all" in names else (parse_methods(names, "") if names else list(DEFAULT_METHODS))
+        loaded_tokenizer = None
+        if isinstance(args.model, str) and not (args.checkpoint or timm_kwargs or args.model.startswith("timm:")):
+            loaded = loading.load_model(args.model)  # the loader of relprop explain: same names, same errors
+            model, loaded_tokenizer = loaded.model, loaded.tokenizer
+        else:
+            try:
+                model = load_model(args.model, kind, args.checkpoint, timm_kwargs)
+            except (OSError, RuntimeError, ValueError) as err:
+                raise CliError(f"cannot load model {args.model}: {str(err).strip().splitlines()[0][:300]}",
+                               EXIT_MODEL) from None
         device = sharded.device_for_rank(args.device)
         model = model.to(device)
-        methods = list(args.method or DEFAULT_METHODS)
-        if "all" in methods:
-            methods = sorted(table())
         if kind == "vision":
             size = args.image_size or datasets.model_image_size(model)
             if size is not None and len(size) == 1:
@@ -145,8 +156,9 @@ def run(args: argparse.Namespace) -> int:
             tokenizer = None
         else:
             from transformers import AutoTokenizer
-            tok_spec = args.tokenizer or (args.model if isinstance(args.model, str) else
-                                          getattr(getattr(model, "config", None), "_name_or_path", None))
+            tok_spec = args.tokenizer or loaded_tokenizer or (
+                args.model if isinstance(args.model, str) else
+                getattr(getattr(model, "config", None), "_name_or_path", None))
             if not tok_spec:
                 raise RelpropError("texts need a tokenizer: pass --tokenizer")
             tokenizer = AutoTokenizer.from_pretrained(tok_spec) if isinstance(tok_spec, str) else tok_spec
@@ -163,6 +175,9 @@ def run(args: argparse.Namespace) -> int:
         if result is None:  # another torchrun process than rank 0: rank 0 writes the report
             return 0
         paths = report.write_report(result, args.out)
+    except CliError as e:  # as relprop explain: one line, the same exit statuses (3: the model cannot be loaded)
+        fail(str(e))
+        return e.code
     except (RelpropError, OSError, json.JSONDecodeError) as e:
         print(f"relprop evaluate: error: {e}", file=sys.stderr)
         return 2
