@@ -10,7 +10,7 @@ The package is built as one-way layers (``docs/architecture.md``): ``errors`` â†
 ``cli``; this module only gathers the public names.
 """
 from . import methods
-from .api import coverage, explain
+from .api import coverage, explain, explain_settings
 from .engine import Conservation, Coverage, Trace
 from .errors import (CaptureError, InputError, MethodError, OptionError, PresetError, RelpropError, RelpropWarning,
                      TargetError, UnsupportedOperation)
@@ -22,7 +22,7 @@ from .version import __version__
 
 __all__ = [
     # explaining
-    "explain", "coverage", "methods", "Explanation", "Conservation", "Coverage", "Trace",
+    "explain", "explain_settings", "coverage", "methods", "Explanation", "Conservation", "Coverage", "Trace",
     # rules and presets
     "Preset", "RuleContext", "get_preset", "presets", "rule",
     # the capture cache

@@ -154,7 +154,8 @@ def test_discard_keeps_the_query_entry_and_drops_the_fraction(vit):
 
 
 @pytest.mark.parametrize("opts, match", [
-    (dict(head_fusion="median"), r"head_fusion='median' is not a choice. Choices: \['mean', 'max', 'min', 'gradient'\]"),
+    (dict(head_fusion="median"),
+     r"head_fusion='median' is not a choice. Choices: \['mean', 'max', 'min', 'gradient'\]"),
     (dict(layers="product"), r"Choices: \['rollout', 'sum', 'last'\]"),
     (dict(discard_ratio=1.0), r"discard_ratio=1.0 is not a choice"),
     (dict(positive="yes"), r"Choices: \[True, False\]"),
