@@ -83,7 +83,10 @@ def _after_projection(session, index: int):
         add = next((u for u in users if u.target is aten.add.Tensor), None)
         if add is not None:
             other = add.args[1] if add.args[0] is node else add.args[0]
-            ln = next((u for u in add.users if u.target is aten.layer_norm.default and u.args[0] is add), None)
+            # post-norm (BERT): the LayerNorm is the only reader of the sum, the stream goes on from its
+            # output; pre-norm (ViT): the sum is the stream itself, read by the next norm and the next residual
+            readers = list(add.users)
+            ln = readers[0] if len(readers) == 1 and readers[0].target is aten.layer_norm.default else None
             bias = linear.args[2] if len(linear.args) > 2 else None
             return add, other, ln, bias
         nxt = [u for u in users if u.target in _PASS]
