@@ -36,6 +36,7 @@ from typing import Callable, List, Optional
 import torch
 
 from ..errors import MethodError, OptionError
+from .query import query_rows, weighted_rows
 from .rollout_utils import chain, query_row, rollout_blocks, stage_transitions
 
 #: head fusions every rollout-style method takes (attention norms and value zeroing add their own default)
@@ -150,11 +151,14 @@ def combine(maps: List[torch.Tensor], agg: Aggregation, identity: bool = True,
 
 
 def aggregate(trace, name: str, agg: Aggregation, head_maps: Callable, identity: bool = True,
-              query: str = "cls", block_maps: Optional[Callable] = None, dtype=None) -> dict:
+              query: str = "cls", block_maps: Optional[Callable] = None, dtype=None,
+              heads_of: Optional[Callable] = None) -> dict:
     """Run the aggregation ``agg`` of method ``name`` on ``trace``: ``head_maps(block)`` gives a
     block's per-head maps [batch, heads, N, N] (or ``block_maps(blocks)`` the fused maps of several
     blocks at once; the matrix is cast to ``dtype`` when given); returns the method's output
-    (``tokens``, ``matrix``, ``query``)."""
+    (``tokens``, ``matrix``, ``query``, and ``heads``: the query row of each head's map at the last
+    block of the range, [batch, heads, N], from ``heads_of(block)`` or ``head_maps(block)`` after
+    the gradient weighting and the positive part; the survey's ref. [4], DINO's per-head maps)."""
     blocks = trace.blocks
     if not blocks:
         raise MethodError(f"{name} needs attention blocks, and none were found in the graph of this model. "
@@ -179,4 +183,23 @@ def aggregate(trace, name: str, agg: Aggregation, head_maps: Callable, identity:
     if dtype is not None:
         joint = joint.to(dtype)
     row, w = query_row(trace, joint, query)
-    return {"tokens": row, "matrix": joint, "query": w}
+    return {"tokens": row, "matrix": joint, "query": w, "heads": _head_rows(trace, chosen[-1], agg,
+                                                                             heads_of or head_maps, query)}
+
+
+def _head_rows(trace, block, agg: Aggregation, heads_of: Optional[Callable], query: str) -> Optional[torch.Tensor]:
+    """[batch, heads, N]: the query row of each head's map of ``block`` (None without per-head maps
+    or for window attention)."""
+    if heads_of is None or getattr(trace, "stages", None) is not None:
+        return None
+    maps = heads_of(block)
+    if maps.dim() != 4 or maps.shape[-1] != maps.shape[-2]:
+        return None
+    if agg.head_fusion == "gradient":
+        maps = block.gradient * maps
+    if agg.positive:
+        maps = maps.clamp(min=0)
+    if query == "cls":
+        return query_rows(trace, maps)
+    _, w = query_row(trace, maps.mean(1), query)
+    return weighted_rows(w, maps)

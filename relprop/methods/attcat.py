@@ -274,7 +274,8 @@ def attention_norm(trace, block: int = -1, head_fusion: str = "combined", positi
                 m = torch.where(total > 0, m / total.clamp_min(1e-30), torch.zeros_like(m))
             maps.append(m)
         return maps
-    return aggregate(trace, "attention_norm", agg, None, query=query, block_maps=block_maps)
+    return aggregate(trace, "attention_norm", agg, None, query=query, block_maps=block_maps,
+                     heads_of=lambda b: norm_map(b, per_head=True))
 
 
 @method("gradcam",
