@@ -11,6 +11,7 @@ The package is built as one-way layers (``docs/architecture.md``): ``errors`` â†
 """
 from . import methods
 from .api import coverage, explain, explain_settings
+from .actmax import visualize
 from .engine import Conservation, Coverage, Trace
 from .errors import (CaptureError, InputError, MethodError, OptionError, PresetError, RelpropError, RelpropWarning,
                      TargetError, UnsupportedOperation)
@@ -22,7 +23,8 @@ from .version import __version__
 
 __all__ = [
     # explaining
-    "explain", "explain_settings", "coverage", "methods", "Explanation", "Conservation", "Coverage", "Trace",
+    "explain", "explain_settings", "visualize", "coverage", "methods", "Explanation", "Conservation", "Coverage",
+    "Trace",
     # rules and presets
     "Preset", "RuleContext", "get_preset", "presets", "rule",
     # the capture cache
