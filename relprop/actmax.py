@@ -227,8 +227,7 @@ def visualize(model: torch.nn.Module, unit: Any, *, steps: int = 200, lr: float 
 
     gen = torch.Generator().manual_seed(int(seed))
     device = next(iter(model.parameters())).device
-    embedding = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") and \
-        not _is_vision(model) else None
+    embedding = None if _is_vision(model) else _word_embedding(model)
     if embedding is not None:
         dummy = {"input_ids": torch.zeros(1, length, dtype=torch.long, device=device),
                  "attention_mask": torch.ones(1, length, dtype=torch.long, device=device)}
@@ -291,6 +290,20 @@ def visualize(model: torch.nn.Module, unit: Any, *, steps: int = 200, lr: float 
 
 def _is_vision(model) -> bool:
     return model_image_size(model) is not None
+
+
+def _word_embedding(model):
+    """The word-embedding layer of a text model (its own ``get_input_embeddings()``, or that of the
+    first submodule that has one, e.g. a wrapped encoder); an InputError when there is none."""
+    for m in model.modules():
+        get = getattr(m, "get_input_embeddings", None)
+        if callable(get):
+            emb = get()
+            if isinstance(emb, torch.nn.Embedding):
+                return emb
+    raise InputError(f"{type(model).__name__}: neither an image size (config.image_size, patch_embed.img_size) nor "
+                     "a word embedding (get_input_embeddings) was found, so relprop cannot tell what input to "
+                     "optimize; visualize takes HuggingFace/timm image models and HuggingFace text models")
 
 
 def model_image_size(model) -> Optional[Tuple[int, int]]:

@@ -73,11 +73,12 @@ def main():
     e = relprop.explain(model, batch, method="raw_attention", tokenizer=tok, **q)
     fig = heads_figure(e, 0, tokens=tok.convert_ids_to_tokens(batch["input_ids"][0]))
     save_figure(fig, os.path.join(HERE, "heads_text.png"))
+    print(f"heads: text {tuple(e.heads.shape)}")
     vit = timm.create_model("vit_tiny_patch16_224", pretrained=False, num_classes=5, depth=2, img_size=64).eval()
     x = torch.rand(1, 3, 64, 64, generator=torch.Generator().manual_seed(0))
     e = relprop.explain(vit, x, method="raw_attention")
     save_figure(heads_figure(e, 0, image=x[0]), os.path.join(HERE, "heads_image.png"))
-    print(f"heads: text {tuple(e.heads.shape)} per-head maps drawn")
+    print(f"heads: image {tuple(e.heads.shape)}")
     # activation maximization, before/after the regularizers (random-init tiny ViT: the mechanics, not semantics)
     plain = relprop.visualize(vit, "class:1", steps=40, lr=0.1, progress=False)
     reg = relprop.visualize(vit, "class:1", steps=40, lr=0.1, jitter=4, blur=1.0, blur_every=4, tv=2.0,
@@ -100,7 +101,7 @@ def main():
           f"{reg.values[-1]:.3f}; TV {float(relprop.actmax.total_variation(plain.input)):.3f} vs "
           f"{float(relprop.actmax.total_variation(reg.input)):.3f}")
     t = relprop.visualize(model, "class:0", steps=30, lr=0.05, length=6, tokenizer=tok, progress=False)
-    print(f"visualize text (MiniLM demo, label '{model.labels[0] if hasattr(model, 'labels') else 0}'): "
+    print(f"visualize text (MiniLM demo, label '{list(demo.DEFAULT_LABELS)[0]}'): "
           f"{t.values[0]:.2f} -> {t.values[-1]:.2f}; nearest tokens {t.tokens}")
     return 0
 
