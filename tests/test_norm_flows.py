@@ -188,3 +188,21 @@ def test_norm_flow_options(vit):
         relprop.explain(model, x, method="attention_norm", block=0, end_block=1)
     info = relprop.methods()["attn_res_ln_norm"]
     assert not info["class_specific"] and "2021" in info["reference"]
+
+
+def test_layer_scale_is_a_factor_of_the_attention_part():
+    """DINOv2-style LayerScale (x + gamma * attn(norm1(x))): N[i, j] = ||gamma * sum_h A f_h(x_j) + [i == j] h_j||,
+    checked with loops on the last block's hooked values."""
+    model = models.timm_dinov2_reg4()
+    x = models.image_batch(model, batch=1, seed=3)[:, :, :56, :56]
+    e = relprop.explain(model, x, method="attn_res_ln_norm", layers="last")
+    rec = vit_blocks(model, x)[-1]
+    gamma = model.blocks[-1].ls1.gamma.detach().double()
+    f = transformed(rec, 0)
+    heads, n = len(f), len(f[0])
+    ref = torch.zeros(n, n, dtype=torch.float64)
+    for i in range(n):
+        for j in range(n):
+            u = gamma * sum(rec["A"][0, h, i, j] * f[h][j] for h in range(heads))
+            ref[i, j] = torch.linalg.norm(u + (rec["h"][0, j] if i == j else 0.0))
+    _close(e.matrix[0], ref)

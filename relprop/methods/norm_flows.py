@@ -69,13 +69,15 @@ def norm_map(b, per_head: bool = False) -> torch.Tensor:
 
 
 def _after_projection(session, index: int):
-    """(residual add node, residual operand node, layer_norm node or None, output bias node or None)
-    of block ``index``: the sum the attention output is added to, and the LayerNorm right after it
-    (post-norm), read off the captured graph; a MethodError when the graph has no such add."""
+    """(residual add node, residual operand node, layer_norm node or None, the operands of the
+    per-channel scalings on the way (LayerScale)) of block ``index``: the sum the attention output is
+    added to, and the LayerNorm right after it (post-norm), read off the captured graph; a MethodError
+    when the graph has no such add."""
     info = session.captured.analysis.blocks[index]
     weight = info.out_proj
     linear = next((u for u in (weight.users if weight is not None else ()) if u.target is aten.linear.default), None)
     node = linear
+    scales = []
     for _ in range(8):
         if node is None:
             break
@@ -87,8 +89,14 @@ def _after_projection(session, index: int):
             # output; pre-norm (ViT): the sum is the stream itself, read by the next norm and the next residual
             readers = list(add.users)
             ln = readers[0] if len(readers) == 1 and readers[0].target is aten.layer_norm.default else None
-            bias = linear.args[2] if len(linear.args) > 2 else None
-            return add, other, ln, bias
+            return add, other, ln, scales
+        mul = next((u for u in users if u.target is aten.mul.Tensor and len(users) == 1), None)
+        if mul is not None:  # LayerScale: the attention output times a per-channel parameter
+            factor = mul.args[1] if mul.args[0] is node else mul.args[0]
+            if isinstance(factor, torch.fx.Node) and factor.op in ("placeholder", "get_attr"):
+                scales.append(factor)
+                node = mul
+                continue
         nxt = [u for u in users if u.target in _PASS]
         node = nxt[0] if len(nxt) == 1 else None
     raise MethodError(f"attn_res_ln_norm needs the residual sum after the attention output projection of block "
@@ -99,8 +107,14 @@ def _after_projection(session, index: int):
 def residual_norm_map(trace, b, env: dict) -> torch.Tensor:
     """Kobayashi et al. 2021, Eq. 6–9: N[i, j] = ‖g_{z_i}(Σ_h α^h_ij f^h(x_j) + δ_ij r_j)‖ (post-norm:
     the LayerNorm after the residual sum; pre-norm: no g), [batch, N, N] in float64."""
-    add, other, ln, _ = _after_projection(trace.session, b.index)
+    add, other, ln, scales = _after_projection(trace.session, b.index)
     f = value_transforms(b).double()
+    for factor in scales:  # LayerScale γ_ls ⊙ (attention output): a per-channel factor of every f^h(x_j)
+        gamma_ls = env[factor].detach().double()
+        if gamma_ls.dim() > 1 or gamma_ls.numel() not in (1, f.shape[-1]):
+            raise MethodError(f"attn_res_ln_norm: block {b.index} scales its attention output by a tensor of shape "
+                              f"{tuple(gamma_ls.shape)}, not one factor per channel")
+        f = f * gamma_ls
     a = b.attention.double()
     r = env[other].detach().double()
     batch, heads, n, c = f.shape
