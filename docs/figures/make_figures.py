@@ -30,7 +30,9 @@ def text_rows(model, tok, rows, title, path):
     for name, method, opts in rows:
         e = relprop.explain(model, batch, method=method, tokenizer=tok, **opts)
         s = e.scores[0].double().numpy()
-        data.append(s / (np.abs(s).max() or 1.0))
+        real = e.mask[0].numpy()
+        lo, hi = s[real].min(), s[real].max()
+        data.append(np.where(real, (s - lo) / ((hi - lo) or 1.0), 0.0))  # min-max over the real tokens
         names.append(name)
         top = [tokens[i] for i in np.argsort(-s)[:3]]
         print(f"{title}: {name:<45} top tokens {top}")
