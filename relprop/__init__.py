@@ -10,7 +10,8 @@ The package is built as one-way layers (``docs/architecture.md``): ``errors`` â†
 ``cli``; this module only gathers the public names.
 """
 from . import methods
-from .api import coverage, explain
+from .api import coverage, explain, explain_settings
+from .actmax import visualize
 from .engine import Conservation, Coverage, Trace
 from .errors import (CaptureError, InputError, MethodError, OptionError, PresetError, RelpropError, RelpropWarning,
                      TargetError, UnsupportedOperation)
@@ -23,7 +24,8 @@ from .version import __version__
 
 __all__ = [
     # explaining
-    "explain", "coverage", "methods", "contrast", "Explanation", "Conservation", "Coverage", "Trace",
+    "explain", "explain_settings", "visualize", "coverage", "methods", "contrast", "Explanation", "Conservation",
+    "Coverage", "Trace",
     # rules and presets
     "Preset", "RuleContext", "get_preset", "presets", "rule",
     # the capture cache

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 
@@ -18,7 +18,7 @@ from . import options as opt
 from . import raw_inputs, validation
 from .engine import FastPathUnavailable, Request, Trace, report, run, run_fast
 from .engine.coverage import Coverage
-from .errors import RelpropError, RelpropWarning
+from .errors import MethodError, OptionError, RelpropError, RelpropWarning
 from .explanation import build, mask_from_tokenizer, split_tokenizer_keys
 from .graph.capture import CACHE, Captured
 from .graph.inputs import bind_inputs, primary_input
@@ -132,6 +132,35 @@ def explain(model: torch.nn.Module, inputs: Any, target: Any = None, method: Any
     """
     model, inputs, tokenizer = raw_inputs.adapt(model, inputs, tokenizer, image_processor)
     infos, many = opt.check_methods(method)
+    return _checked_explain(model, inputs, target, infos, many, preset, options, eps, unsupported,
+                            special_tokens_mask, tokenizer, fast_path, memory, wrt)
+
+
+def explain_settings(model: torch.nn.Module, inputs: Any, settings: Sequence[Dict[str, Any]], target: Any = None,
+                     method: str = "transformer_attribution", preset: Any = None, *, eps: float = DEFAULT_EPS,
+                     unsupported: str = "error", special_tokens_mask: Optional[torch.Tensor] = None,
+                     tokenizer: Any = None, memory: str = "default", wrt: Optional[str] = None) -> list:
+    """:func:`explain` of one ``method`` once per options dict of ``settings``, all from one
+    forward/backward pass: the per-block records of one trace serve every setting (the survey's
+    §1.4, aggregation as hyperparameters, evaluated by :func:`relprop.evaluation.tune`).
+
+    Returns one :class:`relprop.Explanation` per setting, in order; each setting's options are
+    checked as :func:`explain` checks them, all before any work.
+    """
+    infos, many = opt.check_methods(method)
+    if many:
+        raise MethodError(f"explain_settings explains one method, not {list(method)}")
+    settings = [dict(s) for s in settings]
+    if not settings:
+        raise OptionError("settings=[] names no setting; give at least one options dict ({} for the defaults)")
+    return _checked_explain(model, inputs, target, infos * len(settings), True, preset, settings, eps, unsupported,
+                            special_tokens_mask, tokenizer, None, memory, wrt)
+
+
+def _checked_explain(model, inputs, target, infos, many, preset, options, eps, unsupported, special_tokens_mask,
+                     tokenizer, fast_path, memory, wrt):
+    """The shared body of :func:`explain` and :func:`explain_settings`: ``options`` is the method
+    options (a dict), or one dict per entry of ``infos`` (settings of one method)."""
     preset = opt.check_preset(preset)
     for info in infos:
         if info.preset:
@@ -141,7 +170,11 @@ def explain(model: torch.nn.Module, inputs: Any, target: Any = None, method: Any
     mask_source = "special_tokens_mask=" if special_tokens_mask is not None else "the batch's special_tokens_mask"
     special_tokens_mask = opt.check_special_tokens_mask(special_tokens_mask if special_tokens_mask is not None
                                                         else batch_mask)
-    per_method = opt.method_options(infos, options, many)
+    if isinstance(options, dict):
+        per_method = opt.method_options(infos, options, many)
+        jobs = [(i, per_method[i.name]) for i in infos]
+    else:
+        jobs = [(i, opt.method_options([i], o, False)[i.name]) for i, o in zip(infos, options)]
     prepared = prepare(model, inputs, wrt)
     validation.warn_left_padding(model, prepared.kwargs)
     if special_tokens_mask is None and tokenizer is not None:
@@ -150,19 +183,19 @@ def explain(model: torch.nn.Module, inputs: Any, target: Any = None, method: Any
             special_tokens_mask = mask_from_tokenizer(tokenizer, ids)
             mask_source = f"tokenizer= ({type(tokenizer).__name__}'s special ids)"
     try:
-        return _explain(model, prepared, target, infos, many, preset, per_method,
+        return _explain(model, prepared, target, jobs, many, preset,
                         dict(eps=eps, unsupported=unsupported, memory=memory, fast_path=fast_path),
                         (special_tokens_mask, mask_source), tokenizer)
     except RelpropError:
         raise
     except Exception as e:  # noqa: BLE001 - every error that leaves explain() is a RelpropError
-        raise RelpropError(f"relprop could not explain {type(model).__name__} with {[i.name for i in infos]}: "
-                           f"{type(e).__name__}: {str(e).strip()[:600]}. This is relprop's failure, not yours: "
-                           "please report it with the model's name and this message") from e
+        raise RelpropError(f"relprop could not explain {type(model).__name__} with "
+                           f"{sorted({i.name for i in infos})}: {type(e).__name__}: {str(e).strip()[:600]}. This is "
+                           "relprop's failure, not yours: please report it with the model's name and this "
+                           "message") from e
 
 
-def _explain(model, prepared: "Prepared", target, infos, many, preset, per_method, engine_options, special,
-             tokenizer=None):
+def _explain(model, prepared: "Prepared", target, jobs, many, preset, engine_options, special, tokenizer=None):
     """The body of :func:`explain` once every argument is checked and the graph captured."""
     special_tokens_mask, mask_source = special
     fast_path = engine_options.pop("fast_path")
@@ -171,12 +204,12 @@ def _explain(model, prepared: "Prepared", target, infos, many, preset, per_metho
     request = Request(prepared.captured, model, prepared.kwargs, resolve(target, prepared.batch,
                                                                           prepared.captured.primary),
                       **engine_options)
-    traces = _run_engine(infos, request, preset, fast_path)
+    traces = _run_engine([i for i, _ in jobs], request, preset, fast_path)
     results = []
-    for info in infos:
+    for info, options in jobs:
         key = _preset_of(info, preset) if info.needs_relevance else next(iter(traces))
         trace = traces[key]
-        out = apply(info, trace, per_method[info.name], key, type(model).__name__)
+        out = apply(info, trace, options, key, type(model).__name__)
         results.append(build(info, key or preset, out, trace, special_tokens_mask, mask_source))
     validation.check_result(results)
     return results if many else results[0]

@@ -9,6 +9,7 @@ import torch
 from .engine import check_options as check_engine_options
 from .errors import MethodError, OptionError
 from .methods import MethodInfo, get_method
+from .methods.aggregation import HEAD_FUSIONS, LAYER_AGGREGATIONS
 from .rules import Preset, get_preset, presets
 
 #: the values of ``explain(..., fast_path=...)``
@@ -80,4 +81,45 @@ def method_options(infos: Sequence[MethodInfo], options: Dict[str, Any], many: b
         listed = "; ".join(f"{i.name}: {sorted(i.options) or 'none'}" for i in infos)
         raise MethodError(f"'{key}' is not an option of any of the methods {[i.name for i in infos]}. "
                           f"Options: {listed}")
-    return {i.name: {k: v for k, v in options.items() if k in i.options} for i in infos}
+    per_method = {i.name: {k: v for k, v in options.items() if k in i.options} for i in infos}
+    for name, opts in per_method.items():
+        check_aggregation(name, opts)
+    return per_method
+
+
+#: head fusions of the methods whose heads are not fused by a mean of maps (see their docstrings)
+_OWN_FUSIONS = {"attention_norm": ("combined",) + HEAD_FUSIONS, "attn_res_ln_norm": ("combined",),
+                "value_zeroing": ("all",)}
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def check_aggregation(method: str, options: Dict[str, Any]) -> None:
+    """The aggregation options of a rollout-style method (:mod:`relprop.methods.aggregation`):
+    an :class:`OptionError` naming the valid choices for a value it does not take. The block range
+    is checked against the model's blocks when the method runs."""
+    def bad(key, why):
+        raise OptionError(f"{method}: {key}={options[key]!r} is not a choice. {why}")
+    if "head_fusion" in options:
+        fusions = _OWN_FUSIONS.get(method, HEAD_FUSIONS)
+        if options["head_fusion"] not in fusions:
+            bad("head_fusion", f"Choices: {list(fusions)}")
+    if "layers" in options and options["layers"] not in LAYER_AGGREGATIONS:
+        bad("layers", f"Choices: {list(LAYER_AGGREGATIONS)}")
+    for key in ("positive", "normalize_rows"):
+        if key in options and not isinstance(options[key], bool):
+            bad(key, "Choices: [True, False]")
+    if "discard_ratio" in options:
+        r = options["discard_ratio"]
+        if isinstance(r, bool) or not isinstance(r, (int, float)) or not 0 <= r < 1:
+            bad("discard_ratio", "Choices: a number in [0, 1) (the fraction of each fused map set to 0)")
+    if "last_k" in options and (not _is_int(options["last_k"]) or options["last_k"] < 1):
+        bad("last_k", "Choices: an int >= 1 (how many blocks, from the end of the range, layers='last' averages)")
+    for key in ("start_block", "end_block", "block"):
+        if key in options and not _is_int(options[key]) and not (key == "end_block" and options[key] is None):
+            bad(key, "Choices: an int (blocks counted from the input, 0-based; negative values count from the output)"
+                + ("; or None (through the last block)" if key == "end_block" else ""))
+    if "query" in options and options["query"] not in ("cls", "mean"):
+        bad("query", "Choices: ['cls', 'mean']")

@@ -33,7 +33,7 @@ LAYERS: List[Tuple[str, Tuple[str, ...]]] = [
     ("viz", ("relprop.viz", "relprop.viz_api")),
     ("explanation", ("relprop.explanation",)),
     ("api", ("relprop.api", "relprop.validation", "relprop.options", "relprop.raw_inputs")),
-    ("evaluation", ("relprop.evaluation", "relprop.demo")),
+    ("evaluation", ("relprop.evaluation", "relprop.demo", "relprop.actmax")),
     ("cli", ("relprop.cli", "relprop.__main__")),
     ("package", ("relprop",)),  # relprop/__init__.py: the public surface re-exports every layer
 ]

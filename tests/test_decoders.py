@@ -68,10 +68,10 @@ def test_conservation_bias_free(dec, name):
 def test_every_applicable_method_runs(dec, name):
     """All methods but the vision-only one run on a padded batch: finite scores, zero on padding.
     GPT-2's attention output projection is a Conv1D (addmm), which attention_norm does not read:
-    it says so and names the methods that apply."""
+    it says so and names the methods that apply (attn_res_ln_norm reads the same projection)."""
     model = dec(name)
     x = models.decoder_batch()
-    skip = {"vit_cx"} | ({"attention_norm"} if "gpt2" in name else set())
+    skip = {"vit_cx"} | ({"attention_norm", "attn_res_ln_norm"} if "gpt2" in name else set())
     names = [m for m in relprop.methods() if m not in skip]
     exps = relprop.explain(model, x, target=_target(name, x), method=names, n_samples=2, n_steps=2)
     for e in exps:

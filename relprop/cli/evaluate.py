@@ -3,13 +3,15 @@
 ::
 
     relprop evaluate DATA --model MODEL [--method M ...] --out DIR
+    relprop evaluate DATA --model MODEL --method rollout --grid head_fusion=mean,max start_block=0,4 --out DIR
 
 DATA is a folder of images with masks (``images/*.png|jpg``, ``masks/<same stem>.png``, optional
 ``labels.csv``) or a JSONL file of texts with rationales (``{"text": ..., "label": int,
 "rationale": [...]}``); see :mod:`relprop.evaluation.datasets` for the formats. MODEL is a local
 HuggingFace folder (or hub id) of an image or sequence classifier, or ``timm:NAME`` (with
 ``--checkpoint`` for the weights). DIR receives ``results.md``, ``results.csv`` (one row per
-method), ``curves.csv`` and ``perturbation.png``.
+method), ``curves.csv`` and ``perturbation.png``; with ``--grid`` (one method), the settings ranked by
+``--metric`` (:func:`relprop.evaluation.tune`) into ``tune.md`` and ``tune.csv``.
 
 :func:`add_parser` registers it on ``relprop``'s command line (it sets ``func=run``);
 ``python -m relprop.cli.evaluate`` runs it standalone.
@@ -17,6 +19,7 @@ method), ``curves.csv`` and ``perturbation.png``.
 from __future__ import annotations
 
 import argparse
+import csv
 import json
 import os
 import sys
@@ -27,6 +30,7 @@ import torch
 from ..errors import RelpropError
 from ..evaluation import datasets, report, sharded
 from ..evaluation.perturbation import DEFAULT_STEPS
+from ..evaluation.tune import tune
 from ..methods import table
 from . import loading
 from .common import EXIT_MODEL, CliError, fail, parse_methods
@@ -70,6 +74,13 @@ def configure(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--preset", default=None,
                         help="relevance preset for every method (default: each method's own, else chefer2021)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument("--grid", nargs="+", default=None, metavar="OPTION=V1,V2",
+                        help="tune one --method: evaluate every combination of these option values with --metric and "
+                             "rank them, best first (e.g. --grid head_fusion=mean,max start_block=0,4); writes "
+                             "tune.md and tune.csv")
+    parser.add_argument("--metric", default=None,
+                        help="the metric --grid ranks by: positive_auc (default for images), negative_auc, miou, "
+                             "aopc (default for texts), log_odds, token_f1")
     img = parser.add_argument_group("images")
     img.add_argument("--unit", choices=("pixel", "patch"), default="pixel",
                      help="remove pixels of the upsampled map (default) or whole patches")
@@ -165,6 +176,16 @@ def run(args: argparse.Namespace) -> int:
             data = datasets.RationaleJSONL(args.data, tokenizer, max_length=args.max_length, limit=args.limit)
         removal = int(args.removal) if str(args.removal).lstrip("-").isdigit() else args.removal
         baseline = None if args.baseline is None else (args.baseline[0] if len(args.baseline) == 1 else args.baseline)
+        if args.grid:
+            if len(methods) != 1:
+                raise RelpropError(f"--grid tunes one method; got --method {' '.join(methods)}")
+            metric = args.metric or ("positive_auc" if kind == "vision" else "aopc")
+            result = tune(model, data, methods[0], parse_grid(args.grid), metric=metric, target=args.target,
+                          batch_size=args.batch_size, steps=args.steps or DEFAULT_STEPS, baseline=baseline,
+                          unit=args.unit, removal=removal, tokenizer=tokenizer,
+                          perturbation_batch_size=args.perturbation_batch_size, rationale_k=args.k,
+                          progress=not args.no_progress, preset=args.preset)
+            return _write_tune(result, args.out)
         # batch by batch, resumable from --out, shared among the processes of torchrun
         settings = {k: v for k, v in vars(args).items() if k not in ("func", "out", "no_progress", "device")}
         result = sharded.evaluate_resumable(
@@ -183,6 +204,48 @@ def run(args: argparse.Namespace) -> int:
         return 2
     print(report.to_markdown_table(result))
     print("\nwrote " + ", ".join(paths.values()))
+    return 0
+
+
+def parse_grid(items: Sequence[str]) -> dict:
+    """``["head_fusion=mean,max", "start_block=0,4"]`` -> ``{"head_fusion": ["mean", "max"],
+    "start_block": [0, 4]}`` (ints, floats, true/false and none are converted)."""
+    grid = {}
+    for item in items:
+        key, sep, values = item.partition("=")
+        if not sep or not key or not values:
+            raise RelpropError(f"--grid {item!r}: write OPTION=VALUE1,VALUE2,... (e.g. head_fusion=mean,max)")
+        grid[key.replace("-", "_")] = [_value(v) for v in values.split(",")]
+    return grid
+
+
+def _value(text: str) -> Any:
+    low = text.strip().lower()
+    if low in ("true", "false"):
+        return low == "true"
+    if low == "none":
+        return None
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text.strip()
+
+
+def _write_tune(result, out: str) -> int:
+    os.makedirs(out, exist_ok=True)
+    table_md = result.to_markdown()
+    with open(os.path.join(out, "tune.md"), "w") as f:
+        f.write(f"# tune: {result.method}, {result.metric} ({'higher' if result.higher_is_better else 'lower'} "
+                f"is better)\n\n{table_md}\n\nbest: {result.best}\n")
+    keys = list(result.rows[0])
+    with open(os.path.join(out, "tune.csv"), "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=keys)
+        writer.writeheader()
+        writer.writerows(result.rows)
+    print(table_md)
+    print(f"\nbest: {result.best}\nwrote {os.path.join(out, 'tune.md')}, {os.path.join(out, 'tune.csv')}")
     return 0
 
 

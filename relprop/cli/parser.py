@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import argparse
 
-from . import evaluate
+from . import evaluate, visualize
 from .commands import cmd_demo, cmd_explain, cmd_methods
 from .common import EPILOG, Parser
 
@@ -13,7 +13,7 @@ def build_parser() -> argparse.ArgumentParser:
                                             "and the methods it is compared with).", epilog=EPILOG,
                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--version", action="store_true", help="print the version and exit")
-    sub = p.add_subparsers(dest="command", parser_class=Parser, metavar="{explain,methods,demo,evaluate}")
+    sub = p.add_subparsers(dest="command", parser_class=Parser, metavar="{explain,methods,demo,evaluate,visualize}")
 
     m = sub.add_parser("methods", help="print the table of explanation methods",
                        description="Print every explanation method with what it computes.")
@@ -71,4 +71,5 @@ def build_parser() -> argparse.ArgumentParser:
                         "technology, health, entertainment, food, weather)")
     d.set_defaults(func=cmd_demo)
     evaluate.add_parser(sub)
+    visualize.add_parser(sub)
     return p

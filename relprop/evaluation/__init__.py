@@ -15,6 +15,7 @@ module                 what it measures
 ``report``             markdown and CSV tables, a plot of the perturbation curves
 ``config``             :class:`EvaluationConfig`: every setting of :func:`evaluate`, validated
 ``removal``            what removing a pixel, patch or token means in the perturbation tests
+``tune``               :func:`tune`: aggregation options as hyperparameters, ranked on held-out data
 ``sharded``            :func:`evaluate` batch by batch, resumable, shared among torchrun processes
 =====================  ================================================================================
 
@@ -36,11 +37,13 @@ from .report import (plot_perturbation, summary_rows, to_markdown, to_markdown_t
 from .runner import (EvaluationResult, TextScores, evaluate, evaluate_perturbation, evaluate_segmentation,
                      evaluate_text)
 from .segmentation import SegmentationResult, segmentation_scores
+from .tune import METRICS, TuneResult, grid_settings, tune
 from .text import AOPC_STEPS, FaithfulnessResult, aopc, kendall_tau, log_odds, precision_at_k, token_f1, top_k
 
 __all__ = [
     "AOPC_STEPS", "ConservationReport", "ConservationRow", "DEFAULT_STEPS", "EvaluationConfig", "EvaluationResult",
-    "FaithfulnessResult", "ImageMaskFolder", "PerturbationResult", "RationaleJSONL", "SegmentationResult",
+    "FaithfulnessResult", "METRICS", "TuneResult", "grid_settings", "tune",
+    "ImageMaskFolder", "PerturbationResult", "RationaleJSONL", "SegmentationResult",
     "TextScores", "aopc", "conservation_report", "evaluate", "evaluate_perturbation", "evaluate_segmentation",
     "evaluate_text", "kendall_tau", "load_dataset", "log_odds", "model_image_size", "model_normalization",
     "perturbation_curve", "plot_perturbation", "precision_at_k", "rationale_spans", "removal_ranks",

@@ -49,13 +49,26 @@ def build(info, preset: Optional[str], result: dict, trace, special_tokens_mask=
         notes.append(why)
         mask = ~special
         scores = torch.where(mask, scores, torch.zeros((), dtype=scores.dtype, device=scores.device))
+    heads = _heads_on_positions(result.get("heads"), trace, info.name, mask, pixels is not None)
     return Explanation(method=info.name, scores=scores, map=smap, mask=mask, matrix=result.get("matrix"),
-                       query=result.get("query"),
+                       query=result.get("query"), heads=heads,
                        blocks=trace.blocks, target=trace.target, target_scores=trace.target_scores,
                        conservation=trace.conservation, input_relevance=trace.input_relevance,
                        logits=trace.logits, preset=preset if info.needs_relevance else None,
                        modality=trace.modality, grid=trace.grid, prefix_tokens=prefix, outputs=trace.outputs,
                        signed=info.signed, class_specific=info.class_specific, notes=notes)
+
+
+def _heads_on_positions(heads, trace, method: str, mask, pixels: bool):
+    """[batch, heads, positions]: each head's query row placed like the scores (images: the patch
+    grid, class/distillation tokens left out; text: padding and special tokens set to 0)."""
+    if heads is None or pixels:
+        return None
+    if trace.modality == "vision" and trace.grid is not None:
+        return torch.stack([on_grid(heads[:, h], trace, method)[0] for h in range(heads.shape[1])], 1)
+    if mask is not None and tuple(mask.shape) == (heads.shape[0], heads.shape[-1]):
+        return torch.where(mask[:, None, :], heads, torch.zeros((), dtype=heads.dtype, device=heads.device))
+    return heads
 
 
 def on_grid(tokens: torch.Tensor, trace, method: str):

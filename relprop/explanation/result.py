@@ -40,6 +40,12 @@ class Explanation:
     input_relevance : relevance at the input (pixels [batch, C, H, W]; tokens [batch, positions],
         the token embeddings' relevance summed over the embedding size).
     logits : [batch, classes] the model's output scores (if it has them).
+    heads : [batch, heads, positions] (methods that fuse attention heads: raw_attention, rollout,
+        gradient_rollout, transformer_attribution, attention_norm) each head's map, before the head
+        fusion, of the query row at the last block of the method's block range (choose the block
+        with ``end_block=b + 1``), placed like ``scores``; the per-head maps of DINO (Caron et al.,
+        ICCV 2021, Fig. 3), drawn one panel per head by :func:`relprop.viz.heads_figure`. None for
+        the other methods.
     notes : what relprop decided for this explanation and why, in words (e.g. why the one-backward
         fast path was not taken, or a fallback of the memory mode).
     """
@@ -64,6 +70,7 @@ class Explanation:
     class_specific: bool = True
     notes: List[str] = dataclasses.field(default_factory=list)
     query: Optional[torch.Tensor] = None
+    heads: Optional[torch.Tensor] = None
 
     def show(self, **kwargs):
         """Display the explanation (image overlay, or coloured tokens/HTML in a notebook); see

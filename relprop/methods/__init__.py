@@ -9,6 +9,8 @@ module                     methods
 ``attcat``                 cat, attcat, grads, attgrads (AttCAT paper); attention_norm; gradcam
 ``gradients``              input_x_gradient, smoothgrad, integrated_gradients
 ``perturbation``           value_zeroing, vit_cx
+``norm_flows``             attn_res_ln_norm (Kobayashi et al. 2021); the norms of attention_norm
+``aggregation``            head fusion, block range, layer aggregation of the rollout-style methods
 =========================  ============================================================
 
 A method is ``fn(trace, **options) -> dict`` with ``"tokens"`` ([batch, tokens]: every token of the
@@ -23,12 +25,12 @@ import sys
 import types
 
 # the method modules register their methods when imported, in the order relprop.methods() lists them
-from . import transformer_attribution, attention_baselines, attcat, gradients, perturbation
+from . import transformer_attribution, attention_baselines, attcat, gradients, perturbation, norm_flows
 from .apply import apply
 from .registry import MethodInfo, all_methods, get_method, method, table
 
 __all__ = ["MethodInfo", "all_methods", "apply", "get_method", "method", "table",
-           "attcat", "attention_baselines", "gradients", "perturbation", "transformer_attribution"]
+           "attcat", "attention_baselines", "norm_flows", "gradients", "perturbation", "transformer_attribution"]
 
 
 class _CallableModule(types.ModuleType):

@@ -36,9 +36,13 @@ padded batch explains exactly like each text alone.
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
-from ..errors import MethodError
+from ..errors import MethodError, OptionError
+from .aggregation import Aggregation, aggregate, fuse_heads
+from .norm_flows import norm_map
 from .registry import method
 from .layout import patch_tokens
 from .query import query_rows, query_vector
@@ -228,8 +232,10 @@ def attgrads(trace, token_scores: str = "rows"):
         reference="Kobayashi et al., 'Attention is not only a weight' (EMNLP 2020): "
                   "||Σ_h α_ij f_h(x_j)||; survey §1.5",
         needs_relevance=False)
-def attention_norm(trace, block: int = -1):
-    """Norm-based attention analysis (Kobayashi et al. 2020, the survey's §1.5)::
+def attention_norm(trace, block: int = -1, head_fusion: str = "combined", positive: bool = False,
+                   discard_ratio: float = 0.0, start_block: int = 0, end_block: Optional[int] = None,
+                   layers: str = "last", last_k: int = 1, normalize_rows: bool = True, query: str = "cls"):
+    """Norm-based attention analysis (Kobayashi et al. 2020, Eq. 5–6; the survey's §1.5)::
 
         N[i, j] = ‖ Σ_h A[h, i, j] · f^h(x_j) ‖₂,   f^h(x_j) = W_O^h v^h_j
 
@@ -238,32 +244,38 @@ def attention_norm(trace, block: int = -1):
     vector: it does not depend on j). Token scores = the class token's row N[0, j]; ``matrix`` = N.
     Class-agnostic (no gradient), ≥ 0.
 
+    Aggregated over heads and blocks as the survey's §1.5 says ("we can aggregate over heads and
+    layers as we did in 1.3"), with the options of :mod:`relprop.methods.aggregation`:
+    ``head_fusion="combined"`` (default) is the norm of the sum over the heads above; ``"mean"``,
+    ``"max"``, ``"min"``, ``"gradient"`` fuse the per-head norms N^h[i, j] = ‖A[h, i, j] f^h(x_j)‖.
+    With ``layers="rollout"`` each block's N is first divided by its row sums (a row-stochastic map
+    like A) and then rolled out as attention rollout (Eq. 16: rows of I + N̂_b normalized with
+    ``normalize_rows``, the default).
+
     Parameters
     ----------
-    block : which block (counted from the input; default -1, the block next to the output).
+    block : which block (counted from the input; default -1, the block next to the output): the
+        last block of the range (same as ``end_block=block + 1``).
     """
     blocks = _blocks(trace, "attention_norm")
-    b = _pick(blocks, block, "attention_norm")
-    if b.value is None or b.out_proj_weight is None:
-        missing = "attention output projection W_O" if b.out_proj_weight is None else "attention values V"
-        raise MethodError(f"attention_norm needs the {missing} of block {b.index} ('{b.name}'), and none was "
-                          "recognized in this model's graph (a linear layer applied to the concatenated heads). "
-                          "Methods that apply with the attention maps alone: raw_attention, rollout, grads, "
-                          "attgrads, attention_gradcam, gradient_rollout, transformer_attribution.")
-    a, v, w = b.attention, b.value, b.out_proj_weight  # [B,H,N,N], [B,H,N,d], [C, H*d]
-    batch, heads, n, _ = a.shape
-    d = v.shape[-1]
-    if w.shape[-1] != heads * d:
-        raise MethodError(f"attention_norm: the output projection of block {b.index} takes {w.shape[-1]} inputs, "
-                          f"not heads x head size = {heads} x {d}")
-    f = torch.einsum("bhjd,chd->bhjc", v, w.reshape(w.shape[0], heads, d))  # f^h(x_j) [B,H,N,C]
-    out = torch.empty(batch, n, n, dtype=f.dtype, device=f.device)
-    step = max(1, (1 << 24) // max(1, batch * n * f.shape[-1]))  # query rows per chunk: bounded memory
-    for i0 in range(0, n, step):
-        mixed = torch.einsum("bhij,bhjc->bijc", a[:, :, i0:i0 + step], f)
-        out[:, i0:i0 + step] = torch.linalg.vector_norm(mixed, dim=-1)
-    return {"tokens": query_rows(trace, out), "matrix": out,
-            "query": query_vector(trace, out.shape[-2], out.device)}
+    if block != -1:
+        if end_block is not None:
+            raise OptionError("attention_norm: give block= or end_block=, not both (block=b is end_block=b+1)")
+        end_block = _pick(blocks, block, "attention_norm").index + 1
+    agg = Aggregation("mean" if head_fusion == "combined" else head_fusion, positive, discard_ratio, start_block,
+                      end_block, layers, last_k, normalize_rows)
+
+    def block_maps(chosen):
+        maps = []
+        for b in chosen:
+            m = norm_map(b) if head_fusion == "combined" else fuse_heads(norm_map(b, per_head=True), b.gradient, agg)
+            if layers == "rollout":
+                total = m.sum(-1, keepdim=True)
+                m = torch.where(total > 0, m / total.clamp_min(1e-30), torch.zeros_like(m))
+            maps.append(m)
+        return maps
+    return aggregate(trace, "attention_norm", agg, None, query=query, block_maps=block_maps,
+                     heads_of=lambda b: norm_map(b, per_head=True))
 
 
 @method("gradcam",

@@ -22,9 +22,12 @@ method                   definition
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from ..errors import MethodError
+from .aggregation import Aggregation, aggregate
 from .registry import method
 from .layout import patch_tokens
 from .query import query_rows, query_vector
@@ -186,12 +189,19 @@ def partial_lrp(trace):
         description="attention of the block next to the output, averaged over heads (class-agnostic)",
         class_specific=False, signed=False, reference="Chefer et al., CVPR 2021, §4 (raw attention)",
         needs_relevance=False)
-def raw_attention(trace):
-    """Raw attention (CVPR 2021, §4): E_h A of the block next to the output;
+def raw_attention(trace, head_fusion: str = "mean", positive: bool = False, discard_ratio: float = 0.0,
+                  start_block: int = 0, end_block: Optional[int] = None, layers: str = "last", last_k: int = 1,
+                  normalize_rows: bool = False, query: str = "cls"):
+    """Raw attention (CVPR 2021, §4; the survey's §1.1): E_h A of the block next to the output;
     scores = its classification-token row. Class-agnostic.
+
+    The aggregation options of :mod:`relprop.methods.aggregation` (survey §1.4) apply to the
+    per-head maps A_b,h; the defaults (``layers="last"``, ``last_k=1`` over every block: the block
+    next to the output alone, E_h, no positive part, nothing discarded) are raw attention.
+    ``layers="rollout"`` with ``normalize_rows=True`` is attention rollout.
     """
-    m = head_mean(_blocks(trace, "raw_attention")[-1].attention)
-    return _with_query(trace, m)
+    agg = Aggregation(head_fusion, positive, discard_ratio, start_block, end_block, layers, last_k, normalize_rows)
+    return aggregate(trace, "raw_attention", agg, lambda b: b.attention, query=query)
 
 
 @method("rollout",
@@ -199,26 +209,27 @@ def raw_attention(trace):
                     "blocks (class-agnostic)",
         class_specific=False, signed=False, reference="Abnar & Zuidema, 2020; Chefer et al., CVPR 2021, Eq. 15-16",
         needs_relevance=False)
-def rollout(trace, start_block: int = 0, normalize_rows: bool = True, query: str = "cls"):
+def rollout(trace, start_block: int = 0, normalize_rows: bool = True, query: str = "cls",
+            end_block: Optional[int] = None, head_fusion: str = "mean", positive: bool = False,
+            discard_ratio: float = 0.0, layers: str = "rollout", last_k: int = 1):
     """Attention rollout (Abnar & Zuidema 2020; CVPR 2021 Eq. 15–16): Â_b = I + E_h A_b, each
     row divided by its sum, rollout = Â_1 · … · Â_B (paper numbering: output side first);
     scores = the classification token's row. Class-agnostic.
 
     Parameters
     ----------
-    start_block : first block (counted from the input, 0-based) in the product; default 0 (every
-        block, Eq. 16).
+    start_block : first block (counted from the input, 0-based; negative: from the output) in the
+        product; default 0 (every block, Eq. 16).
     normalize_rows : divide each I + E_h A_b by its row sums (default on: Abnar & Zuidema, and the
         authors' code for both ViT and BERT — ``compute_rollout_attention`` in
         ``ViT_explanation_generator.py`` and, since their commit 7cf1edb of February 2021, in
         ``BERT_explainability/modules/BERT/ExplanationGenerator.py``).
+    end_block, head_fusion, positive, discard_ratio, layers, last_k : the aggregation
+        hyperparameters of :mod:`relprop.methods.aggregation` (survey §1.4); the defaults are
+        Eq. 15–16 (``head_fusion="max"`` with ``discard_ratio=0.9`` is the common "max fusion").
     """
-    blocks = _blocks(trace, "rollout")
-    _check_start(start_block, blocks, "rollout")
-    joint = chain([head_mean(b.attention) for b in rollout_blocks(trace, "rollout", start_block)],
-                  normalize_rows=normalize_rows, transitions=stage_transitions(trace, start_block))
-    row, w = query_row(trace, joint, query)
-    return {"tokens": row, "matrix": joint, "query": w}
+    agg = Aggregation(head_fusion, positive, discard_ratio, start_block, end_block, layers, last_k, normalize_rows)
+    return aggregate(trace, "rollout", agg, lambda b: b.attention, query=query)
 
 
 def _key_columns(trace, n: int, device) -> torch.Tensor:
@@ -272,15 +283,16 @@ def attention_gradcam(trace):
         class_specific=True, signed=False, reference="Chefer et al., ICCV 2021 (Generic attention-model "
                                                      "explainability), Eq. 5-6",
         needs_relevance=False)
-def gradient_rollout(trace, query: str = "cls"):
+def gradient_rollout(trace, query: str = "cls", head_fusion: str = "mean", positive: bool = True,
+                     discard_ratio: float = 0.0, start_block: int = 0, end_block: Optional[int] = None,
+                     layers: str = "rollout", last_k: int = 1, normalize_rows: bool = False):
     """Chefer, Gur & Wolf, ICCV 2021 ("Generic Attention-model Explainability"), self-attention
     rules: R = I; for every block from the input to the output, Ā = E_h[(∇A ⊙ A)⁺] (Eq. 5) and
     R ← R + Ā · R (Eq. 6); scores = the classification token's row of R. Needs only gradients.
 
-    ``query="mean"`` reads the mean of the real tokens' rows instead (mean-pooled models).
+    ``query="mean"`` reads the mean of the real tokens' rows instead (mean-pooled models). The
+    aggregation options of :mod:`relprop.methods.aggregation` (survey §1.3–1.4) apply to the
+    per-head maps ∇A_b,h ⊙ A_b,h; the defaults are Eq. 5–6.
     """
-    _blocks(trace, "gradient_rollout")
-    joint = chain([head_mean((b.gradient * b.attention).clamp(min=0))
-                   for b in rollout_blocks(trace, "gradient_rollout")], transitions=stage_transitions(trace))
-    row, w = query_row(trace, joint, query)
-    return {"tokens": row, "matrix": joint, "query": w}
+    agg = Aggregation(head_fusion, positive, discard_ratio, start_block, end_block, layers, last_k, normalize_rows)
+    return aggregate(trace, "gradient_rollout", agg, lambda b: b.gradient * b.attention, query=query)

@@ -19,17 +19,16 @@ images through ``Session.target_scores``.
 """
 from __future__ import annotations
 
-from typing import List, Union
+from typing import List, Optional, Union
 
 import torch
 import torch.nn.functional as F
 
-from ..errors import MethodError
+from ..errors import MethodError, OptionError
+from .aggregation import Aggregation, aggregate
 from .gradients import Reruns
 from .layout import grid_tokens
 from .progress import progress_bar
-from .query import query_rows, query_vector
-from .rollout_utils import rollout_blocks
 from .registry import method
 
 
@@ -52,7 +51,9 @@ def cosine_distance(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         class_specific=False, signed=False,
         reference="Mohebbi et al., EACL 2023, 'Quantifying Context Mixing in Transformers', §3 (Value Zeroing)",
         needs_relevance=False)
-def value_zeroing(trace):
+def value_zeroing(trace, head_fusion: str = "all", positive: bool = False, discard_ratio: float = 0.0,
+                  start_block: int = 0, end_block: Optional[int] = None, layers: str = "rollout", last_k: int = 1,
+                  query: str = "cls"):
     """Value Zeroing (Mohebbi et al., EACL 2023, §3).
 
     For every block b and token j, block b is re-evaluated on its original input with the value
@@ -84,17 +85,26 @@ def value_zeroing(trace):
         raise MethodError("value_zeroing needs attention blocks, and none were found in the graph of this model. "
                           "Methods that apply without attention: lrp, input_x_gradient, smoothgrad, "
                           "integrated_gradients.")
-    rollout_blocks(trace, "value_zeroing")
     if any(b.value is None for b in blocks):
         raise MethodError("value_zeroing needs the value vectors V of every attention block (the right operand "
                           "of A @ V), which were not found in this model's graph. Use rollout or "
                           "transformer_attribution instead.")
+    if head_fusion != "all":
+        raise OptionError(f"value_zeroing: head_fusion={head_fusion!r} is not a choice. Choices: ['all'] (the "
+                          "values of a token are zeroed in every head at once)")
+    agg = Aggregation("mean", positive, discard_ratio, start_block, end_block, layers, last_k, False)
+    return aggregate(trace, "value_zeroing", agg, None, identity=False, query=query,
+                     block_maps=lambda chosen: _vz_maps(trace, chosen), dtype=torch.float32)
+
+
+def _vz_maps(trace, chosen) -> List[torch.Tensor]:
+    """VZ_b of every chosen block: [batch, tokens, tokens] float64, rows normalized to sum 1."""
     session = trace.session
     env = session.base_env()
-    joint = None
-    n = blocks[0].attention.shape[-1]
-    with progress_bar(len(blocks) * n, "value_zeroing") as bar:
-        for blk in blocks:
+    maps = []
+    n = chosen[0].attention.shape[-1]
+    with progress_bar(len(chosen) * n, "value_zeroing") as bar:
+        for blk in chosen:
             v = blk.value  # [batch, heads, tokens, head_dim]
             bsz, tokens = v.shape[0], v.shape[-2]
             ones = torch.ones((bsz, 1, tokens, 1), dtype=v.dtype, device=v.device)
@@ -112,10 +122,8 @@ def value_zeroing(trace):
                 bar.update(1)
             total = dist.sum(-1, keepdim=True)
             vz = torch.where(total > 0, dist / total.clamp_min(1e-300), torch.zeros_like(dist))
-            joint = vz if joint is None else vz @ joint
-    joint = joint.float()
-    return {"tokens": query_rows(trace, joint), "matrix": joint,
-            "query": query_vector(trace, joint.shape[-2], joint.device)}
+            maps.append(vz)
+    return maps
 
 
 # ---------------------------------------------------------------- ViT-CX

@@ -73,12 +73,13 @@ ROLLOUT_METHODS = ("transformer_attribution", "ta_without_gradient", "rollout", 
                    "value_zeroing")
 
 
-def rollout_blocks(trace, name: str, start_block: int = 0) -> list:
-    """The blocks ``start_block``.. of ``trace`` when a rollout over them is defined, else a
+def rollout_blocks(trace, name: str, start_block: int = 0, end_block: Optional[int] = None) -> list:
+    """The blocks ``start_block``..``end_block - 1`` of ``trace`` (all from ``start_block`` when
+    ``end_block`` is None) when a rollout over them is defined, else a
     :class:`MethodError` that says why and names the methods that apply: every block a square map
     of one token sequence (or of stages linked by a token merging, Swin), and no op mixing tokens
     outside the attention blocks (:func:`relprop.graph.blocks.token_mixing`)."""
-    blocks = trace.blocks[start_block:]
+    blocks = trace.blocks[start_block:end_block]
     others = "Methods that apply: " + ", ".join(sorted(set(all_methods()) - set(ROLLOUT_METHODS)))
     for b in blocks:
         q, k = b.attention.shape[-2], b.attention.shape[-1]

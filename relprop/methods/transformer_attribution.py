@@ -1,9 +1,10 @@
 """The paper's method: Transformer Attribution (Chefer, Gur & Wolf, CVPR 2021, Eq. 13–14)."""
 from __future__ import annotations
 
-from ..errors import MethodError
+from typing import Optional
+
+from .aggregation import Aggregation, aggregate
 from .registry import method
-from .rollout_utils import chain, head_mean, query_row, rollout_blocks, stage_transitions
 
 
 @method("transformer_attribution",
@@ -11,28 +12,26 @@ from .rollout_utils import chain, head_mean, query_row, rollout_blocks, stage_tr
                     "rolled out over the blocks",
         class_specific=True, signed=False, reference="Chefer et al., CVPR 2021, Eq. 13-14",
         needs_relevance=True)
-def transformer_attribution(trace, start_block: int = 0, normalize_rows: bool = False, query: str = "cls"):
+def transformer_attribution(trace, start_block: int = 0, normalize_rows: bool = False, query: str = "cls",
+                            end_block: Optional[int] = None, head_fusion: str = "mean", positive: bool = True,
+                            discard_ratio: float = 0.0, layers: str = "rollout", last_k: int = 1):
     """Ā_b = I + E_h[(∇A_b ⊙ R_A,b)⁺] (Eq. 13); C = Ā_1 · … · Ā_B (Eq. 14, blocks numbered from the
     output); scores = the classification token's row of C.
 
     Parameters
     ----------
-    start_block : first block (counted from the input, 0-based) included in the product. The
-        paper's Eq. 14 and its ViT code use every block (0). The authors' BERT code starts at the
-        last block (``start_layer=11`` for BERT-base), which is what their text benchmark used.
+    start_block : first block (counted from the input, 0-based; negative: from the output)
+        included in the product. The paper's Eq. 14 and its ViT code use every block (0). The
+        authors' BERT code starts at the last block (``start_layer=11`` for BERT-base), which is
+        what their text benchmark used.
     normalize_rows : divide each I + Ā_b by its row sums (the authors' BERT code); off by default,
         as in their ViT code and the paper's text.
     query : ``"cls"`` (the paper: the classification token's row) or ``"mean"`` (the mean of the
         rows of the real, non-padding tokens: the row of a mean-pooled output, for models that
         classify from mean pooling, such as sentence-transformers, where the CLS row is unused).
+    end_block, head_fusion, positive, discard_ratio, layers, last_k : the aggregation
+        hyperparameters of :mod:`relprop.methods.aggregation` (survey §1.4); the defaults (every
+        block, E_h, positive part, nothing discarded, rollout) are Eq. 13–14.
     """
-    blocks = trace.blocks
-    if not blocks:
-        raise MethodError("transformer_attribution needs attention blocks, and none were found in the graph")
-    if not 0 <= start_block < len(blocks):
-        raise MethodError(f"start_block={start_block} out of range: the model has blocks 0..{len(blocks) - 1}")
-    maps = [head_mean((b.gradient * b.relevance).clamp(min=0))
-            for b in rollout_blocks(trace, "transformer_attribution", start_block)]
-    joint = chain(maps, normalize_rows=normalize_rows, transitions=stage_transitions(trace, start_block))
-    row, w = query_row(trace, joint, query)
-    return {"tokens": row, "matrix": joint, "query": w}
+    agg = Aggregation(head_fusion, positive, discard_ratio, start_block, end_block, layers, last_k, normalize_rows)
+    return aggregate(trace, "transformer_attribution", agg, lambda b: b.gradient * b.relevance, query=query)
