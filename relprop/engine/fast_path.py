@@ -128,6 +128,9 @@ def run_fast(request: Request) -> Trace:
         env = captured.bind(request.model, request.kwargs)
         if a.primary in sources:
             env[a.primary] = env[a.primary].detach().requires_grad_(True)
+        for s in a.sources:  # a second stream's float input (two-stream models)
+            if s.op == "placeholder" and s is not a.primary:
+                env[s] = env[s].detach().requires_grad_(True)
         for node in captured.graph.nodes:
             if node.op != "call_function":
                 continue

@@ -27,6 +27,7 @@ import torch
 from ..errors import MethodError
 from .registry import method
 from .layout import patch_tokens
+from .bimodal import is_two_stream, two_stream_result
 from .query import query_rows, query_vector
 from .rollout_utils import chain, head_mean, query_row, rollout_blocks, stage_transitions
 
@@ -56,6 +57,14 @@ def _check_start(start_block: int, blocks, name: str) -> None:
     if not 0 <= start_block < len(blocks):
         raise MethodError(f"{name}: start_block={start_block} out of range: the model has blocks "
                           f"0..{len(blocks) - 1}")
+
+
+def _only_defaults(name: str, **given) -> None:
+    """A MethodError for an option the two-stream rules do not take (given as (value, default))."""
+    for option, (value, default) in given.items():
+        if value != default:
+            raise MethodError(f"{name} on a model with two token streams follows the bi-modal rules of Chefer et al. "
+                              f"(ICCV 2021), which have no {option}={value!r}; leave {option} at {default!r}")
 
 
 def _with_query(trace, m: torch.Tensor) -> dict:
@@ -152,6 +161,13 @@ def lrp(trace):
     if rel is None:
         raise MethodError("lrp needs the relevance at the input, and no input of this model received any "
                           "(no floating-point input or embedding lookup was found)")
+    if is_two_stream(trace):
+        rel = trace.stream_relevance
+        streams = {k: (rel[k].sum(1) if rel[k].dim() == 4 else rel[k]) for k in trace.streams if k in rel}
+        first = streams[trace.streams[0]]
+        if first.dim() == 3 and trace.grid is not None:
+            return {"pixels": first, "streams": streams}
+        return {"tokens": first.sum(-1) if first.dim() == 3 else first, "streams": streams}
     if trace.modality == "vision" and rel.dim() == 4:
         pixels = rel.sum(1)
         if trace.grid is None:
@@ -278,8 +294,15 @@ def gradient_rollout(trace, query: str = "cls"):
     R ← R + Ā · R (Eq. 6); scores = the classification token's row of R. Needs only gradients.
 
     ``query="mean"`` reads the mean of the real tokens' rows instead (mean-pooled models).
+
+    On a model with two token streams (encoder–decoder, co-attention) the ICCV 2021 rules for
+    every pair of streams apply (Eq. 1–11, :mod:`relprop.methods.bimodal`): the result has one
+    score row per stream (``exp.streams``).
     """
     _blocks(trace, "gradient_rollout")
+    if is_two_stream(trace):  # encoder-decoder, co-attention: the bi-modal rules (Eq. 6-11)
+        _only_defaults("gradient_rollout", query=(query, "cls"))
+        return two_stream_result(trace, "gradient")
     joint = chain([head_mean((b.gradient * b.attention).clamp(min=0))
                    for b in rollout_blocks(trace, "gradient_rollout")], transitions=stage_transitions(trace))
     row, w = query_row(trace, joint, query)

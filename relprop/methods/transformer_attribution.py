@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from ..errors import MethodError
+from .bimodal import is_two_stream, two_stream_result
 from .registry import method
 from .rollout_utils import chain, head_mean, query_row, rollout_blocks, stage_transitions
 
@@ -25,12 +26,25 @@ def transformer_attribution(trace, start_block: int = 0, normalize_rows: bool = 
     query : ``"cls"`` (the paper: the classification token's row) or ``"mean"`` (the mean of the
         rows of the real, non-padding tokens: the row of a mean-pooled output, for models that
         classify from mean pooling, such as sentence-transformers, where the CLS row is unused).
+
+    On a model with two token streams (encoder–decoder, co-attention) the maps E_h[(∇A ⊙ R_A)⁺]
+    are aggregated by the bi-modal rules of Chefer, Gur & Wolf (ICCV 2021, Eq. 6–11; the paper's
+    LRP-weighted variant, :mod:`relprop.methods.bimodal`); the result has one score row per stream
+    (``exp.streams``).
     """
     blocks = trace.blocks
     if not blocks:
         raise MethodError("transformer_attribution needs attention blocks, and none were found in the graph")
     if not 0 <= start_block < len(blocks):
         raise MethodError(f"start_block={start_block} out of range: the model has blocks 0..{len(blocks) - 1}")
+    if is_two_stream(trace):  # encoder-decoder, co-attention: the ICCV 2021 rules with R_A (Eq. 6-11)
+        for option, value, default in (("start_block", start_block, 0), ("normalize_rows", normalize_rows, False),
+                                       ("query", query, "cls")):
+            if value != default:
+                raise MethodError(f"transformer_attribution on a model with two token streams follows the bi-modal "
+                                  f"rules of Chefer et al. (ICCV 2021), which have no {option}={value!r}; leave "
+                                  f"{option} at {default!r}")
+        return two_stream_result(trace, "relevance")
     maps = [head_mean((b.gradient * b.relevance).clamp(min=0))
             for b in rollout_blocks(trace, "transformer_attribution", start_block)]
     joint = chain(maps, normalize_rows=normalize_rows, transitions=stage_transitions(trace, start_block))
