@@ -77,7 +77,8 @@ def inputs_for(name, batch=2, seed=1):
         return {"input_features": torch.randn(batch, 8, 12, generator=g), "decoder_input_ids": ids}
     if name == "lxmert":
         return {"input_ids": torch.randint(4, 64, (batch, 6), generator=g),
-                "visual_feats": torch.randn(batch, 4, 8, generator=g), "visual_pos": torch.rand(batch, 4, 4, generator=g)}
+                "visual_feats": torch.randn(batch, 4, 8, generator=g),
+                "visual_pos": torch.rand(batch, 4, 4, generator=g)}
     return text_inputs(batch, seed=seed)
 
 

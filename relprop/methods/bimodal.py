@@ -51,9 +51,9 @@ def relevancy_maps(trace, weights: str = "gradient", normalize: bool = True) -> 
     blocks = trace.blocks
     if any(b.query_stream is None or b.key_stream is None for b in blocks):
         bad = next(b for b in blocks if b.query_stream is None or b.key_stream is None)
-        raise MethodError(f"block {bad.index} ('{bad.name}') reads tokens that relprop could not assign to one of the "
-                          f"streams {trace.streams}; the two-stream relevancy rules need every block's queries and keys "
-                          "in one stream each")
+        raise MethodError(f"block {bad.index} ('{bad.name}') reads tokens that relprop could not assign to one of "
+                          f"the streams {trace.streams}; the two-stream relevancy rules need every block's queries "
+                          "and keys in one stream each")
     sizes = {}
     for b in blocks:
         sizes.setdefault(b.query_stream, b.attention.shape[-2])
