@@ -157,3 +157,59 @@ def test_attnlrp_conserves_relevance_through_cross_attention(name):
         assert len(exp.streams) == 2 and all(torch.isfinite(v).all() for v in exp.streams.values())
         assert exp.output_stream == ("input_ids" if name == "lxmert" else TGT)
     assert_same(before, snapshot(model))
+
+
+def _last_real(dmask):
+    def target(outputs):
+        logits = outputs.logits if hasattr(outputs, "logits") else outputs.question_answering_score
+        if logits.dim() == 2:
+            return logits.max(-1).values
+        last = dmask.sum(1) - 1
+        return logits[torch.arange(logits.shape[0]), last].max(-1).values
+    return target
+
+
+def _padded(name):
+    """Two samples: the second with a shorter source (text models) and a shorter target, padded on
+    the right; and the masks of each stream."""
+    inputs = M.inputs_for(name)
+    if name == "lxmert":
+        inputs["attention_mask"] = torch.tensor([[1] * 6, [1] * 4 + [0] * 2])
+        return inputs, {"input_ids": inputs["attention_mask"]}
+    inputs["decoder_attention_mask"] = torch.tensor([[1] * 5, [1] * 3 + [0] * 2])
+    masks = {TGT: inputs["decoder_attention_mask"]}
+    if "input_ids" in inputs:
+        inputs["attention_mask"] = torch.tensor([[1] * 7, [1] * 5 + [0] * 2])
+        masks["input_ids"] = inputs["attention_mask"]
+    return inputs, masks
+
+
+def _sample(inputs, masks, b):
+    """Sample b alone, its padding cut off."""
+    out = {}
+    lengths = {"input_ids": ("input_ids", "attention_mask"), TGT: (TGT, "decoder_attention_mask")}
+    for k, v in inputs.items():
+        v = v[b:b + 1]
+        for stream, names in lengths.items():
+            if k in names and stream in masks:
+                v = v[:, :int(masks[stream][b].sum())]
+        out[k] = v
+    return out
+
+
+@pytest.mark.parametrize("name", [_family(n) for n in FAMILIES])
+def test_batch_equals_each_sample_with_padded_source_and_target(name):
+    model = M.BUILDERS[name]()
+    inputs, masks = _padded(name)
+    dmask = masks.get(TGT, torch.ones(2, 1, dtype=torch.long))
+    for method, preset in (("gradient_rollout", None), ("lrp", "attnlrp")):
+        batch = relprop.explain(model, inputs, target=_last_real(dmask), method=method, preset=preset)
+        for b in range(2):
+            one_in = _sample(inputs, masks, b)
+            one_mask = torch.ones(1, one_in[TGT].shape[1], dtype=torch.long) if TGT in one_in else dmask[b:b + 1]
+            one = relprop.explain(model, one_in, target=_last_real(one_mask), method=method, preset=preset)
+            for k, v in one.streams.items():
+                got = batch.streams[k][b]
+                if v.dim() == 2:
+                    got = got[:v.shape[1]]
+                torch.testing.assert_close(got, v[0], rtol=2e-4, atol=1e-6, msg=f"{name} {method} {k} sample {b}")
