@@ -28,7 +28,7 @@ LAYERS: List[Tuple[str, Tuple[str, ...]]] = [
     ("errors", ("relprop.errors", "relprop.version")),
     ("graph", ("relprop.graph",)),
     ("rules", ("relprop.rules",)),
-    ("engine", ("relprop.engine", "relprop.targets")),
+    ("engine", ("relprop.engine", "relprop.targets", "relprop.target_heads")),
     ("methods", ("relprop.methods",)),
     ("viz", ("relprop.viz", "relprop.viz_api")),
     ("explanation", ("relprop.explanation",)),
