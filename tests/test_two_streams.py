@@ -213,3 +213,11 @@ def test_batch_equals_each_sample_with_padded_source_and_target(name):
                 if v.dim() == 2:
                     got = got[:v.shape[1]]
                 torch.testing.assert_close(got, v[0], rtol=2e-4, atol=1e-6, msg=f"{name} {method} {k} sample {b}")
+
+
+def test_methods_of_one_stream_are_refused_and_gradient_methods_explain_the_source():
+    model = M.bart()
+    with pytest.raises(relprop.MethodError, match="two"):
+        relprop.explain(model, M.text_inputs(), target=M.last_token_target, method="raw_attention")
+    exp = relprop.explain(model, M.text_inputs(), target=M.last_token_target, method="input_x_gradient")
+    assert exp.scores.shape == (2, 7) and float(exp.scores.abs().sum()) > 0
