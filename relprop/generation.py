@@ -76,6 +76,11 @@ def _is_encoder_decoder(model) -> bool:
 
 
 def _ids(tokenizer, prompt) -> torch.Tensor:
+    if torch.is_tensor(prompt) and prompt.is_floating_point():  # an image or log-mel features: one sample
+        if prompt.dim() not in (3, 4) or prompt.shape[0] != 1:
+            raise InputError(f"a float prompt must be one image [1, C, H, W] or one feature matrix [1, F, T]; got "
+                             f"{tuple(prompt.shape)}")
+        return prompt
     if torch.is_tensor(prompt):
         ids = prompt
     elif isinstance(prompt, dict):
@@ -117,13 +122,25 @@ def _greedy(model, src: torch.Tensor, prefix: torch.Tensor, steps: int, eos: Opt
             if src is None:
                 logits = model(input_ids=seq, use_cache=False).logits
             else:
-                logits = model(input_ids=src, decoder_input_ids=seq, use_cache=False).logits
+                logits = model(**{_source_name(src): src}, decoder_input_ids=seq, use_cache=False).logits
             tok = int(logits[0, -1].argmax())
             out.append(tok)
             seq = torch.cat([seq, seq.new_tensor([[tok]])], 1)
             if eos is not None and tok == eos:
                 break
     return torch.tensor(out, dtype=torch.long)
+
+
+def _source_name(src: torch.Tensor) -> str:
+    """The encoder input's name: ``input_ids``, ``pixel_values`` (an image) or ``input_features``."""
+    if not src.is_floating_point():
+        return "input_ids"
+    return "pixel_values" if src.dim() == 4 else "input_features"
+
+
+def _per_column(r: torch.Tensor) -> torch.Tensor:
+    """A stream's relevance as [rows, columns]: log-mel relevance [rows, features, frames] summed per frame."""
+    return r.sum(1) if r.dim() == 3 else r.flatten(1)
 
 
 def _as_tokens(x, n: int, name: str) -> torch.Tensor:
@@ -147,7 +164,10 @@ def explain_generation(model, tokenizer=None, prompt: Union[str, torch.Tensor, S
     tokenizer : turns a prompt string into ids and ids into the labels of the picture (optional when
         ``prompt`` holds ids).
     prompt : a string, a [1, length] tensor of ids or a tokenizer's output; a list of them gives a
-        list of results. For an encoder–decoder it is the source.
+        list of results. For an encoder–decoder it is the source: ids, or one image [1, C, H, W]
+        (``VisionEncoderDecoderModel``: columns are the image's patches) or one log-mel feature
+        matrix [1, mel bins, frames] (Whisper: columns are the frames, or the encoder's tokens for
+        the rollout methods).
     max_new_tokens : how many tokens to generate greedily (stopping after the end-of-sequence token).
     method, preset, options : as for :func:`relprop.explain`; default AttnLRP (Achtibat et al., ICML
         2024) with its one-backward fast path. A method with per-token scores over the explained input
@@ -168,7 +188,7 @@ def explain_generation(model, tokenizer=None, prompt: Union[str, torch.Tensor, S
         raise InputError(f"max_new_tokens must be a positive int, not {max_new_tokens!r}")
     ids = _ids(tokenizer, prompt)
     enc_dec = _is_encoder_decoder(model)
-    prefix = ids.new_tensor([[_start_token(model)]]) if enc_dec else ids
+    prefix = torch.tensor([[_start_token(model)]], dtype=torch.long) if enc_dec else ids
     if target is None:
         eos = getattr(model.config, "eos_token_id", None)
         gen = _greedy(model, ids if enc_dec else None, prefix, max_new_tokens, eos if isinstance(eos, int) else None)
@@ -189,8 +209,9 @@ def explain_generation(model, tokenizer=None, prompt: Union[str, torch.Tensor, S
         s = logits[rows, positions, tok]
         return s if other is None else s - logits[rows, positions, other]
 
+    src_name = _source_name(ids) if enc_dec else "input_ids"
     if enc_dec:
-        inputs = {"input_ids": ids.expand(g, -1), "decoder_input_ids": full.expand(g, -1)}
+        inputs = {src_name: ids.expand((g,) + tuple(ids.shape[1:])), "decoder_input_ids": full.expand(g, -1)}
     else:
         inputs = {"input_ids": full.expand(g, -1)}
     exp = explain(model, inputs, target=score, method=method, preset=preset, **options)
@@ -199,17 +220,19 @@ def explain_generation(model, tokenizer=None, prompt: Union[str, torch.Tensor, S
         if "decoder_input_ids" not in streams:
             raise InputError(f"relprop found no second token stream in {type(model).__name__} (encoder–decoder); "
                              "the decoder's tokens cannot be scored")
-        matrix = torch.cat([streams["input_ids"], streams["decoder_input_ids"]], 1)
-        columns = torch.cat([ids[0], full[0]])
+        source = _per_column(streams[src_name])
+        matrix = torch.cat([source, streams["decoder_input_ids"]], 1)
+        n_src = source.shape[1]
+        # an image's or features' columns are its patches or frames, numbered
+        columns = torch.cat([ids[0] if src_name == "input_ids" else torch.arange(n_src), full[0]])
     else:
-        matrix, columns = exp.scores, full[0]
-    matrix = _causal(matrix.detach().float(), positions + (ids.shape[1] if enc_dec else 0))
+        matrix, columns, n_src = exp.scores, full[0], ids.shape[1]
+    matrix = _causal(matrix.detach().float(), positions + (n_src if enc_dec else 0))
     labels = row_labels = None
-    if tokenizer is not None:
+    if tokenizer is not None and src_name == "input_ids":
         labels = tokenizer.convert_ids_to_tokens(columns.tolist())
         row_labels = tokenizer.convert_ids_to_tokens(gen.tolist())
-    return GenerationExplanation(matrix, gen, columns, int(ids.shape[1]), method, preset, labels, row_labels, alt,
-                                 exp)
+    return GenerationExplanation(matrix, gen, columns, int(n_src), method, preset, labels, row_labels, alt, exp)
 
 
 def _causal(matrix: torch.Tensor, last: torch.Tensor) -> torch.Tensor:

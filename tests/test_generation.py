@@ -59,3 +59,17 @@ def test_generation_pictures(tmp_path):
     png = gen.save(str(tmp_path / "g.png"))
     with open(png, "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_image_to_text_generation_equals_each_step_by_hand():
+    model = M.vision_encoder_decoder()
+    image = M.inputs_for("vision_encoder_decoder", batch=1)["pixel_values"]
+    cont = torch.tensor([5, 6, 7])
+    gen = relprop.explain_generation(model, None, image, target=cont, method="gradient_rollout", preset=None)
+    assert gen.source_length == 16 and gen.matrix.shape == (3, 16 + 3)  # 4x4 patches, start + 2 earlier tokens
+    for t in range(3):
+        dec = torch.tensor([[0] + cont[:t].tolist()])
+        by_hand = relprop.explain(model, {"pixel_values": image, "decoder_input_ids": dec},
+                                  target=lambda o, tok=int(cont[t]): o.logits[:, -1, tok], method="gradient_rollout")
+        row = torch.cat([by_hand.streams["pixel_values"][0], by_hand.streams["decoder_input_ids"][0]])
+        torch.testing.assert_close(gen.matrix[t, :16 + t + 1], row.float(), rtol=1e-4, atol=1e-7)
