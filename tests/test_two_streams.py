@@ -221,3 +221,14 @@ def test_methods_of_one_stream_are_refused_and_gradient_methods_explain_the_sour
         relprop.explain(model, M.text_inputs(), target=M.last_token_target, method="raw_attention")
     exp = relprop.explain(model, M.text_inputs(), target=M.last_token_target, method="input_x_gradient")
     assert exp.scores.shape == (2, 7) and float(exp.scores.abs().sum()) > 0
+
+
+def test_low_memory_gives_the_same_streams():
+    model = M.bart()
+    for method, preset in (("transformer_attribution", None), ("lrp", "attnlrp")):
+        a = relprop.explain(model, M.text_inputs(), target=M.last_token_target, method=method, preset=preset,
+                            fast_path=False)
+        b = relprop.explain(model, M.text_inputs(), target=M.last_token_target, method=method, preset=preset,
+                            fast_path=False, memory="low")
+        for k in a.streams:
+            torch.testing.assert_close(a.streams[k], b.streams[k], rtol=1e-5, atol=1e-9)
