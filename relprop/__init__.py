@@ -12,6 +12,7 @@ The package is built as one-way layers (``docs/architecture.md``): ``errors`` â†
 from . import methods
 from .api import coverage, explain, explain_settings
 from .actmax import visualize
+from .generation import GenerationExplanation, explain_generation
 from .engine import Conservation, Coverage, Trace
 from .errors import (CaptureError, InputError, MethodError, OptionError, PresetError, RelpropError, RelpropWarning,
                      TargetError, UnsupportedOperation)
@@ -25,7 +26,7 @@ from .version import __version__
 __all__ = [
     # explaining
     "explain", "explain_settings", "visualize", "coverage", "methods", "contrast", "Explanation", "Conservation",
-    "Coverage", "Trace",
+    "Coverage", "Trace", "explain_generation", "GenerationExplanation",
     # rules and presets
     "Preset", "RuleContext", "get_preset", "presets", "rule",
     # the capture cache

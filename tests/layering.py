@@ -28,11 +28,11 @@ LAYERS: List[Tuple[str, Tuple[str, ...]]] = [
     ("errors", ("relprop.errors", "relprop.version")),
     ("graph", ("relprop.graph",)),
     ("rules", ("relprop.rules",)),
-    ("engine", ("relprop.engine", "relprop.targets")),
+    ("engine", ("relprop.engine", "relprop.targets", "relprop.target_heads")),
     ("methods", ("relprop.methods",)),
     ("viz", ("relprop.viz", "relprop.viz_api")),
     ("explanation", ("relprop.explanation",)),
-    ("api", ("relprop.api", "relprop.validation", "relprop.options", "relprop.raw_inputs")),
+    ("api", ("relprop.api", "relprop.validation", "relprop.options", "relprop.raw_inputs", "relprop.generation")),
     ("evaluation", ("relprop.evaluation", "relprop.demo", "relprop.actmax")),
     ("cli", ("relprop.cli", "relprop.__main__")),
     ("package", ("relprop",)),  # relprop/__init__.py: the public surface re-exports every layer

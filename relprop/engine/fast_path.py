@@ -35,6 +35,7 @@ from ..targets import find_logits, fixed, require_input_dependence
 from .forward import count_forward
 from .request import Request
 from .session import Session
+from .streams import per_stream, primary_parts, stream_masks
 from .trace import Trace
 
 
@@ -127,6 +128,9 @@ def run_fast(request: Request) -> Trace:
         env = captured.bind(request.model, request.kwargs)
         if a.primary in sources:
             env[a.primary] = env[a.primary].detach().requires_grad_(True)
+        for s in a.sources:  # a second stream's float input (two-stream models)
+            if s.op == "placeholder" and s is not a.primary:
+                env[s] = env[s].detach().requires_grad_(True)
         for node in captured.graph.nodes:
             if node.op != "call_function":
                 continue
@@ -157,9 +161,10 @@ def run_fast(request: Request) -> Trace:
         grads = torch.autograd.grad(roots, src_vals, grad_outputs, allow_unused=True)
     batch = scores.shape[0]
     input_rel = None
-    for s, v, g in zip(a.sources, src_vals, grads):
-        r = promote(v.detach() * g) if g is not None else torch.zeros(v.shape, dtype=relevance_dtype(v.dtype),
-                                                                     device=v.device)
+    parts = [(s, promote(v.detach() * g) if g is not None else torch.zeros(v.shape, dtype=relevance_dtype(v.dtype),
+                                                                          device=v.device))
+             for s, v, g in zip(a.sources, src_vals, grads)]
+    for _, r in primary_parts(a, parts):
         if a.modality == "text":
             r = r.sum(-1)
         input_rel = r if input_rel is None else input_rel + r
@@ -169,4 +174,5 @@ def run_fast(request: Request) -> Trace:
     return Trace(outputs=outputs_d, logits=find_logits(outputs_d), target=target,
                  target_scores=scores.detach(), blocks=[], input_relevance=input_rel, input_gradient=None,
                  conservation=None, modality=a.modality, grid=a.grid, batch_size=batch, session=session,
-                 token_mask=None)
+                 token_mask=None, streams=list(a.streams), stream_relevance=per_stream(a, parts),
+                 stream_masks=stream_masks(a, request.kwargs, batch))

@@ -53,6 +53,9 @@ def forward(captured: Captured, model, kwargs, *, perturb: Optional[Callable] = 
             if perturb is not None:
                 v = perturb(v)
             env[a.primary] = v.detach().requires_grad_(True)
+        for s in a.sources:  # a second stream's float input (two-stream models)
+            if s.op == "placeholder" and s is not a.primary:
+                env[s] = env[s].detach().requires_grad_(True)
     else:
         env = dict(env)
     last = last_uses(captured) if discard else {}

@@ -75,7 +75,8 @@ def run_low(request: Request, out_nodes: List[torch.fx.Node], wrt: List[torch.fx
             g = gbuf.get(n)
             grad[n] = g if g is not None else torch.zeros_like(env[n])
     rel_at, conservation, input_rel = walker.finish() if walker is not None else ({}, None, None)
-    return Pass(env, outputs, scores, target, grad, rel_at, conservation, input_rel, tokens=tokens)
+    return Pass(env, outputs, scores, target, grad, rel_at, conservation, input_rel, tokens=tokens,
+                stream_relevance=getattr(walker, "stream_relevance", {}))
 
 
 def _token_trace_reads(a) -> set:

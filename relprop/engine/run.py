@@ -26,6 +26,7 @@ from .low_memory import run_low
 from .memory import rematerializable
 from .request import Request
 from .session import Session
+from .streams import primary_parts, stream_masks
 from .trace import BlockRecord, Pass, Trace
 from .walk import Walker, check_rules, walk
 
@@ -81,8 +82,9 @@ def run(request: Request) -> Trace:
     if request.relevance:
         with torch.no_grad():
             seed = {**grad, **output_seed(captured, env, request.target.score, out_nodes)}
-            result.rel_at, result.conservation, result.input_relevance = walk(
-                Walker(request, env, seed, out_nodes, batch, remat))
+            walker = Walker(request, env, seed, out_nodes, batch, remat)
+            result.rel_at, result.conservation, result.input_relevance = walk(walker)
+            result.stream_relevance = walker.stream_relevance
     return build_trace(request, result, notes)
 
 
@@ -107,11 +109,12 @@ def build_trace(request: Request, result: Pass, notes: List[str]) -> Trace:
             features=_record(env[b.features]) if b.features is not None else None,
             features_gradient=_record(grad[b.features]) if b.features is not None else None,
             out_proj_weight=_record(env[b.out_proj]) if b.out_proj is not None else None,
+            query_stream=b.query_stream, key_stream=b.key_stream, wave=b.wave,
         ))
     blocks, stages = globalize(result.windows, blocks, batch)
     input_grad = None
     if a.sources:
-        g = [grad[s] for s in a.sources]
+        g = [grad[s] for s, _ in primary_parts(a, [(s, None) for s in a.sources])]
         input_grad = _record(g[0]) if len(g) == 1 else _record(torch.stack(g).sum(0))
     outputs = pytree.tree_map(lambda t: t.detach() if torch.is_tensor(t) else t, result.outputs)
     logits = find_logits(outputs)
@@ -128,7 +131,9 @@ def build_trace(request: Request, result: Pass, notes: List[str]) -> Trace:
                  blocks=blocks, input_relevance=result.input_relevance, input_gradient=input_grad,
                  conservation=result.conservation, modality=a.modality, grid=a.grid, batch_size=batch,
                  session=session, token_mask=token_mask, stages=stages, notes=notes, token_map=result.tokens.get(0),
-                 token_maps=result.tokens, token_mixing=a.token_mixing, unmapped_blocks=a.unmapped)
+                 token_maps=result.tokens, token_mixing=a.token_mixing, unmapped_blocks=a.unmapped,
+                 streams=list(a.streams), stream_relevance=result.stream_relevance,
+                 stream_masks=stream_masks(a, request.kwargs, batch))
 
 
 def _record(t: torch.Tensor) -> torch.Tensor:

@@ -26,6 +26,11 @@ class BlockRecord:
     features: Optional[torch.Tensor] = None  # token features entering the attention (LN1(h) or h)
     features_gradient: Optional[torch.Tensor] = None
     out_proj_weight: Optional[torch.Tensor] = None  # W_O [hidden, heads * head_dim]
+    #: two-stream models: the input stream (input name) of the queries and of the keys, and the
+    #: wave (blocks of one wave read the same relevancy state); None for one stream
+    query_stream: Optional[str] = None
+    key_stream: Optional[str] = None
+    wave: Optional[int] = None
 
 
 @dataclasses.dataclass
@@ -104,6 +109,12 @@ class Trace:
     token_mixing: Optional[str] = None
     #: why the blocks' attention cannot be read per sample as token-to-token maps (None: it can)
     unmapped_blocks: Optional[str] = None
+    #: two-stream models (relprop.graph.streams): the streams' input names, the explained one first
+    #: ([] for one stream), each stream's input relevance (per token for ids and [batch, tokens,
+    #: features] inputs) and [batch, tokens] mask of real tokens
+    streams: List[str] = dataclasses.field(default_factory=list)
+    stream_relevance: Dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
+    stream_masks: Dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass
@@ -123,3 +134,4 @@ class Pass:
     input_relevance: Optional[torch.Tensor] = None
     windows: Any = None
     tokens: Dict[int, torch.Tensor] = dataclasses.field(default_factory=dict)  # token_positions()
+    stream_relevance: Dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)

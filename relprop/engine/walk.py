@@ -27,6 +27,7 @@ from ..rules.context import RuleContext
 from ..rules.generic import gradient_times_input
 from ..rules.stabilize import promote, relevance_dtype
 from .memory import read_after_walk
+from .streams import per_stream, primary_parts
 from .trace import BlockConservation, Conservation
 
 #: the label under which the ε-rules' stabilizer's share is booked in ``Conservation.absorbed_by``
@@ -241,6 +242,8 @@ class Walker:
         reached = self._zeros()
         for node, r in self.input_parts:
             reached = reached + _sample_sum(r, self.bdim.get(node), batch)
+        self.stream_relevance = per_stream(a, self.input_parts)
+        for node, r in primary_parts(a, self.input_parts):
             if a.modality == "text":
                 r = r.sum(-1)
             input_rel = r if input_rel is None else input_rel + r

@@ -6,6 +6,7 @@ module                 what it measures
 ``perturbation``       positive/negative perturbation tests: top-1 accuracy while the most/least relevant
                        pixels, patches or tokens are removed, and its AUC (CVPR 2021 §4, Table 1)
 ``segmentation``       maps as soft segmentations: pixel accuracy, mIoU, mAP (CVPR 2021 Table 2)
+``qa``                 Precision@K for extractive QA, the answer tokens among the top K (AttCAT §5.3)
 ``text``               token-F1 and Precision@K against rationales, AOPC, log-odds, Kendall-τ
                        (CVPR 2021 Fig. 4; AttCAT §5.3)
 ``conservation``       where the relevance went, per block and end to end
@@ -31,6 +32,7 @@ from .conservation import ConservationReport, ConservationRow, conservation_repo
 from .datasets import (ImageMaskFolder, RationaleJSONL, load_dataset, model_image_size, model_normalization,
                        rationale_spans)
 from .perturbation import DEFAULT_STEPS, PerturbationResult, perturbation_curve, removal_ranks
+from .qa import answer_mask, qa_precision_at_k
 from .removal import removal_token
 from .report import (plot_perturbation, summary_rows, to_markdown, to_markdown_table, write_csv, write_markdown,
                      write_report)
@@ -49,4 +51,5 @@ __all__ = [
     "perturbation_curve", "plot_perturbation", "precision_at_k", "rationale_spans", "removal_ranks",
     "removal_token", "resolve_normalization", "segmentation_scores", "summary_rows", "to_markdown",
     "to_markdown_table", "token_f1", "top_k", "write_csv", "write_markdown", "write_report",
+    "answer_mask", "qa_precision_at_k",
 ]

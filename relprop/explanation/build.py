@@ -56,7 +56,25 @@ def build(info, preset: Optional[str], result: dict, trace, special_tokens_mask=
                        conservation=trace.conservation, input_relevance=trace.input_relevance,
                        logits=trace.logits, preset=preset if info.needs_relevance else None,
                        modality=trace.modality, grid=trace.grid, prefix_tokens=prefix, outputs=trace.outputs,
-                       signed=info.signed, class_specific=info.class_specific, notes=notes)
+                       signed=info.signed, class_specific=info.class_specific, notes=notes,
+                       streams=_streams(result.get("streams"), trace, scores),
+                       output_stream=result.get("output_stream"))
+
+
+def _streams(streams, trace, scores):
+    """Each stream's scores with its padding positions zeroed (``Trace.stream_masks``); the
+    explained input's entry is ``scores`` when that is an image's (per patch of the grid)."""
+    if streams is None:
+        return None
+    out = {}
+    for name, s in streams.items():
+        if name == trace.streams[0] and trace.modality == "vision" and trace.grid is not None:
+            s = scores
+        m = trace.stream_masks.get(name)
+        if m is not None and s.dim() == 2 and tuple(m.shape) == tuple(s.shape):
+            s = torch.where(m.to(s.device), s, torch.zeros((), dtype=s.dtype, device=s.device))
+        out[name] = s
+    return out
 
 
 def _heads_on_positions(heads, trace, method: str, mask, pixels: bool):

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, List, Optional
+from typing import Any, Dict, List, Optional
 
 import torch
 
@@ -71,6 +71,11 @@ class Explanation:
     notes: List[str] = dataclasses.field(default_factory=list)
     query: Optional[torch.Tensor] = None
     heads: Optional[torch.Tensor] = None
+    #: two-stream models (encoder–decoder, co-attention): input name -> [batch, tokens] scores of that
+    #: stream's tokens (padding zeroed); ``scores`` is the explained input's entry. None otherwise
+    streams: Optional[Dict[str, torch.Tensor]] = None
+    #: two-stream models: the stream whose tokens the target reads (the rows of ``matrix``)
+    output_stream: Optional[str] = None
 
     def show(self, **kwargs):
         """Display the explanation (image overlay, or coloured tokens/HTML in a notebook); see

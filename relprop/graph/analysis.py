@@ -23,7 +23,7 @@ from typing import Dict, List, Optional, Set, Tuple
 import torch
 import torch.fx
 
-from . import windows
+from . import streams, windows
 from .blocks import BlockInfo, find_blocks, fold_counter, token_mixing
 from .nodes import module_paths, output_node
 from .tokens import TokenPlan, plan_tokens
@@ -66,6 +66,9 @@ class GraphAnalysis:
     token_mixing: Optional[str] = None
     #: softmax-times-values products left out of the blocks or not mapped onto the tokens, and why
     left_out: List[str] = dataclasses.field(default_factory=list)
+    #: two-stream models (encoder–decoder, co-attention; :mod:`relprop.graph.streams`): stream name
+    #: (the input's name) -> its relevance sources, the explained input's stream first; {} otherwise
+    streams: Dict[str, List[torch.fx.Node]] = dataclasses.field(default_factory=dict)
 
     @property
     def unmapped(self) -> Optional[str]:
@@ -91,6 +94,20 @@ def _input_nodes(node) -> List[torch.fx.Node]:
 
 
 def analyze(program, graph: torch.fx.Graph, bindings, primary_name: str, static_batch: Optional[int]) -> GraphAnalysis:
+    """What relprop needs to know about ``graph`` (see the module docstring). A model called with a
+    second token stream (:func:`relprop.graph.streams.second_stream`) is analysed with the sources of
+    both streams; when an attention block connects them (queries of one, keys of the other), that
+    analysis is kept, each block labelled with its query and key streams; otherwise the second input
+    is a constant of the explanation, as for a model with one stream."""
+    extra = streams.second_stream(bindings, primary_name)
+    if extra is not None:
+        two = _analyze(program, graph, bindings, primary_name, static_batch, extra)
+        if any(b.query_stream and b.key_stream and b.query_stream != b.key_stream for b in two.blocks):
+            return two
+    return _analyze(program, graph, bindings, primary_name, static_batch, None)
+
+
+def _analyze(program, graph, bindings, primary_name, static_batch, extra) -> GraphAnalysis:
     placeholders = {n: (kind, tgt) for n, kind, tgt in bindings}
     primary = next(n for n, (kind, tgt) in placeholders.items() if kind == "user" and tgt == primary_name)
     primary_val = _val(primary)
@@ -116,6 +133,12 @@ def analyze(program, graph: torch.fx.Graph, bindings, primary_name: str, static_
             if n.op == "call_function" and n.target is aten.embedding.default and traces_to_primary(n.args[1]):
                 sources.append(n)
 
+    stream_of: Dict[torch.fx.Node, str] = {}
+    if extra is not None:
+        stream_of = {n: primary_name for n in sources}
+        extra_sources = streams.stream_sources(graph, extra[1], INDEX_ROUTING)
+        stream_of.update({n: extra[0] for n in extra_sources})
+        sources = sources + [n for n in extra_sources if n not in sources]
     live: Set[torch.fx.Node] = set(sources)
     for n in graph.nodes:
         if n in live or n.op != "call_function":
@@ -176,6 +199,15 @@ def analyze(program, graph: torch.fx.Graph, bindings, primary_name: str, static_
                 pixel_convs[n.name] = x is primary
 
     blocks, left_out = find_blocks(graph, live, fold_counter(batch_dim, static_batch, bsym if sym else None))
+    named: Dict[str, List[torch.fx.Node]] = {}
+    if stream_of:
+        labels = streams.label_blocks(graph, live, blocks, stream_of)
+        for b in blocks:
+            b.query_stream, b.key_stream = labels[b.index]
+        for b, w in zip(blocks, streams.waves(blocks, live)):
+            b.wave = w
+        for n, name in stream_of.items():
+            named.setdefault(name, []).append(n)
     grid = None
     for n in graph.nodes:
         if pixel_convs.get(n.name):
@@ -195,7 +227,7 @@ def analyze(program, graph: torch.fx.Graph, bindings, primary_name: str, static_
                         "axis), which relprop maps onto the token grid only for non-overlapping windows (Swin)")
     return GraphAnalysis(primary, modality, sources, live, relevant, batch_dim, pixel_convs, blocks, grid, outputs,
                          window_maps, links, tokens=tokens, token_mixing=token_mixing(graph, live, blocks),
-                         left_out=left_out)
+                         left_out=left_out, streams=named)
 
 
 def _top_level_outputs(graph) -> list:

@@ -70,6 +70,11 @@ class BlockInfo:
     #: groups of tokens folded into the batch axis ([batch·groups, heads, T, T]: windows, unfolded
     #: patches), each attending only within itself; None when the block attends over all its tokens
     groups: Optional[int] = None
+    #: two-stream models (relprop.graph.streams): the input stream of the queries and of the keys,
+    #: and the wave (blocks of one wave read the same relevancy state); None for one stream
+    query_stream: Optional[str] = None
+    key_stream: Optional[str] = None
+    wave: Optional[int] = None
 
     @property
     def square(self) -> bool:

@@ -8,6 +8,13 @@ from .registry import MethodInfo, all_methods
 from .windowed import check_applicable
 
 
+#: methods defined on models with two token streams (encoder-decoder, co-attention): the bi-modal
+#: rules (gradient_rollout, transformer_attribution), the input relevance of every stream (lrp), and
+#: the gradient methods on the explained input's stream
+TWO_STREAM_METHODS = ("gradient_rollout", "transformer_attribution", "lrp", "input_x_gradient", "smoothgrad",
+                      "integrated_gradients")
+
+
 def apply(info: MethodInfo, trace, options: Dict[str, Any], preset: Optional[str], model_name: str) -> dict:
     """``info.fn(trace, **options)``, or a :class:`MethodError` saying why the method does not apply
     to this model: it reads attention blocks and the graph has none, it reads the relevance of the
@@ -27,6 +34,10 @@ def apply(info: MethodInfo, trace, options: Dict[str, Any], preset: Optional[str
         raise MethodError(f"method '{info.name}' reads the relevance of the attention maps (R_A), and preset "
                           f"'{preset}' gives them none (CP-LRP holds the attention constant). Use preset "
                           f"'attnlrp' or 'chefer2021' for it, or method 'lrp' for the input relevance.")
+    if len(getattr(trace, "streams", None) or []) > 1 and info.name not in TWO_STREAM_METHODS:
+        raise MethodError(f"method '{info.name}' reads the attention blocks of one token stream, and {model_name} has "
+                          f"two ({', '.join(trace.streams)}) connected by cross-attention, which it does not define. "
+                          f"Methods that apply: {sorted(TWO_STREAM_METHODS)}")
     if getattr(trace, "stages", None) is not None:  # window attention (Swin)
         check_applicable(info, model_name)
     return info.fn(trace, **options)

@@ -30,6 +30,7 @@ from ..errors import MethodError
 from .aggregation import Aggregation, aggregate
 from .registry import method
 from .layout import patch_tokens
+from .bimodal import is_two_stream, two_stream_result
 from .query import query_rows, query_vector
 from .rollout_utils import chain, head_mean, query_row, rollout_blocks, stage_transitions
 
@@ -59,6 +60,14 @@ def _check_start(start_block: int, blocks, name: str) -> None:
     if not 0 <= start_block < len(blocks):
         raise MethodError(f"{name}: start_block={start_block} out of range: the model has blocks "
                           f"0..{len(blocks) - 1}")
+
+
+def _only_defaults(name: str, **given) -> None:
+    """A MethodError for an option the two-stream rules do not take (given as (value, default))."""
+    for option, (value, default) in given.items():
+        if value != default:
+            raise MethodError(f"{name} on a model with two token streams follows the bi-modal rules of Chefer et al. "
+                              f"(ICCV 2021), which have no {option}={value!r}; leave {option} at {default!r}")
 
 
 def _with_query(trace, m: torch.Tensor) -> dict:
@@ -155,6 +164,13 @@ def lrp(trace):
     if rel is None:
         raise MethodError("lrp needs the relevance at the input, and no input of this model received any "
                           "(no floating-point input or embedding lookup was found)")
+    if is_two_stream(trace):
+        rel = trace.stream_relevance
+        streams = {k: (rel[k].sum(1) if rel[k].dim() == 4 else rel[k]) for k in trace.streams if k in rel}
+        first = streams[trace.streams[0]]
+        if first.dim() == 3 and trace.grid is not None:
+            return {"pixels": first, "streams": streams}
+        return {"tokens": first.sum(-1) if first.dim() == 3 else first, "streams": streams}
     if trace.modality == "vision" and rel.dim() == 4:
         pixels = rel.sum(1)
         if trace.grid is None:
@@ -293,6 +309,16 @@ def gradient_rollout(trace, query: str = "cls", head_fusion: str = "mean", posit
     ``query="mean"`` reads the mean of the real tokens' rows instead (mean-pooled models). The
     aggregation options of :mod:`relprop.methods.aggregation` (survey §1.3–1.4) apply to the
     per-head maps ∇A_b,h ⊙ A_b,h; the defaults are Eq. 5–6.
+
+    On a model with two token streams (encoder–decoder, co-attention) the ICCV 2021 rules for
+    every pair of streams apply (Eq. 1–11, :mod:`relprop.methods.bimodal`): the result has one
+    score row per stream (``exp.streams``); the aggregation options keep their defaults there.
     """
+    if is_two_stream(trace):  # encoder-decoder, co-attention: the bi-modal rules (Eq. 6-11)
+        _blocks(trace, "gradient_rollout")
+        _only_defaults("gradient_rollout", query=(query, "cls"), head_fusion=(head_fusion, "mean"),
+                       positive=(positive, True), discard_ratio=(discard_ratio, 0.0), start_block=(start_block, 0), end_block=(end_block, None),
+                       layers=(layers, "rollout"), last_k=(last_k, 1), normalize_rows=(normalize_rows, False))
+        return two_stream_result(trace, "gradient")
     agg = Aggregation(head_fusion, positive, discard_ratio, start_block, end_block, layers, last_k, normalize_rows)
     return aggregate(trace, "gradient_rollout", agg, lambda b: b.gradient * b.attention, query=query)

@@ -3,7 +3,9 @@ from __future__ import annotations
 
 from typing import Optional
 
+from ..errors import MethodError
 from .aggregation import Aggregation, aggregate
+from .bimodal import is_two_stream, two_stream_result
 from .registry import method
 
 
@@ -32,6 +34,21 @@ def transformer_attribution(trace, start_block: int = 0, normalize_rows: bool = 
     end_block, head_fusion, positive, discard_ratio, layers, last_k : the aggregation
         hyperparameters of :mod:`relprop.methods.aggregation` (survey §1.4); the defaults (every
         block, E_h, positive part, nothing discarded, rollout) are Eq. 13–14.
+
+    On a model with two token streams (encoder–decoder, co-attention) the maps E_h[(∇A ⊙ R_A)⁺]
+    are aggregated by the bi-modal rules of Chefer, Gur & Wolf (ICCV 2021, Eq. 6–11; the paper's
+    LRP-weighted variant, :mod:`relprop.methods.bimodal`); the result has one score row per stream
+    (``exp.streams``), and every option keeps its default there.
     """
+    if trace.blocks and is_two_stream(trace):  # encoder-decoder, co-attention: the ICCV 2021 rules with R_A
+        given = {"start_block": (start_block, 0), "normalize_rows": (normalize_rows, False), "query": (query, "cls"),
+                 "end_block": (end_block, None), "head_fusion": (head_fusion, "mean"), "positive": (positive, True),
+                 "discard_ratio": (discard_ratio, 0.0), "layers": (layers, "rollout"), "last_k": (last_k, 1)}
+        for option, (value, default) in given.items():
+            if value != default:
+                raise MethodError(f"transformer_attribution on a model with two token streams follows the bi-modal "
+                                  f"rules of Chefer et al. (ICCV 2021), which have no {option}={value!r}; leave "
+                                  f"{option} at {default!r}")
+        return two_stream_result(trace, "relevance")
     agg = Aggregation(head_fusion, positive, discard_ratio, start_block, end_block, layers, last_k, normalize_rows)
     return aggregate(trace, "transformer_attribution", agg, lambda b: b.gradient * b.relevance, query=query)

@@ -1,0 +1,242 @@
+"""Attribution of generated text: :func:`explain_generation`.
+
+For a prompt, a language model (decoder-only) or an encoder–decoder writes tokens y_1 … y_G one at
+a time; token y_t is the model's next-token prediction on the prompt (or source) and y_1 … y_{t-1}.
+Explaining y_t is explaining the logit of y_t at the last position of that prefix (teacher
+forcing; with ``contrast=``, the logit of y_t minus that of an alternative token). The result is a
+[G × columns] relevance matrix per sample: row t holds the relevance of each prompt/source token
+and of each earlier target token for y_t; later columns are zero.
+
+How it is computed: a causal decoder's output at position p depends on positions ≤ p only (the
+masked attention weights to later positions are exactly zero), so step t explained on the whole
+sequence with the target read at position p_t equals step t explained on the prefix alone. The G
+steps are run as one batch of G copies of the full teacher-forced sequence (copy t reads the
+target at its own position): one captured graph for every step and one forward and one backward
+pass per generated token (with the AttnLRP fast path, ``method="lrp", preset="attnlrp"``, the
+default), in a single call of :func:`relprop.explain`.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, List, Optional, Sequence, Union
+
+import torch
+
+from .api import explain
+from .errors import InputError, TargetError
+from .graph.state import eval_mode
+from .viz import generation as viz_generation
+
+
+@dataclasses.dataclass
+class GenerationExplanation:
+    """One sample's generation attribution.
+
+    ``matrix`` [generated tokens, columns]: row t is the relevance of each column token for the t-th
+    generated token (columns: the source / prompt tokens, then for an encoder–decoder the decoder's
+    start token and the generated tokens; for a decoder-only model the prompt continues into the
+    generated tokens). ``columns``/``rows`` are the token ids, ``labels``/``row_labels`` their
+    strings (with a tokenizer), ``source_length`` the number of source/prompt columns.
+    """
+
+    matrix: torch.Tensor
+    rows: torch.Tensor
+    columns: torch.Tensor
+    source_length: int
+    method: str
+    preset: Optional[str]
+    labels: Optional[List[str]] = None
+    row_labels: Optional[List[str]] = None
+    contrast: Optional[torch.Tensor] = None
+    explanation: Any = None  # the batched Explanation of the G teacher-forced steps
+
+    def html(self) -> str:
+        """An HTML heatmap of the matrix (rows: generated tokens; columns: the tokens they read)."""
+        return viz_generation.matrix_html(self.matrix, self._row_text(), self._column_text(), self.source_length,
+                                          title=f"{self.method}" + (f" ({self.preset})" if self.preset else ""))
+
+    def save(self, path: str, **kwargs) -> str:
+        """Write the heatmap to ``path``: ``.html`` (:meth:`html`) or an image (``.png``, ``.pdf``)."""
+        if str(path).endswith(".html"):
+            with open(path, "w", encoding="utf-8") as f:
+                f.write(self.html())
+            return str(path)
+        return viz_generation.matrix_figure(self.matrix, self._row_text(), self._column_text(), self.source_length,
+                                            path, **kwargs)
+
+    def _row_text(self):
+        return self.row_labels or [str(int(t)) for t in self.rows]
+
+    def _column_text(self):
+        return self.labels or [str(int(t)) for t in self.columns]
+
+
+def _is_encoder_decoder(model) -> bool:
+    return bool(getattr(getattr(model, "config", None), "is_encoder_decoder", False))
+
+
+def _ids(tokenizer, prompt) -> torch.Tensor:
+    if torch.is_tensor(prompt) and prompt.is_floating_point():  # an image or log-mel features: one sample
+        if prompt.dim() not in (3, 4) or prompt.shape[0] != 1:
+            raise InputError(f"a float prompt must be one image [1, C, H, W] or one feature matrix [1, F, T]; got "
+                             f"{tuple(prompt.shape)}")
+        return prompt
+    if torch.is_tensor(prompt):
+        ids = prompt
+    elif isinstance(prompt, dict):
+        ids = prompt["input_ids"]
+    elif isinstance(prompt, str):
+        if tokenizer is None:
+            raise InputError("explain_generation got a prompt string and no tokenizer; pass tokenizer= or the "
+                             "prompt's token ids (a [1, length] tensor)")
+        ids = tokenizer(prompt, return_tensors="pt")["input_ids"]
+    else:
+        raise InputError(f"prompt must be a str, a [1, length] tensor of ids or a tokenizer's output, not "
+                         f"{type(prompt).__name__}")
+    if ids.dim() == 1:
+        ids = ids[None]
+    if ids.dim() != 2 or ids.shape[0] != 1 or ids.is_floating_point():
+        raise InputError(f"the prompt's ids must be one sample [1, length] of token ids; got {tuple(ids.shape)} "
+                         "(pass a list of prompts for several samples)")
+    return ids
+
+
+def _start_token(model) -> int:
+    cfg = model.config
+    start = getattr(cfg, "decoder_start_token_id", None)
+    if start is None:
+        start = getattr(getattr(model, "generation_config", None), "decoder_start_token_id", None)
+    if start is None:
+        raise InputError(f"{type(model).__name__}'s config names no decoder_start_token_id")
+    return int(start)
+
+
+@torch.no_grad()
+def _greedy(model, src: torch.Tensor, prefix: torch.Tensor, steps: int, eos: Optional[int]) -> torch.Tensor:
+    """Greedy continuation of ``prefix`` (decoder-only: the prompt; encoder–decoder: the start token,
+    with ``src`` as the source): [steps or fewer] new token ids, stopping after ``eos``."""
+    out = []
+    seq = prefix
+    with eval_mode(model):
+        for _ in range(steps):
+            if src is None:
+                logits = model(input_ids=seq, use_cache=False).logits
+            else:
+                logits = model(**{_source_name(src): src}, decoder_input_ids=seq, use_cache=False).logits
+            tok = int(logits[0, -1].argmax())
+            out.append(tok)
+            seq = torch.cat([seq, seq.new_tensor([[tok]])], 1)
+            if eos is not None and tok == eos:
+                break
+    return torch.tensor(out, dtype=torch.long)
+
+
+def _source_name(src: torch.Tensor) -> str:
+    """The encoder input's name: ``input_ids``, ``pixel_values`` (an image) or ``input_features``."""
+    if not src.is_floating_point():
+        return "input_ids"
+    return "pixel_values" if src.dim() == 4 else "input_features"
+
+
+def _per_column(r: torch.Tensor) -> torch.Tensor:
+    """A stream's relevance as [rows, columns]: log-mel relevance [rows, features, frames] summed per frame."""
+    return r.sum(1) if r.dim() == 3 else r.flatten(1)
+
+
+def _as_tokens(x, n: int, name: str) -> torch.Tensor:
+    t = torch.as_tensor(x, dtype=torch.long).flatten()
+    if t.numel() == 1 and n > 1 and name == "contrast":
+        t = t.expand(n)
+    if t.numel() != n:
+        raise TargetError(f"{name} must give one token id per generated token ({n}), got {t.numel()}")
+    return t
+
+
+def explain_generation(model, tokenizer=None, prompt: Union[str, torch.Tensor, Sequence] = "", *,
+                       max_new_tokens: int = 16, method: str = "lrp", preset: Optional[str] = "attnlrp",
+                       target: Any = None, contrast: Any = None, **options
+                       ) -> Union[GenerationExplanation, List[GenerationExplanation]]:
+    """Explain every token a model generates for ``prompt`` (see the module docstring).
+
+    Parameters
+    ----------
+    model : a causal language model (``*ForCausalLM``) or an encoder–decoder (T5, BART, Marian, ...).
+    tokenizer : turns a prompt string into ids and ids into the labels of the picture (optional when
+        ``prompt`` holds ids).
+    prompt : a string, a [1, length] tensor of ids or a tokenizer's output; a list of them gives a
+        list of results. For an encoder–decoder it is the source: ids, or one image [1, C, H, W]
+        (``VisionEncoderDecoderModel``: columns are the image's patches) or one log-mel feature
+        matrix [1, mel bins, frames] (Whisper: columns are the frames, or the encoder's tokens for
+        the rollout methods).
+    max_new_tokens : how many tokens to generate greedily (stopping after the end-of-sequence token).
+    method, preset, options : as for :func:`relprop.explain`; default AttnLRP (Achtibat et al., ICML
+        2024) with its one-backward fast path. A method with per-token scores over the explained input
+        (``lrp``, ``gradient_rollout``, ``transformer_attribution``, ``input_x_gradient``, ...).
+    target : None (the greedy continuation) or the token ids of a fixed continuation to explain
+        (teacher-forced; nothing is generated).
+    contrast : None, or one alternative token id (or one per generated token): each row then
+        explains logit(y_t) − logit(alternative), why the model wrote y_t rather than it.
+
+    Returns
+    -------
+    GenerationExplanation (a list of them for a list of prompts)
+    """
+    if isinstance(prompt, (list, tuple)) and not torch.is_tensor(prompt):
+        return [explain_generation(model, tokenizer, p, max_new_tokens=max_new_tokens, method=method,
+                                   preset=preset, target=target, contrast=contrast, **options) for p in prompt]
+    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise InputError(f"max_new_tokens must be a positive int, not {max_new_tokens!r}")
+    ids = _ids(tokenizer, prompt)
+    enc_dec = _is_encoder_decoder(model)
+    prefix = torch.tensor([[_start_token(model)]], dtype=torch.long) if enc_dec else ids
+    if target is None:
+        eos = getattr(model.config, "eos_token_id", None)
+        gen = _greedy(model, ids if enc_dec else None, prefix, max_new_tokens, eos if isinstance(eos, int) else None)
+    else:
+        gen = torch.as_tensor(target, dtype=torch.long).flatten()
+        if gen.numel() == 0:
+            raise TargetError("target= must hold at least one token id to explain")
+    g = gen.numel()
+    alt = None if contrast is None else _as_tokens(contrast, g, "contrast")
+    # one copy of the teacher-forced sequence per generated token; copy t reads its target at p_t
+    full = torch.cat([prefix, gen[None, :-1].to(prefix.dtype)], 1)  # the tokens any step reads
+    positions = torch.arange(g) + prefix.shape[1] - 1
+    rows = torch.arange(g)
+    tok, other = gen, alt
+
+    def score(outputs):
+        logits = outputs.logits
+        s = logits[rows, positions, tok]
+        return s if other is None else s - logits[rows, positions, other]
+
+    src_name = _source_name(ids) if enc_dec else "input_ids"
+    if enc_dec:
+        inputs = {src_name: ids.expand((g,) + tuple(ids.shape[1:])), "decoder_input_ids": full.expand(g, -1)}
+    else:
+        inputs = {"input_ids": full.expand(g, -1)}
+    exp = explain(model, inputs, target=score, method=method, preset=preset, **options)
+    if enc_dec:
+        streams = exp.streams or {}
+        if "decoder_input_ids" not in streams:
+            raise InputError(f"relprop found no second token stream in {type(model).__name__} (encoder–decoder); "
+                             "the decoder's tokens cannot be scored")
+        source = _per_column(streams[src_name])
+        matrix = torch.cat([source, streams["decoder_input_ids"]], 1)
+        n_src = source.shape[1]
+        # an image's or features' columns are its patches or frames, numbered
+        columns = torch.cat([ids[0] if src_name == "input_ids" else torch.arange(n_src), full[0]])
+    else:
+        matrix, columns, n_src = exp.scores, full[0], ids.shape[1]
+    matrix = _causal(matrix.detach().float(), positions + (n_src if enc_dec else 0))
+    labels = row_labels = None
+    if tokenizer is not None and src_name == "input_ids":
+        labels = tokenizer.convert_ids_to_tokens(columns.tolist())
+        row_labels = tokenizer.convert_ids_to_tokens(gen.tolist())
+    return GenerationExplanation(matrix, gen, columns, int(n_src), method, preset, labels, row_labels, alt, exp)
+
+
+def _causal(matrix: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
+    """Zero the columns after each row's last read position (exactly zero already for the rules and
+    gradients; the special-token masks of the Explanation are not applied here)."""
+    cols = torch.arange(matrix.shape[1])
+    return torch.where(cols[None, :] <= last[:, None], matrix, torch.zeros((), dtype=matrix.dtype))
