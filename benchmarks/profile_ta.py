@@ -83,7 +83,7 @@ def main():
             key = "self_cuda_time_total" if dev.startswith("cuda") else "self_cpu_time_total"
             print(f"\n### {name}: op breakdown of one explain(method={args.method!r})\n")
             print(prof.key_averages().table(sort_by=key, row_limit=args.top))
-    print(f"\n| model | method | fwd+bwd ms | explain ms | ratio | threads |\n|---|---|---:|---:|---:|---:|")
+    print("\n| model | method | fwd+bwd ms | explain ms | ratio | threads |\n|---|---|---:|---:|---:|---:|")
     for name, f, e in rows:
         print(f"| {name} | {args.method} | {f * 1e3:.0f} | {e * 1e3:.0f} | {e / f:.2f} | {args.threads} |")
     print(f"load after: {os.getloadavg()[0]:.2f}")
