@@ -8,6 +8,8 @@ W⁻ = min(W, 0), one joint denominator per output, bias ignored::
     R_i   = Σ_j (x⁺_i W⁺_ji + x⁻_i W⁻_ji) / z_j · R_j
 
 Every term is non-negative, so Σ_i R_i = Σ_j R_j wherever z_j ≠ 0: the rule conserves relevance.
+Its denominator is computed as ½(xW + |x||W|) (:func:`alpha1_beta0`), with xW read from the layer's
+forward output: three matrix products per layer instead of four, and no split of x in the forward.
 
 ``"lrp"`` — the linear rule of the authors' LRP *baseline* (``Linear.relprop`` of
 ``modules/layers_lrp.py`` and ``BERT_explainability/modules/layers_lrp.py`` at the newest commit of
@@ -36,8 +38,9 @@ from .stabilize import promote, safe_divide
 aten = torch.ops.aten
 
 
-def signed_split(w: torch.Tensor, cache: dict = None, key=None) -> torch.Tensor:
-    """``cat([W⁺, W⁻], dim=-1)`` for ``w`` of shape [..., out, in] (memoized in ``cache``).
+def weight_parts(w: torch.Tensor, cache: dict = None, key=None):
+    """``(|W|, W⁺, W⁻)`` for ``w`` of shape [..., out, in], in the relevance's
+    precision (float32 at least), memoized in ``cache``.
 
     The memo is keyed by the weight's memory (address, shape, strides, dtype, device), so all the
     captures of one model share an entry per weight, and checked against the version counter, so
@@ -45,38 +48,81 @@ def signed_split(w: torch.Tensor, cache: dict = None, key=None) -> torch.Tensor:
     caller wants the memo used.
     """
     if cache is not None and key is not None:
-        key = (w.data_ptr(), tuple(w.shape), w.stride(), w.dtype, w.device)
+        key = ("parts", w.data_ptr(), tuple(w.shape), w.stride(), w.dtype, w.device)
         stamp = w._version
         hit = cache.get(key)
         if hit is not None and hit[0] == stamp:
             return hit[1]
     wf = promote(w)  # float32 at least (float64 kept)
-    split = torch.cat([wf.clamp(min=0), wf.clamp(max=0)], dim=-1)
+    parts = (wf.abs(), wf.clamp(min=0), wf.clamp(max=0))
     if cache is not None and key is not None:
-        cache[key] = (stamp, split)
-    return split
+        cache[key] = (stamp, parts)
+    return parts
 
 
-def _signed_x(x):
-    return torch.cat([x.clamp(min=0), x.clamp(max=0)], dim=-1)
-
-
-def alpha1_beta0(x: torch.Tensor, w: torch.Tensor, relevance: torch.Tensor, eps: float, split=None) -> torch.Tensor:
+def alpha1_beta0(x: torch.Tensor, w: torch.Tensor, relevance: torch.Tensor, eps: float, xw=None,
+                 parts=None) -> torch.Tensor:
     """Relevance of ``x`` for ``z = x @ w`` under LRP-alpha1beta0 with a joint denominator (Eq. 5).
 
     ``w`` is [in, out] (or batched [..., in, out]); ``x`` is [..., in]; ``relevance`` is [..., out].
-    ``split`` may pass ``signed_split(wᵀ)`` precomputed. Computed as two matrix products on the
-    concatenations [x⁺, x⁻] and [W⁺, W⁻]: z = [x⁺, x⁻]·[W⁺; W⁻] and the adjoint S·[W⁺, W⁻],
-    exactly the terms of Eq. 5, without ever cancelling positive against negative products.
+    ``xw`` may pass ``x @ w`` (a linear layer's own forward output less its bias) and ``parts``
+    :func:`weight_parts` of ``wᵀ``. The denominator uses the identity x⁺W⁺ + x⁻W⁻ = ½(xW + |x||W|)
+    (one matrix product when ``xw`` is given instead of two on the split x and W); the adjoint is
+    x⁺ ⊙ (S W⁺ᵀ) + x⁻ ⊙ (S W⁻ᵀ), exactly the terms of Eq. 5 (so R ≥ 0
+    gives R_x ≥ 0 and x_i = 0 gives R_i = 0 exactly). In floating point z differs from the sum of
+    the split terms by rounding of the order of the unit roundoff times |x||W|; outputs whose z is
+    below :data:`SMALL_Z` times |x||W| (cancellation) are recomputed from the split terms.
     """
-    n = x.shape[-1]
-    if split is None:
-        split = signed_split(w.transpose(-1, -2))  # [..., out, 2 in]
-    xs = _signed_x(x)
-    z = xs @ split.transpose(-1, -2)
+    if parts is None:
+        parts = weight_parts(w.transpose(-1, -2))
+    abs_wt, wp, wn = parts  # each [..., out, in]
+    if xw is None:
+        xw = x @ w
+    den = x.abs() @ abs_wt.transpose(-1, -2)  # Σ|x||W| >= z: the scale of the rounding error of z
+    z = (xw + den).mul_(0.5)
     s = safe_divide(relevance, z, eps)
-    back = (s @ split) * xs  # [..., 2 in]: x⁺ (S W⁺) and x⁻ (S W⁻)
-    return back[..., :n] + back[..., n:]
+    small = z < den * SMALL_Z
+    exact = None
+    if bool(small.any()):  # cancellation: these outputs are recomputed from the split terms
+        s, exact = _exact_columns(x, w, relevance, eps, s, small)
+    rx = x.clamp(min=0) * (s @ wp)
+    rx.addcmul_(x.clamp(max=0), s @ wn)
+    return rx if exact is None else rx.add_(exact)
+
+
+#: outputs whose z = ½(xW + |x||W|) is below this fraction of |x||W| lose more than ~2⁻¹² of their
+#: relative precision to cancellation in float32; :func:`alpha1_beta0` recomputes them from the
+#: split terms x⁺W⁺ + x⁻W⁻ (as Eq. 5 is written), which never cancel
+SMALL_Z = 2.0 ** -12
+
+
+def _exact_columns(x, w, relevance, eps, s, small):
+    """Eq. 5 on the split terms for the outputs flagged in ``small`` (all of them for a batched
+    ``w``); returns ``s`` with those outputs zeroed and their relevance for ``x``."""
+    if w.dim() == 2:
+        cols = small.reshape(-1, small.shape[-1]).any(0).nonzero().squeeze(1)
+        wc, rc = w[:, cols], relevance[..., cols]
+        s = s.index_fill(-1, cols, 0.0)
+    else:
+        wc, rc, s = w, relevance, torch.zeros_like(s)
+    xp, xn, wp, wn = x.clamp(min=0), x.clamp(max=0), wc.clamp(min=0), wc.clamp(max=0)
+    sc = safe_divide(rc, xp @ wp + xn @ wn, eps)
+    return s, xp * (sc @ wp.transpose(-1, -2)) + xn * (sc @ wn.transpose(-1, -2))
+
+
+def _forward_product(ctx, x):
+    """``x Wᵀ`` of ``aten.linear`` read from the node's forward output (less the bias), when that
+    output was computed in the relevance's precision; else None (recomputed by the rule)."""
+    out, w = ctx.out, ctx.args[1]
+    if not torch.is_tensor(out) or not torch.is_tensor(w) or w.dtype != x.dtype or out.dtype != x.dtype \
+            or out.shape[-1] != w.shape[0]:
+        return None
+    bias = ctx.args[2] if len(ctx.args) > 2 else ctx.kwargs.get("bias")
+    if bias is None:
+        return out
+    if not torch.is_tensor(bias) or (len(ctx.live) > 2 and ctx.live[2] is True):
+        return None
+    return out - promote(bias)
 
 
 def lrp_baseline(x: torch.Tensor, w: torch.Tensor, relevance: torch.Tensor, eps: float, split=None) -> torch.Tensor:
@@ -115,8 +161,8 @@ def linear(ctx, relevance):
     """``y = x Wᵀ + b``: LRP-alpha1beta0 with a joint denominator (CVPR 2021, Eq. 5); bias ignored."""
     require_constant_weight(ctx, 1)
     x, w = promote(ctx.args[0]), ctx.args[1]
-    split = signed_split(w, ctx.options.get("weight_cache"), ctx.node.name)
-    rx = alpha1_beta0(x, promote(w).t(), relevance, ctx.eps, split=split)
+    parts = weight_parts(w, ctx.options.get("weight_cache"), ctx.node.name)
+    rx = alpha1_beta0(x, promote(w).t(), relevance, ctx.eps, xw=_forward_product(ctx, x), parts=parts)
     return (rx,) + (None,) * (len(ctx.args) - 1)
 
 
