@@ -317,7 +317,8 @@ def gradient_rollout(trace, query: str = "cls", head_fusion: str = "mean", posit
     if is_two_stream(trace):  # encoder-decoder, co-attention: the bi-modal rules (Eq. 6-11)
         _blocks(trace, "gradient_rollout")
         _only_defaults("gradient_rollout", query=(query, "cls"), head_fusion=(head_fusion, "mean"),
-                       positive=(positive, True), discard_ratio=(discard_ratio, 0.0), start_block=(start_block, 0), end_block=(end_block, None),
+                       positive=(positive, True), discard_ratio=(discard_ratio, 0.0), start_block=(start_block, 0),
+                       end_block=(end_block, None),
                        layers=(layers, "rollout"), last_k=(last_k, 1), normalize_rows=(normalize_rows, False))
         return two_stream_result(trace, "gradient")
     agg = Aggregation(head_fusion, positive, discard_ratio, start_block, end_block, layers, last_k, normalize_rows)
