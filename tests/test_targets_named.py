@@ -140,3 +140,16 @@ def test_left_padded_decoder_batch_warns(name):
     with warnings.catch_warnings():
         warnings.simplefilter("error", relprop.RelpropWarning)
         relprop.explain(bert, left, method="raw_attention", special_tokens_mask=left["attention_mask"] == 0)
+
+
+def test_layer_names_the_block_of_gradcam_style_methods():
+    """layer='blocks.0' (pytorch-grad-cam's target_layers) is block=0; a sub-module path names its block."""
+    model = models.timm_vit_tiny()
+    x = models.image_batch(model)
+    for method in ("gradcam", "grads", "attention_norm"):
+        by_index = relprop.explain(model, x, method=method, block=0)
+        for layer in ("blocks.0", "blocks.0.norm1", "blocks.0.attn"):
+            assert torch.equal(relprop.explain(model, x, method=method, layer=layer).scores, by_index.scores)
+        assert not torch.equal(by_index.scores, relprop.explain(model, x, method=method).scores)
+    with pytest.raises(relprop.MethodError, match=r"blocks\.0', 'blocks\.1'"):
+        relprop.explain(model, x, method="gradcam", layer="head")

@@ -36,6 +36,8 @@ padded batch explains exactly like each text alone.
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from ..errors import MethodError
@@ -74,7 +76,21 @@ _FIELD_WORDS = {
 }
 
 
-def _pick(blocks, block: int, name: str):
+def _pick(blocks, block, name: str, layer=None):
+    """The block record ``block`` (an index, negative from the output), or the one whose layer or attention
+    module is ``layer`` (a module path such as ``"blocks.10"``, ``"blocks.10.norm1"`` or ``"bert.encoder.layer.11"``,
+    as pytorch-grad-cam's ``target_layers`` names a layer)."""
+    if layer is not None:
+        if not isinstance(layer, str):
+            raise MethodError(f"{name}: layer must be a module path such as 'blocks.10', not {type(layer).__name__}")
+        for b in blocks:
+            if layer in (b.layer, b.name) or layer.startswith(b.layer + "."):
+                return b
+        raise MethodError(f"{name}: layer={layer!r} is no attention block of the model; its blocks' layers are "
+                          f"{[b.layer for b in blocks]} (give one of these module paths, or block=INDEX)")
+    if not isinstance(block, int) or isinstance(block, bool):
+        raise MethodError(f"{name}: block must be an int (a block index), not {block!r}; pass layer='module.path' "
+                          "to name a block by its module")
     if not -len(blocks) <= block < len(blocks):
         raise MethodError(f"{name}: block={block} out of range: the model has blocks 0..{len(blocks) - 1} "
                           "(negative values count from the output, -1 = the block next to the output)")
@@ -170,7 +186,7 @@ def attcat(trace, attention: str = "received"):
                     "class token's row (signed)",
         class_specific=True, signed=True, reference="Qiang et al., AttCAT (NeurIPS 2022), Fig. 2 'Grads'",
         needs_relevance=False)
-def grads(trace, block: int = -1):
+def grads(trace, block: int = -1, layer: Optional[str] = None):
     """The "Grads" baseline of the AttCAT paper (Fig. 2: E_H(∇α^L)): the gradient of the target
     score with respect to the attention probabilities of the block next to the output, averaged over
     the heads; token scores = the class token's row, E_h dA[h, 0, j] (the row the attention baselines
@@ -180,10 +196,11 @@ def grads(trace, block: int = -1):
     Parameters
     ----------
     block : which block (counted from the input; default -1, the block next to the output).
+    layer : the block by its module path (``"blocks.10"``), as pytorch-grad-cam's ``target_layers``.
 
     Returns ``matrix`` = E_h dA of that block.
     """
-    b = _pick(_blocks(trace, "grads"), block, "grads")
+    b = _pick(_blocks(trace, "grads"), block, "grads", layer)
     m = head_mean(b.gradient)
     return {"tokens": query_rows(trace, m), "matrix": m, "query": query_vector(trace, m.shape[-2], m.device)}
 
@@ -228,7 +245,7 @@ def attgrads(trace, token_scores: str = "rows"):
         reference="Kobayashi et al., 'Attention is not only a weight' (EMNLP 2020): "
                   "||Σ_h α_ij f_h(x_j)||; survey §1.5",
         needs_relevance=False)
-def attention_norm(trace, block: int = -1):
+def attention_norm(trace, block: int = -1, layer: Optional[str] = None):
     """Norm-based attention analysis (Kobayashi et al. 2020, the survey's §1.5)::
 
         N[i, j] = ‖ Σ_h A[h, i, j] · f^h(x_j) ‖₂,   f^h(x_j) = W_O^h v^h_j
@@ -241,9 +258,10 @@ def attention_norm(trace, block: int = -1):
     Parameters
     ----------
     block : which block (counted from the input; default -1, the block next to the output).
+    layer : the block by its module path (``"blocks.10"``), as pytorch-grad-cam's ``target_layers``.
     """
     blocks = _blocks(trace, "attention_norm")
-    b = _pick(blocks, block, "attention_norm")
+    b = _pick(blocks, block, "attention_norm", layer)
     if b.value is None or b.out_proj_weight is None:
         missing = "attention output projection W_O" if b.out_proj_weight is None else "attention values V"
         raise MethodError(f"attention_norm needs the {missing} of block {b.index} ('{b.name}'), and none was "
@@ -272,7 +290,7 @@ def attention_norm(trace, block: int = -1):
         class_specific=True, signed=False,
         reference="Selvaraju et al., Grad-CAM (ICCV 2017), Eq. 1-2, on ViT tokens as in the survey §2.2",
         needs_relevance=False)
-def gradcam(trace, block: int = -1):
+def gradcam(trace, block: int = -1, layer: Optional[str] = None):
     """Grad-CAM (Selvaraju et al. 2017, Eq. 1–2) on token features, as the survey's §2.2 applies it to
     ViTs (pytorch-grad-cam with ``target_layers = [model.blocks[-1].norm1]``)::
 
@@ -291,9 +309,11 @@ def gradcam(trace, block: int = -1):
     block : which block (counted from the input; default -1, the block next to the output: its
         output tokens other than the class token do not reach the classifier, so the features
         *entering* it are the last ones with a useful gradient).
+    layer : the block by its module path (``"blocks.10"``, the layer or its attention module), as
+        pytorch-grad-cam's ``target_layers`` names the layer; overrides ``block``.
     """
     blocks = _blocks(trace, "gradcam", "features", "features_gradient")
-    b = _pick(blocks, block, "gradcam")
+    b = _pick(blocks, block, "gradcam", layer)
     feats, grad = b.features, b.features_gradient  # [B, N, C]
     n = feats.shape[1]
     patches = patch_tokens(trace, n, feats.device)
