@@ -55,7 +55,8 @@ def build(info, preset: Optional[str], result: dict, trace, special_tokens_mask=
                        conservation=trace.conservation, input_relevance=trace.input_relevance,
                        logits=trace.logits, preset=preset if info.needs_relevance else None,
                        modality=trace.modality, grid=trace.grid, prefix_tokens=prefix, outputs=trace.outputs,
-                       signed=info.signed, class_specific=info.class_specific, notes=notes)
+                       signed=info.signed, class_specific=info.class_specific, notes=notes,
+                       convergence_delta=result.get("convergence_delta"))
 
 
 def on_grid(tokens: torch.Tensor, trace, method: str):

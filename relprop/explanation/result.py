@@ -64,6 +64,7 @@ class Explanation:
     class_specific: bool = True
     notes: List[str] = dataclasses.field(default_factory=list)
     query: Optional[torch.Tensor] = None
+    convergence_delta: Optional[torch.Tensor] = None  # integrated_gradients: Σ IG − (f(x) − f(x₀)) per sample
 
     def show(self, **kwargs):
         """Display the explanation (image overlay, or coloured tokens/HTML in a notebook); see
