@@ -140,3 +140,40 @@ def test_left_padded_decoder_batch_warns(name):
     with warnings.catch_warnings():
         warnings.simplefilter("error", relprop.RelpropWarning)
         relprop.explain(bert, left, method="raw_attention", special_tokens_mask=left["attention_mask"] == 0)
+
+
+def test_layer_names_the_block_of_gradcam_style_methods():
+    """layer='blocks.0' (pytorch-grad-cam's target_layers) is block=0; a sub-module path names its block."""
+    model = models.timm_vit_tiny()
+    x = models.image_batch(model)
+    for method in ("gradcam", "grads", "attention_norm"):
+        by_index = relprop.explain(model, x, method=method, block=0)
+        for layer in ("blocks.0", "blocks.0.norm1", "blocks.0.attn"):
+            assert torch.equal(relprop.explain(model, x, method=method, layer=layer).scores, by_index.scores)
+        assert not torch.equal(by_index.scores, relprop.explain(model, x, method=method).scores)
+    with pytest.raises(relprop.MethodError, match=r"blocks\.0', 'blocks\.1'"):
+        relprop.explain(model, x, method="gradcam", layer="head")
+
+
+def test_integrated_gradients_convergence_delta(bert, batch):
+    """exp.convergence_delta = Σ IG − (f(x) − f(x₀)) (captum's return_convergence_delta); it shrinks as the
+    Riemann sum refines, and f(x₀) is the model's score on the baseline."""
+    deltas = []
+    for n in (2, 16):
+        exp = relprop.explain(bert, batch, method="integrated_gradients", n_steps=n, target=1)
+        assert exp.convergence_delta.shape == (2,)
+        deltas.append(exp.convergence_delta.abs().max().item())
+    assert deltas[1] < deltas[0]
+    emb = bert.get_input_embeddings()
+    with torch.no_grad():
+        f_x = bert(**batch).logits[:, 1]
+        hooked = emb.register_forward_hook(lambda m, i, o: torch.zeros_like(o))  # the zero baseline x₀
+        try:
+            f_0 = bert(**batch).logits[:, 1]
+        finally:
+            hooked.remove()
+    # Σ of the token scores is Σ IG (the scores sum the embedding size), masked special tokens aside
+    full = relprop.explain(bert, batch, method="integrated_gradients", n_steps=16, target=1,
+                           special_tokens_mask=torch.zeros_like(batch["input_ids"], dtype=torch.bool))
+    assert torch.allclose(full.convergence_delta, full.scores.sum(1) - (f_x - f_0), atol=1e-4)
+    assert relprop.explain(bert, batch, method="input_x_gradient").convergence_delta is None

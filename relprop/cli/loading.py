@@ -32,6 +32,7 @@ class Loaded:
     default_method: str = "transformer_attribution"
     note: str = ""
     cosine_scale: Optional[float] = None  # the demo: score = scale × cosine
+    why: str = ""  # why the default method explains this model (the demo says it on its page)
 
 
 def load_model(spec: str) -> Loaded:
@@ -237,7 +238,8 @@ def load_demo(label_names: Optional[str] = None) -> Loaded:
         raise CliError(str(err), EXIT_MODEL) from None
     return Loaded(model, "text", DEMO_NAME, labels=dict(model.config.id2label), tokenizer=tok,
                   options=dict(demo.METHOD_OPTIONS), default_options=dict(demo.OPTIONS),
-                  default_method=demo.DEFAULT_METHOD, cosine_scale=model.scale)
+                  default_method=demo.DEFAULT_METHOD, cosine_scale=model.scale,
+                  why=f"{demo.DEFAULT_METHOD} under preset '{demo.OPTIONS['preset']}': {demo.WHY}")
 
 
 def num_classes(loaded: Loaded) -> Optional[int]:

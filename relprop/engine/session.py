@@ -49,6 +49,12 @@ class Session:
         g = [torch.zeros_like(env[s]) if gr is None else gr for s, gr in zip(srcs, grads)]
         return promote(env[srcs[0]].detach()), promote(sum(g).detach())
 
+    def source_scores(self, perturb: Callable) -> torch.Tensor:
+        """[batch] target scores with the source replaced by ``perturb(source)`` (no gradients)."""
+        with torch.no_grad():
+            _, outputs = forward(self.captured, self.model, self.kwargs, perturb=perturb)
+            return promote(self.score_fn(outputs).detach())
+
     def target_scores(self, **replace) -> torch.Tensor:
         """Target scores with some model inputs replaced (e.g. ``pixel_values=masked``;
         ``primary=`` names the explained input)."""

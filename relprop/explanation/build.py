@@ -58,7 +58,7 @@ def build(info, preset: Optional[str], result: dict, trace, special_tokens_mask=
                        modality=trace.modality, grid=trace.grid, prefix_tokens=prefix, outputs=trace.outputs,
                        signed=info.signed, class_specific=info.class_specific, notes=notes,
                        streams=_streams(result.get("streams"), trace, scores),
-                       output_stream=result.get("output_stream"))
+                       output_stream=result.get("output_stream"), convergence_delta=result.get("convergence_delta"))
 
 
 def _streams(streams, trace, scores):

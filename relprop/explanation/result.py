@@ -76,6 +76,7 @@ class Explanation:
     streams: Optional[Dict[str, torch.Tensor]] = None
     #: two-stream models: the stream whose tokens the target reads (the rows of ``matrix``)
     output_stream: Optional[str] = None
+    convergence_delta: Optional[torch.Tensor] = None  # integrated_gradients: Σ IG − (f(x) − f(x₀)) per sample
 
     def show(self, **kwargs):
         """Display the explanation (image overlay, or coloured tokens/HTML in a notebook); see

@@ -78,7 +78,21 @@ _FIELD_WORDS = {
 }
 
 
-def _pick(blocks, block: int, name: str):
+def _pick(blocks, block, name: str, layer=None):
+    """The block record ``block`` (an index, negative from the output), or the one whose layer or attention
+    module is ``layer`` (a module path such as ``"blocks.10"``, ``"blocks.10.norm1"`` or ``"bert.encoder.layer.11"``,
+    as pytorch-grad-cam's ``target_layers`` names a layer)."""
+    if layer is not None:
+        if not isinstance(layer, str):
+            raise MethodError(f"{name}: layer must be a module path such as 'blocks.10', not {type(layer).__name__}")
+        for b in blocks:
+            if layer in (b.layer, b.name) or layer.startswith(b.layer + "."):
+                return b
+        raise MethodError(f"{name}: layer={layer!r} is no attention block of the model; its blocks' layers are "
+                          f"{[b.layer for b in blocks]} (give one of these module paths, or block=INDEX)")
+    if not isinstance(block, int) or isinstance(block, bool):
+        raise MethodError(f"{name}: block must be an int (a block index), not {block!r}; pass layer='module.path' "
+                          "to name a block by its module")
     if not -len(blocks) <= block < len(blocks):
         raise MethodError(f"{name}: block={block} out of range: the model has blocks 0..{len(blocks) - 1} "
                           "(negative values count from the output, -1 = the block next to the output)")
@@ -174,7 +188,7 @@ def attcat(trace, attention: str = "received"):
                     "class token's row (signed)",
         class_specific=True, signed=True, reference="Qiang et al., AttCAT (NeurIPS 2022), Fig. 2 'Grads'",
         needs_relevance=False)
-def grads(trace, block: int = -1):
+def grads(trace, block: int = -1, layer: Optional[str] = None):
     """The "Grads" baseline of the AttCAT paper (Fig. 2: E_H(∇α^L)): the gradient of the target
     score with respect to the attention probabilities of the block next to the output, averaged over
     the heads; token scores = the class token's row, E_h dA[h, 0, j] (the row the attention baselines
@@ -184,10 +198,11 @@ def grads(trace, block: int = -1):
     Parameters
     ----------
     block : which block (counted from the input; default -1, the block next to the output).
+    layer : the block by its module path (``"blocks.10"``), as pytorch-grad-cam's ``target_layers``.
 
     Returns ``matrix`` = E_h dA of that block.
     """
-    b = _pick(_blocks(trace, "grads"), block, "grads")
+    b = _pick(_blocks(trace, "grads"), block, "grads", layer)
     m = head_mean(b.gradient)
     return {"tokens": query_rows(trace, m), "matrix": m, "query": query_vector(trace, m.shape[-2], m.device)}
 
@@ -234,7 +249,8 @@ def attgrads(trace, token_scores: str = "rows"):
         needs_relevance=False)
 def attention_norm(trace, block: int = -1, head_fusion: str = "combined", positive: bool = False,
                    discard_ratio: float = 0.0, start_block: int = 0, end_block: Optional[int] = None,
-                   layers: str = "last", last_k: int = 1, normalize_rows: bool = True, query: str = "cls"):
+                   layers: str = "last", last_k: int = 1, normalize_rows: bool = True, query: str = "cls",
+                   layer: Optional[str] = None):
     """Norm-based attention analysis (Kobayashi et al. 2020, Eq. 5–6; the survey's §1.5)::
 
         N[i, j] = ‖ Σ_h A[h, i, j] · f^h(x_j) ‖₂,   f^h(x_j) = W_O^h v^h_j
@@ -256,12 +272,13 @@ def attention_norm(trace, block: int = -1, head_fusion: str = "combined", positi
     ----------
     block : which block (counted from the input; default -1, the block next to the output): the
         last block of the range (same as ``end_block=block + 1``).
+    layer : that block by its module path (``"blocks.10"``), as pytorch-grad-cam's ``target_layers``.
     """
     blocks = _blocks(trace, "attention_norm")
-    if block != -1:
+    if block != -1 or layer is not None:
         if end_block is not None:
-            raise OptionError("attention_norm: give block= or end_block=, not both (block=b is end_block=b+1)")
-        end_block = _pick(blocks, block, "attention_norm").index + 1
+            raise OptionError("attention_norm: give block=/layer= or end_block=, not both (block=b is end_block=b+1)")
+        end_block = _pick(blocks, block, "attention_norm", layer).index + 1
     agg = Aggregation("mean" if head_fusion == "combined" else head_fusion, positive, discard_ratio, start_block,
                       end_block, layers, last_k, normalize_rows)
 
@@ -284,7 +301,7 @@ def attention_norm(trace, block: int = -1, head_fusion: str = "combined", positi
         class_specific=True, signed=False,
         reference="Selvaraju et al., Grad-CAM (ICCV 2017), Eq. 1-2, on ViT tokens as in the survey §2.2",
         needs_relevance=False)
-def gradcam(trace, block: int = -1):
+def gradcam(trace, block: int = -1, layer: Optional[str] = None):
     """Grad-CAM (Selvaraju et al. 2017, Eq. 1–2) on token features, as the survey's §2.2 applies it to
     ViTs (pytorch-grad-cam with ``target_layers = [model.blocks[-1].norm1]``)::
 
@@ -303,9 +320,11 @@ def gradcam(trace, block: int = -1):
     block : which block (counted from the input; default -1, the block next to the output: its
         output tokens other than the class token do not reach the classifier, so the features
         *entering* it are the last ones with a useful gradient).
+    layer : the block by its module path (``"blocks.10"``, the layer or its attention module), as
+        pytorch-grad-cam's ``target_layers`` names the layer; overrides ``block``.
     """
     blocks = _blocks(trace, "gradcam", "features", "features_gradient")
-    b = _pick(blocks, block, "gradcam")
+    b = _pick(blocks, block, "gradcam", layer)
     feats, grad = b.features, b.features_gradient  # [B, N, C]
     n = feats.shape[1]
     patches = patch_tokens(trace, n, feats.device)

@@ -305,4 +305,10 @@ def integrated_gradients(trace, baseline: Union[str, torch.Tensor] = "zero", n_s
             g = g * _per_sample(ok.to(x.device).float(), g)
             acc.index_add_(0, r, g.to(acc))
             bar.update(int(ok.sum()))
-    return reduce_source(trace, (x - x0) * acc / n_steps)
+    attributions = (x - x0) * acc / n_steps
+    out = reduce_source(trace, attributions)
+    # completeness (the paper's Prop. 1): Σ IG = f(x) − f(x₀); captum's convergence delta is the difference
+    at_baseline = trace.session.source_scores(lambda v: x0.to(v.dtype))
+    total = attributions.reshape(b, -1).sum(1)
+    out["convergence_delta"] = total - (promote(trace.target_scores).to(total) - at_baseline.to(total))
+    return out
