@@ -89,7 +89,9 @@ def test_timm_model_takes_its_own_preprocessing(picture):
     assert x.shape[-1] == 64  # the model's input size, not the file's
     ref = relprop.explain(model, x)
     exp = relprop.explain(model, [str(picture), Image.open(picture)])
-    assert torch.equal(exp.scores[0], ref.scores[0]) and torch.equal(exp.scores[1], ref.scores[0])
+    # a batch of two against one image: equal to float32 rounding (the batch's matmuls round differently)
+    for i in range(2):
+        torch.testing.assert_close(exp.scores[i], ref.scores[0], rtol=1e-4, atol=1e-6 * float(ref.scores.abs().max()))
 
 
 def test_bad_raw_inputs(tmp_path):
