@@ -2,11 +2,15 @@
 Eq. 5 written out term by term (loops, float64), also where z is small against |x||W|
 (cancellation, recomputed from the split terms), and through the registered ``aten.linear`` rule
 that reads xW from the layer's own forward output."""
+import models
 import pytest
 import torch
 import torch.fx
 
+import relprop
 from relprop.rules import linear as lin
+from relprop.rules import override
+from relprop.rules.stabilize import safe_divide
 from relprop.rules.context import RuleContext
 from relprop.rules.registry import lookup
 
@@ -106,3 +110,32 @@ def test_half_precision_output_is_not_reused():
     ctx = RuleContext(node=node, args=(x, weight), kwargs={}, out=out, live=(True, False), batch_dim=0,
                       batch_size=x.shape[0], eps=EPS, preset="chefer2021")
     assert lin._forward_product(ctx, x) is None
+
+
+# ------------------------------------------------------------------------------------------------
+# explain(): Transformer Attribution with the identity equals the split formula to float32 rounding
+# ------------------------------------------------------------------------------------------------
+def split_alpha1_beta0(ctx, relevance):
+    """The α1β0 rule as it was computed before the identity (Eq. 5 on [x⁺, x⁻] and [W⁺, W⁻])."""
+    x, w = ctx.args[0], ctx.args[1].t()
+    xp, xn, wp, wn = x.clamp(min=0), x.clamp(max=0), w.clamp(min=0), w.clamp(max=0)
+    s = safe_divide(relevance, xp @ wp + xn @ wn, ctx.eps)
+    return (xp * (s @ wp.t()) + xn * (s @ wn.t()),) + (None,) * (len(ctx.args) - 1)
+
+
+@pytest.mark.parametrize("which", ["vit", pytest.param("bert", marks=pytest.mark.slow)])
+def test_transformer_attribution_unchanged_to_float32_rounding(which):
+    """explain() with the identity vs with the rule as it was (split formula, set by override()): the
+    same Transformer Attribution scores to float32 rounding on the tiny test models."""
+    if which == "vit":
+        model = models.timm_vit_tiny()
+        x = models.image_batch(model)
+        kw = {}
+    else:
+        model = models.hf_bert()
+        x, kw = models.text_batch(), {}
+    for method in ("transformer_attribution", "ta_last_block"):
+        new = relprop.explain(model, x, target=1, method=method, **kw)
+        with override({aten.linear.default: split_alpha1_beta0}, preset="chefer2021"):
+            old = relprop.explain(model, x, target=1, method=method, **kw)
+        torch.testing.assert_close(new.scores, old.scores, rtol=1e-4, atol=1e-5 * float(old.scores.abs().max()))
