@@ -151,6 +151,7 @@ def demo_run(args) -> int:
         lines.append(f"| {method} | default | " + " | ".join(_fmt(rows['default'].get(c)) for c in cols) + " |")
         lines.append(f"| {method}[tuned] | {_setting(tuned.best)} | "
                      + " | ".join(_fmt(rows['tuned'].get(c)) for c in cols) + " |")
+        print("\n".join(lines[-2:]), flush=True)  # the test rows as soon as they exist
     with open(os.path.join(out, "tuned_demo.json"), "w") as f:
         json.dump(result, f, indent=1, default=str)
     with open(os.path.join(out, "tuned_demo.md"), "w") as f:

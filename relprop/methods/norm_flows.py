@@ -101,14 +101,15 @@ def _after_projection(session, index: int):
         node = nxt[0] if len(nxt) == 1 else None
     raise MethodError(f"attn_res_ln_norm needs the residual sum after the attention output projection of block "
                       f"{index} ('{info.name if hasattr(info, 'name') else index}'), and the graph has none right "
-                      "after it (a layer scale or another op in between); use attention_norm instead")
+                      "after it (an op other than a per-channel scale in between). Methods that apply: "
+                      "attention_norm, raw_attention, rollout, transformer_attribution")
 
 
 def residual_norm_map(trace, b, env: dict) -> torch.Tensor:
     """Kobayashi et al. 2021, Eq. 6–9: N[i, j] = ‖g_{z_i}(Σ_h α^h_ij f^h(x_j) + δ_ij r_j)‖ (post-norm:
     the LayerNorm after the residual sum; pre-norm: no g), [batch, N, N] in float64."""
+    f = value_transforms(b).double()  # first: a missing W_O or V is said as such
     add, other, ln, scales = _after_projection(trace.session, b.index)
-    f = value_transforms(b).double()
     for factor in scales:  # LayerScale γ_ls ⊙ (attention output): a per-channel factor of every f^h(x_j)
         gamma_ls = env[factor].detach().double()
         if gamma_ls.dim() > 1 or gamma_ls.numel() not in (1, f.shape[-1]):
