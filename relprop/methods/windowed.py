@@ -30,6 +30,7 @@ NOT_APPLICABLE = {
     "attcat": "it sums gradient x hidden states over blocks whose stages have different numbers of tokens",
     "attgrads": "it averages attention maps over blocks whose stages have different numbers of tokens",
     "attention_norm": "it needs the value vectors of every token, which window attention computes per window",
+    "attn_res_ln_norm": "it needs the value vectors of every token, which window attention computes per window",
     "gradcam": "it reads the token features entering the attention, which window attention cuts into windows",
     "vit_cx": "it reads the token features entering the attention, which window attention cuts into windows",
     "value_zeroing": "it zeroes one token's value vector across a block, which window attention holds per window",
