@@ -30,7 +30,7 @@ from typing import Callable, Dict, List, Optional, Set, Tuple
 import torch
 import torch.fx
 
-from .nodes import module_path, module_paths
+from .nodes import ancestors, descendants, module_path, module_paths
 
 aten = torch.ops.aten
 
@@ -285,8 +285,8 @@ def token_mixing(graph, live, blocks: List[BlockInfo]) -> Optional[str]:
     if not blocks or blocks[0].hidden is None or blocks[-1].output is None:
         return None
     start, end = blocks[0].hidden, blocks[-1].output
-    after = _descendants(start, live)
-    before = _ancestors(end, live)
+    after = descendants([start], live)
+    before = ancestors([end], live)
     inside = {b.product for b in blocks} | {b.scores for b in blocks if b.scores is not None}
     for n in graph.nodes:
         if n not in after or n not in before or n.op != "call_function" or n in inside:
@@ -311,24 +311,6 @@ def _mixes_tokens(n, live) -> Optional[str]:
     return None
 
 
-def _descendants(node, live) -> set:
-    seen, stack = {node}, [node]
-    while stack:
-        for u in stack.pop().users:
-            if u not in seen and u in live:
-                seen.add(u)
-                stack.append(u)
-    return seen
-
-
-def _ancestors(node, live) -> set:
-    seen, stack = {node}, [node]
-    while stack:
-        for m in stack.pop().all_input_nodes:
-            if m not in seen and m in live:
-                seen.add(m)
-                stack.append(m)
-    return seen
 
 
 def fold_counter(batch_dim: Dict[torch.fx.Node, Optional[int]], static_batch: Optional[int], bsym

@@ -134,3 +134,29 @@ def is_live(x, live):
     if isinstance(x, (list, tuple)):
         return [is_live(e, live) for e in x]
     return False
+
+
+# --------------------------------------------------------------------------------------- reachability
+
+def ancestors(starts: Iterable[torch.fx.Node], within) -> set:
+    """``starts`` and every node of ``within`` they depend on through nodes of ``within``."""
+    seen = set(starts)
+    stack = list(seen)
+    while stack:
+        for m in stack.pop().all_input_nodes:
+            if m in within and m not in seen:
+                seen.add(m)
+                stack.append(m)
+    return seen
+
+
+def descendants(starts: Iterable[torch.fx.Node], within) -> set:
+    """``starts`` and every node of ``within`` that depends on them through nodes of ``within``."""
+    seen = set(starts)
+    stack = list(seen)
+    while stack:
+        for u in stack.pop().users:
+            if u in within and u not in seen:
+                seen.add(u)
+                stack.append(u)
+    return seen

@@ -24,6 +24,8 @@ from typing import Dict, List, Optional, Set, Tuple
 import torch
 import torch.fx
 
+from .nodes import ancestors
+
 aten = torch.ops.aten
 
 #: inputs that are never a token stream of their own (masks, positions, boxes, labels, caches)
@@ -113,20 +115,11 @@ def waves(blocks, live: Set[torch.fx.Node]) -> List[int]:
     together (LXMERT's two co-attention blocks of a layer)."""
     out, current, members = [], -1, []
     for b in blocks:
-        ancestors = _ancestors(b.attention, live)
-        if current < 0 or any(m.product in ancestors for m in members):
+        above = ancestors([b.attention], live)
+        if current < 0 or any(m.product in above for m in members):
             current += 1
             members = []
         members.append(b)
         out.append(current)
     return out
 
-
-def _ancestors(node, live) -> set:
-    seen, stack = {node}, [node]
-    while stack:
-        for m in stack.pop().all_input_nodes:
-            if m not in seen and m in live:
-                seen.add(m)
-                stack.append(m)
-    return seen

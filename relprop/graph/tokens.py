@@ -27,7 +27,7 @@ from typing import Dict, List, Optional, Set, Tuple
 import torch
 import torch.fx
 
-from .nodes import evaluate
+from .nodes import ancestors, evaluate
 
 aten = torch.ops.aten
 
@@ -100,7 +100,7 @@ def plan_tokens(graph, live, blocks, sources, modality: str) -> Optional[TokenPl
     ends = {i: h for i, h in hiddens.items() if h is not None and h in reach}
     if 0 not in ends:
         return None
-    needed = _ancestors_within(set(ends.values()), reach)
+    needed = ancestors(set(ends.values()), reach)
     nodes = sorted((n for n in needed if n is not start), key=order.__getitem__)
     # only ops that move positions read other values (indices, constants): per-token ops read shapes
     reads = {m for n in nodes if n.target in MOVING for m in n.all_input_nodes if m not in needed}
@@ -158,15 +158,6 @@ def _start(live, end, sources, modality, order) -> Optional[torch.fx.Node]:
         return sequences[0]
     return None
 
-
-def _ancestors_within(ends, reach) -> set:
-    seen, stack = set(ends), list(ends)
-    while stack:
-        for m in stack.pop().all_input_nodes:
-            if m in reach and m not in seen:
-                seen.add(m)
-                stack.append(m)
-    return seen
 
 
 def token_positions(plan: Optional[TokenPlan], env: Dict[torch.fx.Node, object], batch: int
