@@ -43,6 +43,7 @@ from .engine.forward import forward
 from .errors import InputError, OptionError
 from .graph.nodes import module_paths
 from .targets import logits_of
+from .raw_inputs import model_image_size
 
 aten = torch.ops.aten
 
@@ -202,7 +203,7 @@ def visualize(model: torch.nn.Module, unit: Any, *, steps: int = 200, lr: float 
     model : an image or text classifier (HF or timm); not modified.
     unit : see the module docstring (``"class:207"``, ``"neuron:3:100"``, ``"head:11:2"``, ...).
     jitter, blur, blur_every, tv : the optional regularizers (0: off).
-    image_size, normalization : images: default the model's (:func:`model_image_size`,
+    image_size, normalization : images: default the model's (:func:`relprop.raw_inputs.model_image_size`,
         :func:`model_normalization`; else (0.5, 0.5, 0.5) / (0.5, 0.5, 0.5)); ``normalization`` is
         ``(mean, std)``.
     length : text: the number of relaxed positions (a [CLS]-like first position included).
@@ -305,19 +306,6 @@ def _word_embedding(model):
                      "a word embedding (get_input_embeddings) was found, so relprop cannot tell what input to "
                      "optimize; visualize takes HuggingFace/timm image models and HuggingFace text models")
 
-
-def model_image_size(model) -> Optional[Tuple[int, int]]:
-    """(H, W) a model takes: a HuggingFace config's ``image_size``, a timm patch embedding's
-    ``img_size`` or ``pretrained_cfg["input_size"]``; None if unknown (then not an image model)."""
-    size = getattr(getattr(model, "config", None), "image_size", None)
-    if size is None:
-        size = getattr(getattr(model, "patch_embed", None), "img_size", None)
-    if size is None and isinstance(getattr(model, "pretrained_cfg", None), dict):
-        inp = model.pretrained_cfg.get("input_size")
-        size = tuple(inp[-2:]) if inp else None
-    if size is None:
-        return None
-    return (int(size), int(size)) if isinstance(size, int) else (int(size[0]), int(size[1]))
 
 
 def model_normalization(model) -> Optional[Tuple[Sequence[float], Sequence[float]]]:

@@ -15,7 +15,7 @@ pipeline is recognised by what it has (``.model``, ``.task``).
 from __future__ import annotations
 
 import os
-from typing import Any, List, NamedTuple, Optional
+from typing import Any, List, NamedTuple, Optional, Tuple
 
 import torch
 
@@ -73,6 +73,23 @@ def open_image(item: Any):
             return im.convert("RGB")
     except (UnidentifiedImageError, OSError) as err:
         raise InputError(f"cannot read image {os.fspath(item)!r}: {err}") from None
+
+
+def model_image_size(model: torch.nn.Module) -> Optional[Tuple[int, int]]:
+    """(H, W) the model takes: a HuggingFace config's ``image_size``, a timm model's patch embedding
+    ``img_size`` or ``pretrained_cfg["input_size"]``; None if unknown."""
+    cfg = getattr(model, "config", None)
+    size = getattr(cfg, "image_size", None)
+    if size is None:
+        size = getattr(getattr(model, "patch_embed", None), "img_size", None)
+    if size is None and isinstance(getattr(model, "pretrained_cfg", None), dict):
+        inp = model.pretrained_cfg.get("input_size")
+        size = tuple(inp[-2:]) if inp else None
+    if size is None:
+        return None
+    if isinstance(size, int):
+        return (size, size)
+    return (int(size[0]), int(size[1]))
 
 
 def timm_transform(model: Any):

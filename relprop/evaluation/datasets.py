@@ -39,26 +39,11 @@ import numpy as np
 import torch
 
 from ..errors import InputError
+from ..raw_inputs import model_image_size  # noqa: F401  (re-exported: relprop.evaluation.model_image_size)
 from . import _util
 
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg")
 
-
-def model_image_size(model: torch.nn.Module) -> Optional[Tuple[int, int]]:
-    """(H, W) the model takes: a HuggingFace config's ``image_size``, a timm model's patch embedding
-    ``img_size`` or ``pretrained_cfg["input_size"]``; None if unknown."""
-    cfg = getattr(model, "config", None)
-    size = getattr(cfg, "image_size", None)
-    if size is None:
-        size = getattr(getattr(model, "patch_embed", None), "img_size", None)
-    if size is None and isinstance(getattr(model, "pretrained_cfg", None), dict):
-        inp = model.pretrained_cfg.get("input_size")
-        size = tuple(inp[-2:]) if inp else None
-    if size is None:
-        return None
-    if isinstance(size, int):
-        return (size, size)
-    return (int(size[0]), int(size[1]))
 
 
 def model_normalization(model: torch.nn.Module) -> Optional[Tuple[Tuple[float, ...], Tuple[float, ...]]]:
