@@ -76,8 +76,8 @@ def explain(model: torch.nn.Module, inputs: Any, target: Any = None, method: Any
         model's ``config.id2label`` (or one per sample), a callable ``target(outputs) -> [batch]`` scores,
         or :func:`relprop.contrast` ``(a, b)`` for the difference of two classes' scores. For a language
         model (``model.can_generate()``) targets are next tokens at the last non-padding position: None
-        the predicted one (chosen once on the inputs), ``"next_token"`` the argmax of each forward pass,
-        an int / a one-token string (with ``tokenizer=``) a given one (:func:`relprop.targets.next_token`).
+        and ``"next_token"`` the predicted one (chosen once on the inputs and kept by methods that rerun
+        the model), an int / a one-token string (with ``tokenizer=``) a given one (:func:`relprop.targets.next_token`).
     method : an explanation method (``relprop.methods()`` lists them), or a list of methods: they
         share one forward pass (and one relevance pass per preset) and a list of Explanations is
         returned. Default: the paper's Transformer Attribution (Chefer et al., CVPR 2021, Eq. 13–14).

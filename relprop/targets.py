@@ -301,11 +301,11 @@ def specify(target: Any, model: Any, tokenizer: Any = None, attention_mask: Opti
 
     Label names (a string, or one per sample) become class indices from the model's labels. For a
     language model (:func:`is_language_model`) every target is a next token at the last non-padding
-    position of ``attention_mask``: None the predicted one, chosen once on the inputs
-    (:func:`predicted_next_token`); ``"next_token"`` the argmax of each forward pass (:func:`next_token`;
-    the same for methods that run the model once, but a method that runs it on changed inputs —
-    integrated gradients, SmoothGrad — may score another token there); an int / ints / a one-token
-    string a given one.
+    position of ``attention_mask``: None and ``"next_token"`` the predicted one, chosen once on the
+    inputs (:func:`predicted_next_token`), so a method that runs the model on changed inputs (integrated
+    gradients' path, SmoothGrad's noisy copies) keeps scoring that token; an int / ints / a one-token
+    string a given one. (The callable :func:`next_token` without ``token`` takes the argmax of every
+    forward pass it sees; pass it yourself when that is what you want.)
     A :class:`Contrast` is specified part by part. Anything else is returned as it is.
     """
     lm = is_language_model(model)
@@ -325,9 +325,7 @@ def specify(target: Any, model: Any, tokenizer: Any = None, attention_mask: Opti
             b = b if callable(b) else next_token(attention_mask, b)
         return Contrast(a, b)
     t = one(target)
-    if isinstance(t, str):  # "next_token": the argmax at every call, as before (the recorded outputs keep it)
-        return next_token(attention_mask)
-    if lm and t is None:
+    if isinstance(t, str) or (lm and t is None):  # "next_token" / None: the token predicted on the inputs
         return predicted_next_token(attention_mask)
     if lm and not callable(t) and not isinstance(t, bool):
         return next_token(attention_mask, t)

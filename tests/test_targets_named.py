@@ -94,6 +94,24 @@ def test_predicted_next_token_is_chosen_once():
     assert fn(first).item() == 1.0 and fn(other).item() == 0.0  # token 4, not other's argmax 7
 
 
+@pytest.mark.parametrize("method", ["integrated_gradients", "smoothgrad"])
+def test_next_token_string_keeps_the_predicted_token_along_the_path(method):
+    """``target="next_token"`` scores the token predicted on the inputs at every forward pass of a
+    method that runs the model on changed inputs, exactly like passing that token's id."""
+    lm = models.hf_gpt2_lm()
+    x = models.decoder_batch((7, 5))
+    with torch.no_grad():
+        logits = lm(**x, use_cache=False).logits
+    last = x["attention_mask"].sum(1) - 1
+    predicted = logits[torch.arange(2), last].argmax(-1).tolist()
+    torch.manual_seed(0)
+    named = relprop.explain(lm, x, target="next_token", method=method)
+    torch.manual_seed(0)
+    given = relprop.explain(lm, x, target=predicted, method=method)
+    assert torch.equal(named.scores, given.scores)
+    assert torch.equal(named.target_scores, given.target_scores)
+
+
 class OneTokenTokenizer:
     """A tokenizer that knows three words (one id each) and splits anything else into two ids."""
 
