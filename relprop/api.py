@@ -64,7 +64,9 @@ def explain(model: torch.nn.Module, inputs: Any, target: Any = None, method: Any
     ----------
     model : a HuggingFace ``transformers`` or ``timm`` model (or any ``nn.Module`` that
         ``torch.export`` can capture), or a HuggingFace ``pipeline`` (text or image classification:
-        its model is explained, its tokenizer / image processor prepares raw inputs). The model is not
+        its model is explained, its tokenizer / image processor prepares raw inputs; zero-shot text or
+        image classification: the input it builds for the label ``target=`` names, see
+        :mod:`relprop.zero_shot`). The model is not
         modified; its parameters, buffers, mode and hooks are the same afterwards, also when this
         function raises.
     inputs : what the model's forward takes: a tensor (pixels), a tuple of positional arguments,
@@ -130,7 +132,7 @@ def explain(model: torch.nn.Module, inputs: Any, target: Any = None, method: Any
     -------
     Explanation (or a list of them, one per method, when ``method`` is a list)
     """
-    model, inputs, tokenizer = raw_inputs.adapt(model, inputs, tokenizer, image_processor)
+    model, inputs, tokenizer, target, wrt = raw_inputs.adapt(model, inputs, tokenizer, image_processor, target, wrt)
     infos, many = opt.check_methods(method)
     return _checked_explain(model, inputs, target, infos, many, preset, options, eps, unsupported,
                             special_tokens_mask, tokenizer, fast_path, memory, wrt)

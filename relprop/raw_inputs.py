@@ -2,6 +2,8 @@
 
 * A HuggingFace ``pipeline`` as the model (text-classification, image-classification, ...): its model
   is explained, its tokenizer or image processor prepares raw inputs, its labels name the targets.
+  Zero-shot pipelines (text and image) explain the input they build for the label named by
+  ``target=`` (:mod:`relprop.zero_shot`).
 * Raw text (a string or a list of strings) for a text model, given a ``tokenizer=`` (or a pipeline):
   tokenized with padding, as one batch.
 * Images: a ``PIL.Image``, a file path, or a list of them, prepared by the model's own preprocessing:
@@ -19,17 +21,21 @@ from typing import Any, List, NamedTuple, Optional, Tuple
 
 import torch
 
+from . import zero_shot
 from .errors import InputError
 
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff")
 
 
 class Adapted(NamedTuple):
-    """What :func:`adapt` returns: the model to capture, its inputs, the tokenizer (or None)."""
+    """What :func:`adapt` returns: the model to capture, its inputs, the tokenizer (or None), and the
+    target and ``wrt`` (the caller's, or those a zero-shot pipeline implies)."""
 
     model: Any
     inputs: Any
     tokenizer: Any
+    target: Any = None
+    wrt: Optional[str] = None
 
 
 def is_pipeline(obj: Any) -> bool:
@@ -116,29 +122,45 @@ def pixels(model: Any, images: List[Any], image_processor: Any = None) -> torch.
                      "image_processor= (e.g. AutoImageProcessor for the checkpoint), a pipeline, or pixel tensors")
 
 
-def adapt(model: Any, inputs: Any, tokenizer: Any = None, image_processor: Any = None) -> Adapted:
-    """The model, inputs and tokenizer :func:`relprop.explain` works with, from a pipeline and/or raw
-    text or images (see the module docstring). Tensors, dicts and tuples pass through unchanged."""
-    if is_pipeline(model):
-        pipe = model
-        if pipe.task.startswith("zero-shot"):
-            raise InputError(f"a {pipe.task!r} pipeline scores each label with a separate input; explain its "
-                             "model on the inputs it builds (pipe.preprocess) instead")
+def adapt(model: Any, inputs: Any, tokenizer: Any = None, image_processor: Any = None, target: Any = None,
+          wrt: Optional[str] = None) -> Adapted:
+    """The model, inputs, tokenizer, target and ``wrt`` :func:`relprop.explain` works with, from a
+    pipeline and/or raw text or images (see the module docstring; zero-shot pipelines:
+    :mod:`relprop.zero_shot`). Tensors, dicts and tuples pass through unchanged."""
+    pipe = model if is_pipeline(model) else None
+    if pipe is not None:
         model = pipe.model
         tokenizer = tokenizer if tokenizer is not None else getattr(pipe, "tokenizer", None)
         if image_processor is None:
             image_processor = getattr(pipe, "image_processor", None)
+        if pipe.task.startswith("zero-shot") and not zero_shot.is_zero_shot(pipe):
+            raise InputError(f"relprop explains the pipelines {', '.join(zero_shot.TASKS)} among the zero-shot "
+                             f"ones, not {pipe.task!r}; explain its model on the inputs it builds (pipe.preprocess)")
     items = _items(inputs)
+    if pipe is not None and zero_shot.is_zero_shot(pipe):
+        if items is None:
+            raise InputError(f"a {pipe.task!r} pipeline builds its model's inputs from raw "
+                             f"{'images' if 'image' in pipe.task else 'text'}: pass those (a string / an image, "
+                             "or a list), not tensors")
+        if "image" in pipe.task:
+            call = zero_shot.image_call(pipe, pixels(model, _images(model, items), image_processor), target, wrt)
+            return Adapted(call.model, call.inputs, None, call.target, call.wrt)
+        call = zero_shot.text_call(pipe, [os.fspath(x) for x in items], target, wrt)
+        return Adapted(call.model, call.inputs, tokenizer, call.target, call.wrt)
     if items is None:
-        return Adapted(model, inputs, tokenizer)
+        return Adapted(model, inputs, tokenizer, target, wrt)
     if is_image_model(model) or any(not isinstance(x, (str, os.PathLike)) for x in items):
-        if not all(_is_image(x) for x in items):
-            raise InputError(f"{type(model).__name__} takes images: give PIL images or image file paths "
-                             f"(extensions {', '.join(IMAGE_EXTENSIONS)}), or pixel tensors")
-        return Adapted(model, pixels(model, items, image_processor), tokenizer)
+        return Adapted(model, pixels(model, _images(model, items), image_processor), tokenizer, target, wrt)
     if tokenizer is None:
         raise InputError("raw text needs the model's tokenizer: pass tokenizer= (or a pipeline as the model), "
                          "or the tokenizer's output")
     texts = [os.fspath(x) for x in items]
     batch = tokenizer(texts, padding=True, truncation=True, return_tensors="pt")
-    return Adapted(model, dict(batch), tokenizer)
+    return Adapted(model, dict(batch), tokenizer, target, wrt)
+
+
+def _images(model: Any, items: List[Any]) -> List[Any]:
+    if not all(_is_image(x) for x in items):
+        raise InputError(f"{type(model).__name__} takes images: give PIL images or image file paths "
+                         f"(extensions {', '.join(IMAGE_EXTENSIONS)}), or pixel tensors")
+    return items

@@ -32,7 +32,8 @@ LAYERS: List[Tuple[str, Tuple[str, ...]]] = [
     ("methods", ("relprop.methods",)),
     ("viz", ("relprop.viz", "relprop.viz_api")),
     ("explanation", ("relprop.explanation",)),
-    ("api", ("relprop.api", "relprop.validation", "relprop.options", "relprop.raw_inputs", "relprop.generation")),
+    ("api", ("relprop.api", "relprop.validation", "relprop.options", "relprop.raw_inputs", "relprop.zero_shot",
+             "relprop.generation")),
     ("evaluation", ("relprop.evaluation", "relprop.demo", "relprop.actmax")),
     ("cli", ("relprop.cli", "relprop.__main__")),
     ("package", ("relprop",)),  # relprop/__init__.py: the public surface re-exports every layer

@@ -130,3 +130,87 @@ def test_overlay_array_and_word_scores(classifier, tok, picture):
     start = pieces.index(split[0])
     assert abs(words[0][1][1] - float(e.scores[0, start:start + len(split)].sum())) < 1e-6
     assert e.words(tok, batch, index=1) == words[1]
+
+
+# ---------------------------------------------------------------------------------------- zero-shot pipelines
+
+@pytest.fixture(scope="module")
+def nli(tok):
+    torch.manual_seed(1)
+    names = {0: "contradiction", 1: "neutral", 2: "entailment"}
+    cfg = transformers.BertConfig(vocab_size=tok.vocab_size, hidden_size=32, num_hidden_layers=2,
+                                  num_attention_heads=4, intermediate_size=64, max_position_embeddings=64,
+                                  id2label=names, label2id={v: k for k, v in names.items()})
+    return transformers.BertForSequenceClassification(cfg).eval()
+
+
+def test_zero_shot_text_pipeline_explains_the_entailment_of_the_labels_hypothesis(nli, tok):
+    pipe = transformers.pipeline("zero-shot-classification", model=nli, tokenizer=tok)
+    texts = ["the match ended two to one", "shares fell sharply"]
+    exp = relprop.explain(pipe, texts, target=["sports", "business"])
+    pairs = tok(texts, ["This example is sports.", "This example is business."], padding=True,
+                truncation="only_first", return_tensors="pt")
+    ref = relprop.explain(nli, pairs, target=2, tokenizer=tok)  # 2: the NLI model's entailment class
+    assert torch.equal(exp.scores, ref.scores) and exp.target.tolist() == [2, 2]
+    with torch.no_grad():
+        entail = nli(**pairs).logits[:, 2]
+    assert torch.allclose(exp.target_scores, entail, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_zero_shot_text_pipeline_scores_and_template(nli, tok):
+    """The pipeline's own score for a label is the softmax of the explained logits over the candidate
+    labels; a template given to the pipeline is the one used."""
+    pipe = transformers.pipeline("zero-shot-classification", model=nli, tokenizer=tok)
+    texts = ["the match ended two to one"]
+    one = relprop.explain(pipe, texts[0], target="sports")
+    other = relprop.explain(pipe, texts[0], target="business")
+    probs = torch.softmax(torch.cat([one.target_scores, other.target_scores]), 0)
+    result = pipe(texts[0], candidate_labels=["sports", "business"])
+    assert abs(dict(zip(result["labels"], result["scores"]))["sports"] - probs[0].item()) < 1e-4
+    custom = transformers.pipeline("zero-shot-classification", model=nli, tokenizer=tok,
+                                   hypothesis_template="It is about {}.")
+    got = relprop.explain(custom, texts[0], target="sports")
+    want = relprop.explain(nli, tok([texts[0]], ["It is about sports."], return_tensors="pt"), target=2, tokenizer=tok)
+    assert torch.equal(got.scores, want.scores)
+
+
+def test_zero_shot_pipelines_need_a_label_and_raw_inputs(nli, tok):
+    pipe = transformers.pipeline("zero-shot-classification", model=nli, tokenizer=tok)
+    with pytest.raises(relprop.TargetError, match="candidate label"):
+        relprop.explain(pipe, "the match ended")
+    with pytest.raises(relprop.TargetError, match="one per input"):
+        relprop.explain(pipe, ["a", "b"], target=["sports"])
+    with pytest.raises(relprop.InputError, match="raw"):
+        relprop.explain(pipe, tok(["a"], return_tensors="pt"), target="sports")
+
+
+@pytest.fixture(scope="module")
+def clip(tok):
+    torch.manual_seed(2)
+    text = dict(vocab_size=tok.vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                num_attention_heads=4, max_position_embeddings=64, bos_token_id=tok.cls_token_id,
+                eos_token_id=tok.sep_token_id, pad_token_id=tok.pad_token_id)
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, image_size=32,
+                  patch_size=8)
+    cfg = transformers.CLIPConfig(text_config=text, vision_config=vision, projection_dim=16)
+    return transformers.CLIPModel(cfg).eval()
+
+
+def test_zero_shot_image_pipeline_explains_the_image_prompt_similarity(clip, tok, picture):
+    processor = transformers.CLIPImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32})
+    pipe = transformers.pipeline("zero-shot-image-classification", model=clip, tokenizer=tok,
+                                 image_processor=processor)
+    exp = relprop.explain(pipe, [picture, picture], target=["cat", "dog"], method="gradient_rollout")
+    pixels = processor(images=[Image.open(picture).convert("RGB")] * 2, return_tensors="pt")["pixel_values"]
+    prompts = tok(["This is a photo of cat.", "This is a photo of dog."], padding=True, return_tensors="pt")
+    batch = {"pixel_values": pixels, "input_ids": prompts["input_ids"], "attention_mask": prompts["attention_mask"]}
+    ref = relprop.explain(clip, batch, wrt="pixel_values", method="gradient_rollout",
+                          target=lambda out: out.logits_per_image.diagonal())
+    assert torch.equal(exp.scores, ref.scores) and exp.scores.shape == (2, 16) and exp.map.shape == (2, 32, 32)
+    with torch.no_grad():
+        sims = clip(**batch).logits_per_image.diagonal()
+    assert torch.allclose(exp.target_scores, sims, atol=1e-5)
+    result = pipe(Image.open(picture).convert("RGB"), candidate_labels=["cat", "dog"])
+    probs = torch.softmax(torch.stack([sims[0], sims[1]]), 0)  # the same image against both prompts
+    assert abs(dict((r["label"], r["score"]) for r in result)["cat"] - probs[0].item()) < 1e-4
