@@ -29,6 +29,14 @@ def test_blocks_say_which_stream_each_side_reads():
     assert exp.matrix.shape == (2, 5, 7)  # target tokens x source tokens
 
 
+def test_cross_attention_over_as_many_source_tokens_as_channels_per_head_is_attention():
+    """BART's heads have 16 / 2 = 8 channels: a source of 8 tokens gives cross-attention maps of 8 keys,
+    the shape a map over the channels of each head (XCiT) has; they are still attention between tokens."""
+    exp = relprop.explain(M.bart(), M.text_inputs(src=8), target=M.last_token_target, method="gradient_rollout")
+    assert [(b.query_stream, b.key_stream) for b in exp.blocks] == [(SRC, SRC)] * 2 + [(TGT, TGT), (TGT, SRC)] * 2
+    assert exp.matrix.shape == (2, 5, 8)
+
+
 def test_one_stream_model_is_unchanged_and_still_refuses_nonsquare_rollouts():
     torch.manual_seed(0)
     cfg = tf.BertConfig(vocab_size=50, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,

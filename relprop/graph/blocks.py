@@ -224,8 +224,11 @@ def _layer_io(graph, layer, live):
 
 
 def _channel_attention(shape, hidden, value, folded) -> bool:
-    """A [d, d] map over the channels of each head: its keys are not the block's tokens but the
-    channels per head (XCiT), and the values' contracted axis holds channels."""
+    """A [d, d] map over the channels of each head (XCiT): its keys are not the block's tokens but the
+    channels per head, the values' contracted axis holds those channels and their last axis the
+    tokens ([d, N] per head). The last condition tells it from cross-attention whose source length
+    happens to equal the channels per head: there the values are [source, d] per head, and their
+    last axis (d = source length) cannot equal the block's token count, which differs from the keys'."""
     h = _shape(hidden)
     v = _shape(value)
     if h is None or v is None or len(h) != 3 or len(v) < 2:
@@ -234,7 +237,7 @@ def _channel_attention(shape, hidden, value, folded) -> bool:
     keys = int(shape[-1])
     heads = folded if folded else (int(shape[-3]) if len(shape) >= 4 else 1)
     return keys != tokens and heads > 0 and channels % heads == 0 and keys == channels // heads \
-        and int(v[-2]) == keys
+        and int(v[-2]) == keys and int(v[-1]) == tokens
 
 
 def _features(graph, attn, live):
