@@ -9,6 +9,7 @@ and their one-backward fast path.
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
@@ -23,10 +24,10 @@ from relprop.graph.capture import CACHE
 from relprop.graph.inputs import bind_inputs
 from relprop.engine import supports
 from relprop.engine.walk import STABILIZER
-from relprop.rules import registry
-from relprop.rules.context import RuleContext
 from relprop.rules.gradient_forms import _LayerNormConstStd, _RMSNormConstRMS
 from snapshot import assert_same, snapshot
+import rule_helpers
+from rule_helpers import np64, rand, sdiv
 
 aten = torch.ops.aten
 EPS = 1e-9
@@ -37,30 +38,12 @@ PRESETS = ["attnlrp", "cp_lrp"]
 # ------------------------------------------------------------------------------------------------
 # helpers
 # ------------------------------------------------------------------------------------------------
-def sdiv(num: float, den: float, eps: float = EPS) -> float:
-    """The safe_divide stabilizer on Python floats: 0 where den is 0/not finite, else num/(den ± eps)."""
-    if den == 0 or not math.isfinite(den):
-        return 0.0
-    return num / (den + eps) if den >= 0 else num / (den - eps)
-
-
-def rand(shape, seed, dtype=torch.float64):
-    return torch.randn(shape, generator=torch.Generator().manual_seed(seed), dtype=dtype)
-
-
-def np64(t):
-    return t.detach().double().numpy()
-
-
-def make_ctx(op, args, out, live, *, preset="attnlrp", node=None, kwargs=None):
-    if node is None:
-        node = torch.fx.Graph().call_function(op, ())
-    return RuleContext(node=node, args=tuple(args), kwargs=kwargs or {}, out=out, live=tuple(live), batch_dim=0,
-                       batch_size=out.shape[0], eps=EPS, preset=preset, options={})
+make_ctx = functools.partial(rule_helpers.make_ctx, preset="attnlrp")
 
 
 def rule_of(op, preset="attnlrp"):
-    return registry.lookup(preset, op)
+    return rule_helpers.rule_of(op, preset)
+
 
 
 # ------------------------------------------------------------------------------------------------
@@ -559,7 +542,6 @@ def test_every_family_conserves_and_fast_path_agrees(name, preset):
     """Every other family of the engine under both presets, biases removed: the interpreter conserves
     (input + absorbed = injected, < 1e-4) and the fast path gives its input relevance (< 1e-4 of the
     largest), finite, with the model untouched."""
-    from snapshot import assert_same, snapshot
     model, x, target = _family(name)
     model = models.zero_biases(model)
     before = snapshot(model)

@@ -268,6 +268,22 @@ def _tokenizer():
     return BertTokenizerFast(vocab=vocab)
 
 
+def _saved_vit(folder) -> str:
+    """A tiny HF ViT and its image processor (mean = std = 0.5, 32×32) saved in ``folder``."""
+    from transformers import ViTImageProcessor
+    models.hf_vit().save_pretrained(str(folder))
+    ViTImageProcessor(image_mean=[0.5] * 3, image_std=[0.5] * 3, size={"height": 32, "width": 32}).save_pretrained(
+        str(folder))
+    return str(folder)
+
+
+def _saved_bert(folder) -> str:
+    """A tiny HF BERT and a tokenizer over ``WORDS`` saved in ``folder``."""
+    models.hf_bert().save_pretrained(str(folder))
+    _tokenizer().save_pretrained(str(folder))
+    return str(folder)
+
+
 def _write_jsonl(path):
     lines = [{"text": "a fine film", "label": 1, "rationale": ["fine"]},
              {"text": "a dull one", "label": 0, "rationale": [[2, 6]]},
@@ -326,12 +342,8 @@ def _csv_rows(path):
 
 def test_command_on_an_image_folder(tmp_path, capsys):
     """`relprop evaluate` on 32×32 PNGs with masks and a saved tiny HF ViT: files, one row per method."""
-    from transformers import ViTImageProcessor
     _write_image_folder(str(tmp_path / "data"))
-    model_dir = str(tmp_path / "vit")
-    models.hf_vit().save_pretrained(model_dir)
-    ViTImageProcessor(image_mean=[0.5] * 3, image_std=[0.5] * 3, size={"height": 32, "width": 32}).save_pretrained(
-        model_dir)
+    model_dir = _saved_vit(tmp_path / "vit")
     out = tmp_path / "out"
     methods = ["transformer_attribution", "rollout", "lrp"]
     code = command.main([str(tmp_path / "data"), "--model", model_dir, "--method", *methods, "--out", str(out),
@@ -350,9 +362,7 @@ def test_command_on_a_jsonl_file(tmp_path, capsys):
     """`relprop evaluate` on a 4-line JSONL with rationales and a saved tiny BERT with a local vocabulary."""
     data = str(tmp_path / "texts.jsonl")
     _write_jsonl(data)
-    model_dir = str(tmp_path / "bert")
-    models.hf_bert().save_pretrained(model_dir)
-    _tokenizer().save_pretrained(model_dir)
+    model_dir = _saved_bert(tmp_path / "bert")
     out = tmp_path / "out"
     methods = ["transformer_attribution", "attcat", "rollout"]
     code = command.main([data, "--model", model_dir, "--method", *methods, "--out", str(out), "--k", "1", "2",
@@ -385,9 +395,7 @@ def test_command_agrees_with_explain(tmp_path, capsys):
     from relprop import cli
     data = str(tmp_path / "texts.jsonl")
     _write_jsonl(data)
-    model_dir = str(tmp_path / "bert")
-    models.hf_bert().save_pretrained(model_dir)
-    _tokenizer().save_pretrained(model_dir)
+    model_dir = _saved_bert(tmp_path / "bert")
     out = tmp_path / "out"
     code = command.main([data, "--model", model_dir, "--method", "rollout,raw_attention", "--out", str(out),
                          "--no-progress", "--no-aopc"])

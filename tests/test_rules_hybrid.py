@@ -17,10 +17,10 @@ import pytest
 import torch
 import torch.fx
 
-from relprop.rules import registry
-from relprop.rules.context import RuleContext
 from relprop.rules.generic import gradient_times_input
 from relprop.rules.gradient_forms import _GroupNormConstStd, stabilize
+
+from rule_helpers import make_ctx, np64, rand, rule_of, sdiv
 
 aten = torch.ops.aten
 EPS = 1e-9
@@ -28,33 +28,6 @@ F64 = dict(rtol=1e-9, atol=1e-12)
 ALL_PRESETS = ["chefer2021", "lrp", "attnlrp", "cp_lrp"]
 PAPER = ["chefer2021", "lrp"]
 EPSILON = ["attnlrp", "cp_lrp"]
-
-
-def sdiv(num: float, den: float, eps: float = EPS) -> float:
-    if den == 0 or not math.isfinite(den):
-        return 0.0
-    return num / (den + eps) if den >= 0 else num / (den - eps)
-
-
-def rand(shape, seed, dtype=torch.float64):
-    return torch.randn(shape, generator=torch.Generator().manual_seed(seed), dtype=dtype)
-
-
-def np64(t):
-    return t.detach().double().numpy().copy()
-
-
-def make_ctx(op, args, out, live, *, preset="chefer2021", kwargs=None, eps=EPS):
-    node = torch.fx.Graph().call_function(op, ())
-    first = out[0] if isinstance(out, (tuple, list)) else out
-    return RuleContext(node=node, args=tuple(args), kwargs=kwargs or {}, out=out, live=tuple(live), batch_dim=0,
-                       batch_size=first.shape[0], eps=eps, preset=preset, options={})
-
-
-def rule_of(op, preset):
-    fn = registry.lookup(preset, op)
-    assert fn is not None, f"no rule for {op} in {preset}"
-    return fn
 
 
 # ------------------------------------------------------------------------------------------------

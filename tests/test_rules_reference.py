@@ -27,6 +27,8 @@ from relprop.rules.products import z_rule_matmul
 from relprop.rules.residual import normalize_shares, z_rule_sum
 from relprop.rules.stabilize import safe_divide
 
+from rule_helpers import make_ctx, np64, rand, sdiv
+
 aten = torch.ops.aten
 EPS = 1e-9
 F64 = dict(rtol=1e-9, atol=1e-12)
@@ -36,13 +38,6 @@ F32 = dict(rtol=1e-4, atol=1e-5)
 # ------------------------------------------------------------------------------------------------
 # reference building blocks (plain Python floats)
 # ------------------------------------------------------------------------------------------------
-def sdiv(num: float, den: float, eps: float) -> float:
-    """The safe_divide stabilizer on Python floats: 0 where den is 0/not finite, else num/(den±eps)."""
-    if den == 0 or not math.isfinite(den):
-        return 0.0
-    return num / (den + eps) if den >= 0 else num / (den - eps)
-
-
 def pos(t: float) -> float:
     return t if t > 0 else 0.0
 
@@ -77,10 +72,6 @@ def distribute(pairs, r_j, eps, rule, low=0.0, high=0.0):
         raise ValueError(rule)
     s1, s2 = sdiv(r_j, sum(p), eps), sdiv(r_j, sum(n), eps)
     return [pi * s1 + ni * s2 for pi, ni in zip(p, n)]
-
-
-def np64(t) -> np.ndarray:
-    return t.detach().to(torch.float64).numpy().copy()
 
 
 def ref_product(a, b, R, eps, rule):
@@ -173,19 +164,6 @@ def reduce_to(rel, shape):
         tgt = tuple(0 if shape[d] == 1 else idx[d + pad] for d in range(len(shape)))
         out[tgt] += R[idx]
     return torch.from_numpy(out)
-
-
-def make_ctx(op, args, out, live, *, preset="chefer2021", kwargs=None, options=None, batch_dim=0, eps=EPS):
-    g = torch.fx.Graph()
-    node = g.call_function(op, ())
-    bs = out.shape[batch_dim] if (batch_dim is not None and torch.is_tensor(out) and out.dim()) else 1
-    return RuleContext(node=node, args=tuple(args), kwargs=kwargs or {}, out=out, live=tuple(live),
-                       batch_dim=batch_dim, batch_size=bs, eps=eps, preset=preset, options=options or {})
-
-
-def rand(shape, seed, dtype=torch.float64):
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn(shape, generator=g, dtype=dtype)
 
 
 def assert_clean(*ts):

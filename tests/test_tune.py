@@ -74,14 +74,10 @@ def test_tune_bad_input(vit):
 
 def test_cli_grid(tmp_path, capsys):
     """`relprop evaluate ... --method rollout --grid head_fusion=mean,max start_block=0,1` ranks the 4 settings."""
-    from transformers import ViTImageProcessor
-    from test_evaluation import _write_image_folder
+    from test_evaluation import _saved_vit, _write_image_folder
     from relprop.cli import evaluate as command
     _write_image_folder(str(tmp_path / "data"))
-    model_dir = str(tmp_path / "vit")
-    models.hf_vit().save_pretrained(model_dir)
-    ViTImageProcessor(image_mean=[0.5] * 3, image_std=[0.5] * 3, size={"height": 32, "width": 32}).save_pretrained(
-        model_dir)
+    model_dir = _saved_vit(tmp_path / "vit")
     out = tmp_path / "out"
     code = command.main([str(tmp_path / "data"), "--model", model_dir, "--method", "rollout", "--out", str(out),
                          "--grid", "head_fusion=mean,max", "start_block=0,1", "--steps", "0.1,0.5,0.9",
