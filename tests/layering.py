@@ -7,7 +7,16 @@ function-level), assigns each module to its layer, and reports what breaks the r
 * an import of a module of a higher layer (an *upward* import);
 * an import of a relprop module inside a function (it hides a dependency, often a cycle);
 * a cycle among modules;
-* a module longer than :data:`MAX_LINES` lines.
+* a module longer than :data:`MAX_LINES` lines;
+* a *lazy* import of a relprop module (``importlib.import_module(...)``, ``__import__(...)``) outside
+  :data:`LAZY_PLACES`, or a lazy import whose module the reader cannot name.
+
+A lazy import is an import that runs when a function is called (``relprop --help`` must not import
+torch): only the package's ``__init__`` (its public names, PEP 562) and the command line's dispatcher
+may have them. Its argument must be a string literal or an item of a module-level literal table
+(``importlib.import_module(LAZY_IMPORTS[name])``, ``COMMANDS[command][0]``): every ``"relprop...."``
+string of that table is then one of the module's imports. Lazy imports are edges of the import graph
+like the others, so they too may not point to a higher layer or close a cycle.
 
 ``tests/test_layers.py`` fails on any of them. Run it to print the tree with line counts per module
 and the import graph by layer::
@@ -19,7 +28,7 @@ from __future__ import annotations
 import ast
 import os
 import sys
-from typing import Dict, List, Set, Tuple
+from typing import Dict, List, Optional, Set, Tuple
 
 ROOT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "relprop")
 
@@ -40,6 +49,12 @@ LAYERS: List[Tuple[str, Tuple[str, ...]]] = [
 ]
 #: modules longer than this are two modules
 MAX_LINES = 400
+#: the only modules allowed to import relprop modules lazily (importlib.import_module): the package's
+#: public names and the command line's dispatcher
+LAZY_PLACES = ("relprop", "relprop.cli")
+#: the calls that import a module by name
+_LAZY_CALLS = {("importlib", "import_module"), (None, "import_module"), (None, "__import__"),
+               ("importlib", "__import__")}
 
 
 def modules() -> Dict[str, str]:
@@ -110,6 +125,78 @@ def imports(mods: Dict[str, str]) -> Dict[str, List[Tuple[str, int, bool]]]:
     return out
 
 
+def _literal_tables(tree: ast.Module) -> Dict[str, ast.AST]:
+    """Module-level ``NAME = {...}`` / ``[...]`` / ``(...)`` literals of a module, by name."""
+    out = {}
+    for node in tree.body:
+        targets, value = [], None
+        if isinstance(node, ast.Assign):
+            targets, value = node.targets, node.value
+        elif isinstance(node, ast.AnnAssign) and node.value is not None:
+            targets, value = [node.target], node.value
+        if isinstance(value, (ast.Dict, ast.List, ast.Tuple, ast.Set)):
+            out.update({t.id: value for t in targets if isinstance(t, ast.Name)})
+    return out
+
+
+def _lazy_call(node: ast.AST) -> bool:
+    if not isinstance(node, ast.Call):
+        return False
+    f = node.func
+    if isinstance(f, ast.Name):
+        return (None, f.id) in _LAZY_CALLS
+    return isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) and (f.value.id, f.attr) in _LAZY_CALLS
+
+
+def _lazy_targets(call: ast.Call, tables: Dict[str, ast.AST]) -> Optional[List[str]]:
+    """The module names a lazy import may import: its string literal, or the ``relprop`` strings of
+    the module-level table it indexes (``TABLE[key]``, ``TABLE[key][0]``); None: cannot tell."""
+    if not call.args:
+        return None
+    arg = call.args[0]
+    if isinstance(arg, ast.Constant) and isinstance(arg.value, str):
+        return [arg.value]
+    while isinstance(arg, ast.Subscript):
+        arg = arg.value
+    if not (isinstance(arg, ast.Name) and arg.id in tables):
+        return None
+    table = tables[arg.id]
+    parts = table.values if isinstance(table, ast.Dict) else table.elts
+    return [n.value for part in parts for n in ast.walk(part) if isinstance(n, ast.Constant)
+            and isinstance(n.value, str) and (n.value == "relprop" or n.value.startswith("relprop."))]
+
+
+def lazy_imports(mods: Dict[str, str]) -> Tuple[Dict[str, List[Tuple[str, int]]], List[str]]:
+    """module -> [(lazily imported relprop module, line)], and the lazy imports that break the rules
+    (outside :data:`LAZY_PLACES`, a module the reader cannot name, a name that is no module)."""
+    edges, bad = {}, []
+    for mod, path in mods.items():
+        with open(path, encoding="utf-8") as f:
+            tree = ast.parse(f.read(), path)
+        tables = _literal_tables(tree)
+        found = []
+        for node in ast.walk(tree):
+            if not _lazy_call(node):
+                continue
+            where = f"{mod}:{node.lineno}"
+            targets = _lazy_targets(node, tables)
+            if targets is None:
+                bad.append(f"{where} imports a module lazily by a name this reader cannot follow (use a string "
+                           "literal or an item of a module-level literal table)")
+                continue
+            targets = [t for t in targets if t == "relprop" or t.startswith("relprop.")]  # not timm, ...
+            if targets and mod not in LAZY_PLACES:
+                bad.append(f"{where} imports {', '.join(targets)} lazily; only {', '.join(LAZY_PLACES)} may")
+                continue
+            for t in targets:
+                if t not in mods:
+                    bad.append(f"{where} imports {t!r} lazily, which is no module of relprop/")
+                elif t != mod:
+                    found.append((t, node.lineno))
+        edges[mod] = list(dict.fromkeys(found))
+    return edges, bad
+
+
 def line_count(path: str) -> int:
     with open(path, encoding="utf-8") as f:
         return sum(1 for _ in f)
@@ -152,20 +239,22 @@ def violations() -> Dict[str, list]:
     """Every break of the layering rules (see the module docstring), by kind."""
     mods = modules()
     imp = imports(mods)
+    lazy, lazy_bad = lazy_imports(mods)
     up, inner = [], []
     for mod, found in imp.items():
         if mod == "relprop":
             continue
-        for target, line, in_function in found:
+        for target, line, in_function in found + [(t, line, False) for t, line in lazy[mod]]:
             if target == "relprop" or layer_of(target) > layer_of(mod):
                 up.append(f"{mod}:{line} imports {target} ({LAYERS[layer_of(mod)][0]} -> "
                           f"{LAYERS[layer_of(target)][0]})")
             if in_function:
                 inner.append(f"{mod}:{line} imports {target} inside a function")
-    edges = {m: {t for t, _, _ in f if not _is_parent_package(t, m)} for m, f in imp.items()}
+    edges = {m: {t for t, _, _ in f if not _is_parent_package(t, m)} | {t for t, _ in lazy[m]}
+             for m, f in imp.items()}
     long = [f"{m}: {line_count(p)} lines" for m, p in sorted(mods.items()) if line_count(p) > MAX_LINES]
     return {"upward": up, "function-level": inner, "cycles": [" <-> ".join(c) for c in cycles(edges)],
-            "too long": long}
+            "too long": long, "lazy": lazy_bad}
 
 
 def _is_parent_package(target: str, mod: str) -> bool:
@@ -200,6 +289,11 @@ def report() -> str:
     for (a, b), n in sorted(counts.items(), key=lambda kv: (layer_of_name(kv[0][0]), layer_of_name(kv[0][1]))):
         arrow = "UP " if layer_of_name(b) > layer_of_name(a) and a != "package" else "   "
         lines.append(f"  {arrow}{a:<12} -> {b:<12} {n:>3}")
+    lines.append("")
+    lines.append(f"lazy imports (importlib.import_module; allowed in {', '.join(LAZY_PLACES)} only):")
+    for mod, found in sorted(lazy_imports(mods)[0].items()):
+        for t, line in found:
+            lines.append(f"  {mod}:{line} -> {t}")
     lines.append("")
     for kind, items in violations().items():
         lines.append(f"{kind}: {len(items)}")

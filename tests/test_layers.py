@@ -3,8 +3,11 @@
 The imports of every module of ``relprop/`` are read from the source (``tests/layering.py``); a
 module may import only from its own layer or the layers below it, never a relprop module inside a
 function, no two modules may import each other (directly or in a cycle), and no module is longer
-than ~400 lines.
+than ~400 lines. Lazy imports (``importlib.import_module``) are allowed only in the package's
+``__init__`` and the command line's dispatcher, and count as imports.
 """
+import ast
+import importlib
 import os
 import subprocess
 import sys
@@ -19,7 +22,7 @@ import relprop
 VIOLATIONS = layering.violations()
 
 
-@pytest.mark.parametrize("kind", ["upward", "function-level", "cycles", "too long"])
+@pytest.mark.parametrize("kind", ["upward", "function-level", "cycles", "too long", "lazy"])
 def test_layering(kind):
     found = VIOLATIONS[kind]
     assert not found, f"{len(found)} {kind} import(s)/module(s):\n" + "\n".join(found)
@@ -47,6 +50,75 @@ def test_the_checker_sees_what_it_must_refuse(tmp_path, monkeypatch):
     found = layering.violations()
     assert any("relprop.graph.nodes" in v and "relprop.api" in v for v in found["upward"])
     assert any("inside a function" in v for v in found["function-level"])
+
+
+def test_the_checker_follows_lazy_imports(tmp_path, monkeypatch):
+    """importlib.import_module of a literal or of a literal table's item is an edge of the graph (here
+    upward and closing a cycle); one outside the allowed places, or of a name the reader cannot
+    follow, or of no module, is refused; a third-party module imported so elsewhere is not."""
+    pkg = tmp_path / "relprop"
+    (pkg / "graph").mkdir(parents=True)
+    (pkg / "__init__.py").write_text(textwrap.dedent("""
+        import importlib
+        LAZY = {"explain": "relprop.api", "nothing": "relprop.nowhere"}
+        def __getattr__(name):
+            return importlib.import_module(LAZY[name])
+    """))
+    (pkg / "api.py").write_text("from . import errors\n")
+    (pkg / "errors.py").write_text(textwrap.dedent("""
+        import importlib
+        def later():
+            return importlib.import_module("relprop.api")
+    """))
+    (pkg / "graph" / "__init__.py").write_text(textwrap.dedent("""
+        import importlib
+        from importlib import import_module
+        def f(name):
+            importlib.import_module("timm")
+            import_module("relprop.api")
+            return importlib.import_module(name)
+    """))
+    monkeypatch.setattr(layering, "ROOT", str(pkg))
+    monkeypatch.setattr(layering, "LAZY_PLACES", ("relprop", "relprop.errors"))
+    edges, _ = layering.lazy_imports(layering.modules())
+    assert edges["relprop"] == [("relprop.api", 5)] and edges["relprop.errors"] == [("relprop.api", 4)]
+    assert edges["relprop.graph"] == []
+    found = layering.violations()
+    assert found["upward"] == ["relprop.errors:4 imports relprop.api (errors -> api)"]
+    assert found["cycles"] == ["relprop.api <-> relprop.errors"]
+    assert found["function-level"] == []
+    lazy = found["lazy"]
+    assert len(lazy) == 3, lazy
+    assert any("relprop:5" in v and "'relprop.nowhere'" in v and "no module" in v for v in lazy)
+    assert any("relprop.graph:6 imports relprop.api lazily; only relprop, relprop.errors may" == v for v in lazy)
+    assert any("relprop.graph:7" in v and "cannot follow" in v for v in lazy)
+
+
+def test_lazy_names_are_what_they_name():
+    """Every public name read lazily (relprop.LAZY_IMPORTS) is the object its module defines, the
+    names are those the type checkers see (the TYPE_CHECKING imports), and every command of the
+    parser has the function that runs it (relprop.cli.COMMANDS)."""
+    from relprop import cli
+    eager = {"RelpropError", "CaptureError", "InputError", "MethodError", "OptionError", "PresetError", "TargetError",
+             "UnsupportedOperation", "RelpropWarning", "__version__"}
+    assert set(relprop.__all__) == set(relprop.LAZY_IMPORTS) | eager
+    for name, module in relprop.LAZY_IMPORTS.items():
+        mod = importlib.import_module(module)
+        assert getattr(relprop, name) is (mod if module == f"relprop.{name}" else getattr(mod, name)), name
+    with open(relprop.__file__, encoding="utf-8") as f:
+        tree = ast.parse(f.read())
+    guarded = next(n for n in tree.body if isinstance(n, ast.If) and getattr(n.test, "id", "") == "TYPE_CHECKING")
+    seen = {}
+    for node in guarded.body:
+        for alias in node.names:
+            seen[alias.name] = "relprop" + (f".{node.module}" if node.module else f".{alias.name}")
+    assert seen == relprop.LAZY_IMPORTS
+    commands = cli.build_parser()._subparsers._group_actions[0].choices
+    assert set(commands) == set(cli.COMMANDS)
+    for module, function in cli.COMMANDS.values():
+        assert callable(getattr(importlib.import_module(module), function))
+    assert cli.load_model is importlib.import_module("relprop.cli.loading").load_model
+    assert cli.commands is importlib.import_module("relprop.cli.commands")
 
 
 def test_public_surface():

@@ -8,9 +8,9 @@ from typing import Dict, List
 from .. import demo
 from ..api import coverage
 from ..methods import get_method, table
-from .common import EXIT_FAILED, EXIT_OK, CliError, check_images, check_numbers, one_line, parse_methods, read_texts
+from .common import EXIT_FAILED, EXIT_OK, CliError, check_images, check_numbers, one_line, read_texts
 from .images import explain_images
-from .loading import Loaded, load_demo, load_model, method_options
+from .loading import Loaded, load_demo, load_model, method_options, parse_methods
 from .texts import explain_texts
 
 

@@ -1,4 +1,7 @@
-"""What every ``relprop`` command shares: exit statuses, one-line errors, offline mode, argument checks."""
+"""What every ``relprop`` command shares: exit statuses, one-line errors, offline mode, argument checks.
+
+It imports no relprop module and nothing heavy: the parser and the dispatcher (``relprop --help``)
+import it before torch is ever imported."""
 from __future__ import annotations
 
 import argparse
@@ -7,9 +10,6 @@ import os
 import sys
 import warnings
 from typing import Dict, List, Optional, Sequence
-
-from ..errors import MethodError
-from ..methods import get_method
 
 #: exit statuses
 EXIT_OK = 0
@@ -72,18 +72,6 @@ def fail(message: str) -> None:
 def one_line(err: Exception) -> str:
     text = " ".join(str(err).split())
     return text[:300] + ("…" if len(text) > 300 else "")
-
-
-def parse_methods(values: Sequence[str], default: str) -> List[str]:
-    """Method names from repeated/comma-separated --method values, checked against the registry."""
-    names = [n.strip() for v in values for n in v.split(",") if n.strip()] or [default]
-    names = list(dict.fromkeys(names))
-    for n in names:
-        try:
-            get_method(n)
-        except MethodError as err:
-            raise CliError(f"unknown method: {err} Run 'relprop methods' for the table.") from None
-    return names
 
 
 def read_texts(args) -> List[str]:

@@ -23,7 +23,7 @@ import csv
 import json
 import os
 import sys
-from typing import Any, List, Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 
@@ -33,82 +33,15 @@ from ..evaluation.perturbation import DEFAULT_STEPS
 from ..evaluation.tune import tune
 from ..methods import table
 from . import loading
-from .common import EXIT_MODEL, CliError, fail, parse_methods
-
-#: the paper's Table 1–2 line-up (CVPR 2021)
-DEFAULT_METHODS = ("transformer_attribution", "rollout", "raw_attention", "attention_gradcam", "partial_lrp", "lrp")
-
-DESCRIPTION = ("Evaluate explanation methods with the papers' protocols (CVPR 2021 §4, AttCAT §5.3) on a folder "
-               "of images with masks or a JSONL file of texts with rationales; writes results.md, results.csv, "
-               "curves.csv and perturbation.png into --out.")
-
-
-def _floats(text: str) -> List[float]:
-    try:
-        return [float(v) for v in text.replace(" ", "").split(",") if v]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"'{text}' is not a comma-separated list of numbers") from None
-
-
-def configure(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Add the arguments of ``relprop evaluate`` to ``parser``."""
-    parser.add_argument("data", help="a folder with images/ and masks/ (optional labels.csv), or a .jsonl file "
-                                     "of {\"text\", \"label\", \"rationale\"} lines")
-    parser.add_argument("--model", required=True,
-                        help="as for relprop explain: a local HuggingFace model folder, a timm model name, or a "
-                             "HuggingFace hub id in the local cache (timm:NAME also names a timm model)")
-    parser.add_argument("--method", nargs="+", action="extend", default=None, metavar="NAME",
-                        help="explanation method(s), comma-separated or repeated as for relprop explain "
-                             "('all' = every registered method). "
-                             f"Default: {','.join(DEFAULT_METHODS)}")
-    parser.add_argument("--out", required=True, help="output folder")
-    parser.add_argument("--target", choices=("predicted", "label"), default="predicted",
-                        help="explain and score the predicted class (default) or the dataset's labels")
-    parser.add_argument("--batch-size", type=int, default=8, help="samples explained together (default 8)")
-    parser.add_argument("--perturbation-batch-size", type=int, default=64,
-                        help="perturbed copies per forward pass (default 64)")
-    parser.add_argument("--steps", type=_floats, default=None,
-                        help="removed fractions of the perturbation tests (default 0.1,0.2,...,0.9)")
-    parser.add_argument("--limit", type=int, default=None, help="use only the first N samples")
-    parser.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
-    parser.add_argument("--preset", default=None,
-                        help="relevance preset for every method (default: each method's own, else chefer2021)")
-    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
-    parser.add_argument("--grid", nargs="+", default=None, metavar="OPTION=V1,V2",
-                        help="tune one --method: evaluate every combination of these option values with --metric and "
-                             "rank them, best first (e.g. --grid head_fusion=mean,max start_block=0,4); writes "
-                             "tune.md and tune.csv")
-    parser.add_argument("--metric", default=None,
-                        help="the metric --grid ranks by: positive_auc (default for images), negative_auc, miou, "
-                             "aopc (default for texts), log_odds, token_f1")
-    img = parser.add_argument_group("images")
-    img.add_argument("--unit", choices=("pixel", "patch"), default="pixel",
-                     help="remove pixels of the upsampled map (default) or whole patches")
-    img.add_argument("--baseline", type=_floats, default=None,
-                     help="value of a removed pixel in un-normalized space, one or one per channel (default 0)")
-    img.add_argument("--mean", type=_floats, default=None,
-                     help="normalization mean per channel (default: the timm pretrained_cfg or the HF "
-                          "preprocessor_config.json; else none)")
-    img.add_argument("--std", type=_floats, default=None, help="normalization std per channel")
-    img.add_argument("--image-size", type=int, nargs="+", default=None, metavar="N",
-                     help="resize images to N (or H W); default: the model's input size")
-    img.add_argument("--checkpoint", default=None, help="timm: path of the weights to load")
-    img.add_argument("--timm-kwargs", default=None, help="timm: JSON of create_model keyword arguments")
-    txt = parser.add_argument_group("texts")
-    txt.add_argument("--tokenizer", default=None, help="tokenizer folder or id (default: the model's)")
-    txt.add_argument("--removal", default="pad",
-                     help="perturbation tests: pad | mask | delete | a token id (default pad)")
-    txt.add_argument("--k", type=int, nargs="+", default=[5], help="k of token-F1 and Precision@K (default 5)")
-    txt.add_argument("--max-length", type=int, default=512, help="longest tokenized text (default 512)")
-    txt.add_argument("--no-kendall", action="store_true", help="skip Kendall-τ (saves one explain call per batch)")
-    txt.add_argument("--no-aopc", action="store_true", help="skip AOPC and log-odds")
-    return parser
+from .common import EXIT_MODEL, CliError, fail
+from .loading import parse_methods
+from .parser import DEFAULT_METHODS, EVALUATE_DESCRIPTION, add_evaluate, configure_evaluate
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
-    """Register ``evaluate`` on an ``argparse`` subparsers object; it sets ``func=run``."""
-    p = subparsers.add_parser("evaluate", help="evaluate explanation methods on a dataset", description=DESCRIPTION)
-    configure(p)
+    """Register ``evaluate`` on an ``argparse`` subparsers object (the arguments of
+    :func:`relprop.cli.parser.add_evaluate`); it sets ``func=run``."""
+    p = add_evaluate(subparsers)
     p.set_defaults(func=run)
     return p
 
@@ -251,7 +184,7 @@ def _write_tune(result, out: str) -> int:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """``relprop evaluate`` as a program of its own; returns the exit status."""
-    parser = configure(argparse.ArgumentParser(prog="relprop evaluate", description=DESCRIPTION))
+    parser = configure_evaluate(argparse.ArgumentParser(prog="relprop evaluate", description=EVALUATE_DESCRIPTION))
     return run(parser.parse_args(argv))
 
 

@@ -6,13 +6,26 @@ import dataclasses
 import difflib
 import json
 import os
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from .. import demo
 from ..api import explain
+from ..errors import MethodError
 from ..methods import get_method
 from ..targets import logits_of
 from .common import EXIT_MODEL, CliError, DEMO_NAME, one_line, resolve_class
+
+
+def parse_methods(values: Sequence[str], default: str) -> List[str]:
+    """Method names from repeated/comma-separated --method values, checked against the registry."""
+    names = [n.strip() for v in values for n in v.split(",") if n.strip()] or [default]
+    names = list(dict.fromkeys(names))
+    for n in names:
+        try:
+            get_method(n)
+        except MethodError as err:
+            raise CliError(f"unknown method: {err} Run 'relprop methods' for the table.") from None
+    return names
 
 
 @dataclasses.dataclass

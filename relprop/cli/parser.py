@@ -1,11 +1,122 @@
-"""The argument parser of the ``relprop`` command line."""
+"""The argument parser of the ``relprop`` command line: every command's arguments, and nothing else.
+
+It imports no relprop module outside ``relprop.cli.common`` and nothing heavy, so ``relprop --help``,
+``relprop COMMAND --help``, ``relprop --version`` and a bad argument are answered without importing
+torch. The parsed ``args.command`` names the command; the dispatcher (``relprop/cli/__init__.py``)
+then imports the module that runs it (:data:`relprop.cli.COMMANDS`).
+"""
 from __future__ import annotations
 
 import argparse
+from typing import List
 
-from . import evaluate, visualize
-from .commands import cmd_demo, cmd_explain, cmd_methods
 from .common import EPILOG, Parser
+
+#: the paper's Table 1–2 line-up (CVPR 2021)
+DEFAULT_METHODS = ("transformer_attribution", "rollout", "raw_attention", "attention_gradcam", "partial_lrp", "lrp")
+
+EVALUATE_DESCRIPTION = ("Evaluate explanation methods with the papers' protocols (CVPR 2021 §4, AttCAT §5.3) on "
+                        "a folder of images with masks or a JSONL file of texts with rationales; writes results.md, "
+                        "results.csv, curves.csv and perturbation.png into --out.")
+
+
+def _floats(text: str) -> List[float]:
+    try:
+        return [float(v) for v in text.replace(" ", "").split(",") if v]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"'{text}' is not a comma-separated list of numbers") from None
+
+
+def configure_evaluate(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add the arguments of ``relprop evaluate`` to ``parser``."""
+    parser.add_argument("data", help="a folder with images/ and masks/ (optional labels.csv), or a .jsonl file "
+                                     "of {\"text\", \"label\", \"rationale\"} lines")
+    parser.add_argument("--model", required=True,
+                        help="as for relprop explain: a local HuggingFace model folder, a timm model name, or a "
+                             "HuggingFace hub id in the local cache (timm:NAME also names a timm model)")
+    parser.add_argument("--method", nargs="+", action="extend", default=None, metavar="NAME",
+                        help="explanation method(s), comma-separated or repeated as for relprop explain "
+                             "('all' = every registered method). "
+                             f"Default: {','.join(DEFAULT_METHODS)}")
+    parser.add_argument("--out", required=True, help="output folder")
+    parser.add_argument("--target", choices=("predicted", "label"), default="predicted",
+                        help="explain and score the predicted class (default) or the dataset's labels")
+    parser.add_argument("--batch-size", type=int, default=8, help="samples explained together (default 8)")
+    parser.add_argument("--perturbation-batch-size", type=int, default=64,
+                        help="perturbed copies per forward pass (default 64)")
+    parser.add_argument("--steps", type=_floats, default=None,
+                        help="removed fractions of the perturbation tests (default 0.1,0.2,...,0.9)")
+    parser.add_argument("--limit", type=int, default=None, help="use only the first N samples")
+    parser.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
+    parser.add_argument("--preset", default=None,
+                        help="relevance preset for every method (default: each method's own, else chefer2021)")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument("--grid", nargs="+", default=None, metavar="OPTION=V1,V2",
+                        help="tune one --method: evaluate every combination of these option values with --metric and "
+                             "rank them, best first (e.g. --grid head_fusion=mean,max start_block=0,4); writes "
+                             "tune.md and tune.csv")
+    parser.add_argument("--metric", default=None,
+                        help="the metric --grid ranks by: positive_auc (default for images), negative_auc, miou, "
+                             "aopc (default for texts), log_odds, token_f1")
+    img = parser.add_argument_group("images")
+    img.add_argument("--unit", choices=("pixel", "patch"), default="pixel",
+                     help="remove pixels of the upsampled map (default) or whole patches")
+    img.add_argument("--baseline", type=_floats, default=None,
+                     help="value of a removed pixel in un-normalized space, one or one per channel (default 0)")
+    img.add_argument("--mean", type=_floats, default=None,
+                     help="normalization mean per channel (default: the timm pretrained_cfg or the HF "
+                          "preprocessor_config.json; else none)")
+    img.add_argument("--std", type=_floats, default=None, help="normalization std per channel")
+    img.add_argument("--image-size", type=int, nargs="+", default=None, metavar="N",
+                     help="resize images to N (or H W); default: the model's input size")
+    img.add_argument("--checkpoint", default=None, help="timm: path of the weights to load")
+    img.add_argument("--timm-kwargs", default=None, help="timm: JSON of create_model keyword arguments")
+    txt = parser.add_argument_group("texts")
+    txt.add_argument("--tokenizer", default=None, help="tokenizer folder or id (default: the model's)")
+    txt.add_argument("--removal", default="pad",
+                     help="perturbation tests: pad | mask | delete | a token id (default pad)")
+    txt.add_argument("--k", type=int, nargs="+", default=[5], help="k of token-F1 and Precision@K (default 5)")
+    txt.add_argument("--max-length", type=int, default=512, help="longest tokenized text (default 512)")
+    txt.add_argument("--no-kendall", action="store_true", help="skip Kendall-τ (saves one explain call per batch)")
+    txt.add_argument("--no-aopc", action="store_true", help="skip AOPC and log-odds")
+    return parser
+
+
+VISUALIZE_DESCRIPTION = ("Activation maximization: optimize an input (an image at the model's input size and "
+                         "normalization, or relaxed word embeddings for text models) to maximize a unit of the "
+                         "model: class:C, neuron:B:I[:T], channel:B:I, head:B:H, norm:B:T, layer:B (blocks counted "
+                         "from the input). Writes a PNG per unit (or the nearest tokens) and values.csv into --out.")
+
+
+def add_evaluate(subparsers) -> argparse.ArgumentParser:
+    """Register ``evaluate`` on an ``argparse`` subparsers object."""
+    p = subparsers.add_parser("evaluate", help="evaluate explanation methods on a dataset",
+                              description=EVALUATE_DESCRIPTION)
+    return configure_evaluate(p)
+
+
+def add_visualize(subparsers) -> argparse.ArgumentParser:
+    """Register ``visualize`` on an ``argparse`` subparsers object."""
+    p = subparsers.add_parser("visualize", help="activation maximization of a unit (class, neuron, head, ...)",
+                              description=VISUALIZE_DESCRIPTION)
+    p.add_argument("--model", required=True, metavar="NAME", help="a timm model name, a cached hub id or a folder")
+    p.add_argument("--unit", action="append", required=True, metavar="UNIT",
+                   help="class:C | neuron:B:I[:T] | channel:B:I | head:B:H | norm:B:T | layer:B (repeatable)")
+    p.add_argument("--out", required=True, metavar="FOLDER", help="output folder")
+    p.add_argument("--steps", type=int, default=200, help="gradient-ascent steps (200)")
+    p.add_argument("--lr", type=float, default=0.05, help="Adam learning rate (0.05)")
+    p.add_argument("--l2", type=float, default=1e-3, help="L2 penalty λ (1e-3)")
+    p.add_argument("--jitter", type=int, default=0, help="random shift of up to N pixels per step (0: off)")
+    p.add_argument("--blur", type=float, default=0.0, help="Gaussian blur σ every --blur-every steps (0: off)")
+    p.add_argument("--blur-every", type=int, default=4, help="steps between blurs (4)")
+    p.add_argument("--tv", type=float, default=0.0, help="total-variation weight (0: off)")
+    p.add_argument("--length", type=int, default=8, help="text models: relaxed positions (8)")
+    p.add_argument("--seed", type=int, default=0, help="random seed (0)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--debug", action="store_true", help="show tracebacks")
+    return p
+
+
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -19,7 +130,6 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Print every explanation method with what it computes.")
     m.add_argument("--format", choices=("table", "markdown", "json"), default="table",
                    help="table (default), markdown or json")
-    m.set_defaults(func=cmd_methods)
 
     def common(q, with_model: bool):
         if with_model:
@@ -56,7 +166,6 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--counterfactual", metavar="CLASS",
                    help="texts: also explain this class (an index, a label name, or 'second' for the "
                         "runner-up) and show it beside the explained one")
-    e.set_defaults(func=cmd_explain)
 
     d = sub.add_parser("demo", help="explain the bundled all-MiniLM-L6-v2 zero-shot classifier (offline)",
                        description="all-MiniLM-L6-v2 (the real pretrained checkpoint of the package "
@@ -69,7 +178,6 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--labels", metavar="A,B,...",
                    help="comma-separated label names (default: sports, politics, business, science, "
                         "technology, health, entertainment, food, weather)")
-    d.set_defaults(func=cmd_demo)
-    evaluate.add_parser(sub)
-    visualize.add_parser(sub)
+    add_evaluate(sub)
+    add_visualize(sub)
     return p

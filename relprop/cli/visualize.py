@@ -17,32 +17,13 @@ import re
 from ..actmax import visualize
 from .common import EXIT_OK, EXIT_USAGE, CliError
 from .loading import load_model
-
-DESCRIPTION = ("Activation maximization: optimize an input (an image at the model's input size and normalization, "
-               "or relaxed word embeddings for text models) to maximize a unit of the model: class:C, "
-               "neuron:B:I[:T], channel:B:I, head:B:H, norm:B:T, layer:B (blocks counted from the input). "
-               "Writes a PNG per unit (or the nearest tokens) and values.csv into --out.")
+from .parser import add_visualize
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
-    """Register ``visualize`` on an ``argparse`` subparsers object; it sets ``func=run``."""
-    p = subparsers.add_parser("visualize", help="activation maximization of a unit (class, neuron, head, ...)",
-                              description=DESCRIPTION)
-    p.add_argument("--model", required=True, metavar="NAME", help="a timm model name, a cached hub id or a folder")
-    p.add_argument("--unit", action="append", required=True, metavar="UNIT",
-                   help="class:C | neuron:B:I[:T] | channel:B:I | head:B:H | norm:B:T | layer:B (repeatable)")
-    p.add_argument("--out", required=True, metavar="FOLDER", help="output folder")
-    p.add_argument("--steps", type=int, default=200, help="gradient-ascent steps (200)")
-    p.add_argument("--lr", type=float, default=0.05, help="Adam learning rate (0.05)")
-    p.add_argument("--l2", type=float, default=1e-3, help="L2 penalty λ (1e-3)")
-    p.add_argument("--jitter", type=int, default=0, help="random shift of up to N pixels per step (0: off)")
-    p.add_argument("--blur", type=float, default=0.0, help="Gaussian blur σ every --blur-every steps (0: off)")
-    p.add_argument("--blur-every", type=int, default=4, help="steps between blurs (4)")
-    p.add_argument("--tv", type=float, default=0.0, help="total-variation weight (0: off)")
-    p.add_argument("--length", type=int, default=8, help="text models: relaxed positions (8)")
-    p.add_argument("--seed", type=int, default=0, help="random seed (0)")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p.add_argument("--debug", action="store_true", help="show tracebacks")
+    """Register ``visualize`` on an ``argparse`` subparsers object (the arguments of
+    :func:`relprop.cli.parser.add_visualize`); it sets ``func=run``."""
+    p = add_visualize(subparsers)
     p.set_defaults(func=run)
     return p
 

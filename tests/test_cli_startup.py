@@ -1,0 +1,99 @@
+"""``relprop --help``, ``relprop COMMAND --help``, ``relprop --version`` and a bad argument are
+answered without importing torch, numpy, transformers or timm (they took 6–8 s when the parser
+imported the commands, and the commands torch), and ``import relprop`` alone imports none of them.
+
+Each test is one fresh interpreter (``sys.modules`` of this process has torch long since), a fraction
+of a second.
+"""
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+from relprop.version import __version__
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+HEAVY = ("torch", "numpy", "transformers", "timm", "PIL", "matplotlib", "scipy", "rich", "tqdm")
+
+
+def _python(*args, **kw):
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True, env=env, timeout=120, cwd=ROOT,
+                          **kw)
+
+
+def test_help_version_and_bad_arguments_import_nothing_heavy():
+    """Each argv run by relprop.cli.main in one fresh interpreter: its exit status, what it printed
+    and the heavy modules imported by then (none)."""
+    script = textwrap.dedent("""
+        import contextlib, io, json, sys
+        from relprop.cli import main
+        results = []
+        for argv in json.loads(sys.argv[1]):
+            out, err = io.StringIO(), io.StringIO()
+            with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+                try:
+                    code = main(argv)
+                except SystemExit as stop:  # --help: argparse prints and exits 0
+                    code = stop.code
+            results.append([code, out.getvalue(), err.getvalue()])
+        heavy = [m for m in json.loads(sys.argv[2]) if m in sys.modules]
+        print(json.dumps({"results": results, "heavy": heavy}))
+    """)
+    argvs = [["--help"], ["explain", "--help"], ["demo", "--help"], ["methods", "--help"], ["evaluate", "--help"],
+             ["visualize", "--help"], ["--version"], [], ["explain", "--bogus"], ["evaluate"],
+             ["visualize", "--model", "m", "--out", "o"], ["methods", "--format", "yaml"], ["nocommand"]]
+    p = _python("-c", script, json.dumps(argvs), json.dumps(HEAVY))
+    assert p.returncode == 0, p.stderr[-3000:]
+    got = json.loads(p.stdout)
+    assert got["heavy"] == []
+    codes = [r[0] for r in got["results"]]
+    assert codes == [0] * 7 + [2] * 6
+    helps = [r[1] for r in got["results"][:6]]
+    assert helps[0].startswith("usage: relprop ") and "exit status:" in helps[0]
+    assert "--counterfactual" in helps[1] and "--labels" in helps[2] and "--format" in helps[3]
+    assert "--grid" in helps[4] and "--perturbation-batch-size" in helps[4] and "--unit" in helps[5]
+    assert got["results"][6][1] == f"relprop {__version__}\n"  # the version, nothing else
+    for code, out, err in got["results"][8:]:  # relprop's one line, no traceback
+        assert err.startswith("relprop: error: ") and err.count("\n") == 1 and "Traceback" not in err, err
+    assert "unrecognized arguments: --bogus" in got["results"][8][2]
+    assert "required: data, --model, --out" in got["results"][9][2]
+    assert "required: --unit" in got["results"][10][2]
+    assert "invalid choice: 'yaml'" in got["results"][11][2]
+
+
+def test_python_m_relprop_help_imports_no_torch():
+    """The real entry (``python -m relprop --help``), as ``python -X importtime`` lists its imports."""
+    p = _python("-X", "importtime", "-m", "relprop", "--help")
+    assert p.returncode == 0 and p.stdout.startswith("usage: relprop "), p.stderr[-2000:]
+    imported = {line.split("|")[-1].strip() for line in p.stderr.splitlines() if line.startswith("import time:")}
+    assert "relprop.cli.parser" in imported
+    assert not imported & set(HEAVY), sorted(imported & set(HEAVY))
+
+
+def test_import_relprop_is_light():
+    """``import relprop`` imports the errors and the version only; a public name's module is imported
+    when the name is first read (PEP 562; that each name is its module's object is
+    tests/test_layers.py::test_lazy_names_are_what_they_name)."""
+    script = textwrap.dedent("""
+        import json, sys
+        import relprop
+        from relprop import RelpropError, __version__
+        loaded = sorted(m for m in sys.modules if m.startswith("relprop"))
+        heavy = [m for m in json.loads(sys.argv[1]) if m in sys.modules]
+        print(json.dumps({"relprop": loaded, "heavy": heavy, "error": RelpropError.__module__,
+                          "explain_in_dir": "explain" in dir(relprop)}))
+    """)
+    p = _python("-c", script, json.dumps(HEAVY))
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert json.loads(p.stdout) == {"relprop": ["relprop", "relprop.errors", "relprop.version"], "heavy": [],
+                                    "error": "relprop.errors", "explain_in_dir": True}
+
+
+def test_public_names_load_on_use():
+    import relprop
+    from relprop import explain  # the lazy name through the import statement
+    assert explain is relprop.explain and explain.__module__ == "relprop.api"
+    assert callable(relprop.methods) and relprop.methods.get_method("rollout").name == "rollout"
