@@ -223,10 +223,37 @@ def default_methods() -> List[str]:
     return [m for m in relprop.methods() if m != "vit_cx"] + list(PRESET_VARIANTS)
 
 
+def _explain_many(model, inputs, names: Sequence[str], target, mask, options: Dict) -> Dict[str, object]:
+    """name -> Explanation (or the RelpropError it raised): the methods without a preset variant in one
+    explain() call (one forward pass, one relevance pass per preset), each variant in a call of its own;
+    a call that fails is repeated per method, so that one method's error leaves the others' results."""
+    plain = [n for n in names if n not in PRESET_VARIANTS]
+    groups = ([(plain, None)] if plain else []) + [([n], PRESET_VARIANTS[n][1]) for n in names if n in PRESET_VARIANTS]
+    out: Dict[str, object] = {}
+    for group, preset in groups:
+        methods = [PRESET_VARIANTS[n][0] if n in PRESET_VARIANTS else n for n in group]
+        opts = {k: v for k, v in options.items() if any(k in get_method(m).options for m in methods)}
+        try:
+            exps = relprop.explain(model, inputs, method=methods, preset=preset, target=target,
+                                   special_tokens_mask=mask, **opts)
+            out.update(zip(group, exps))
+            continue
+        except relprop.RelpropError:
+            if len(group) == 1:
+                raise
+        for n, m in zip(group, methods):
+            try:
+                out[n] = relprop.explain(model, inputs, method=m, target=target, special_tokens_mask=mask,
+                                         **{k: v for k, v in opts.items() if k in get_method(m).options})
+            except relprop.RelpropError as e:
+                out[n] = e
+    return out
+
+
 def precision_table(model, batch, methods: Sequence[str], ks: Sequence[int] = (1, 3, 20), batch_size: int = 16,
                     options: Dict = None, log=print) -> Dict[str, Dict]:
-    """method -> {"<part> P@<k>": mean count of answer tokens among the top k, "seconds", "error"} for
-    the start, end and span targets at the model's predicted spans; plus a ``random`` row."""
+    """method -> {"<part> P@<k>": mean count of answer tokens among the top k} (or {"error"}) for the
+    start, end and span targets at the model's predicted spans; plus a ``random`` row."""
     options = options or {}
     st, en = predict(model, batch)
     n = batch["input_ids"].shape[0]
@@ -234,28 +261,25 @@ def precision_table(model, batch, methods: Sequence[str], ks: Sequence[int] = (1
     length = (batch["end"] - batch["start"] + 1).double()
     rows: Dict[str, Dict] = {"random": {f"{p} P@{k}": float((k * length / scored).clamp(max=length).mean())
                                         for p in QA_PARTS for k in ks}}
-    for name in methods:
-        method, preset = PRESET_VARIANTS.get(name, (name, None))
-        t = time.time()
-        row: Dict = {}
-        try:
-            for part in QA_PARTS:
-                counts = {k: [] for k in ks}
-                for s in range(0, n, batch_size):
-                    r = slice(s, s + batch_size)
-                    opts = {k: v for k, v in options.items() if k in get_method(method).options}
-                    exp = relprop.explain(model, model_inputs(batch, r), method=method, preset=preset,
-                                          target=question_answering(part, start=st[r], end=en[r]),
-                                          special_tokens_mask=batch["special_tokens_mask"][r].bool(), **opts)
-                    for k in ks:
-                        counts[k].append(qa_precision_at_k(exp, batch["start"][r], batch["end"][r], k=k))
+    counts = {m: {(p, k): [] for p in QA_PARTS for k in ks} for m in methods}
+    errors: Dict[str, str] = {}
+    t = time.time()
+    for part in QA_PARTS:
+        for s in range(0, n, batch_size):
+            r = slice(s, s + batch_size)
+            target = question_answering(part, start=st[r], end=en[r])
+            exps = _explain_many(model, model_inputs(batch, r), methods, target, batch["special_tokens_mask"][r].bool(),
+                                 options)
+            for m, exp in exps.items():
+                if isinstance(exp, Exception):
+                    errors[m] = f"{type(exp).__name__}: {str(exp).splitlines()[0][:160]}"
+                    continue
                 for k in ks:
-                    row[f"{part} P@{k}"] = float(np.concatenate(counts[k]).mean())
-        except relprop.RelpropError as e:
-            row = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"}
-        row["seconds"] = round(time.time() - t, 1)
-        rows[name] = row
-        log(f"  {name}: {row}")
+                    counts[m][(part, k)].append(qa_precision_at_k(exp, batch["start"][r], batch["end"][r], k=k))
+        log(f"  {part}: {len(methods)} methods explained ({time.time() - t:.0f}s)")
+    for m in methods:
+        rows[m] = ({"error": errors[m]} if m in errors else
+                   {f"{p} P@{k}": float(np.concatenate(counts[m][(p, k)]).mean()) for p in QA_PARTS for k in ks})
     return rows
 
 
@@ -267,7 +291,7 @@ def markdown(rows: Dict[str, Dict], ks: Sequence[int]) -> str:
         if "error" in r:
             lines.append(f"| {m} | " + " | ".join("–" for _ in cols) + " |")
             continue
-        cells = [(f"**{r[c]:.2f}**" if best[c] is not None and round(r[c], 4) == round(best[c], 4) and m != "random"
+        cells = [(f"**{r[c]:.2f}**" if best[c] and round(r[c], 4) == round(best[c], 4) and m != "random"
                   else f"{r[c]:.2f}") for c in cols]
         lines.append(f"| {m} | " + " | ".join(cells) + " |")
     errors = [f"- {m}: {r['error']}" for m, r in rows.items() if "error" in r]
@@ -276,14 +300,25 @@ def markdown(rows: Dict[str, Dict], ks: Sequence[int]) -> str:
 
 def run(out: str, train_n: int = 2400, steps: int = 150, test_n: int = 64, seed: int = 0, tiny: bool = False,
         methods: Sequence[str] = None, ks: Sequence[int] = (1, 3, 20), batch_size: int = 16,
-        explain_options: Dict = None, log=print) -> Dict:
-    """The whole task (see the module docstring); returns what OUT/qa.json holds."""
+        explain_options: Dict = None, keep: str = None, log=print) -> Dict:
+    """The whole task (see the module docstring); returns what OUT/qa.json holds. ``keep``: a folder
+    where the fine-tuned model is saved, and loaded from instead of fine-tuning when it holds one
+    (the same sizes and seed are the caller's business)."""
     os.makedirs(out, exist_ok=True)
     t0 = time.time()
     model, tok = load_model(tiny, seed)
     train, test = qa_dataset(train_n, seed + 201), qa_dataset(test_n, seed + 202)
     test_batch = encode(tok, test)
-    training = finetune(model, tok, train, steps, seed, log=log)
+    if keep and os.path.isfile(os.path.join(keep, "config.json")):
+        model = type(model).from_pretrained(keep, local_files_only=True).eval()
+        training = json.load(open(os.path.join(keep, "training.json")))
+        log(f"fine-tuned model reused from {keep}")
+    else:
+        training = finetune(model, tok, train, steps, seed, log=log)
+        if keep:
+            model.save_pretrained(keep)
+            with open(os.path.join(keep, "training.json"), "w") as f:
+                json.dump(training, f)
     em_train = exact_match(model, encode(tok, train[:256]))
     em = exact_match(model, test_batch)
     log(f"fine-tuned: {training}; exact match: training {em_train:.3f}, held-out {em:.3f} (n={test_n})")
@@ -320,10 +355,11 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     p.add_argument("--methods", nargs="+", default=None, help="default: every text method and lrp[attnlrp|cp_lrp]")
     p.add_argument("--tiny", action="store_true", help="a tiny random BERT (seconds; for the tests)")
+    p.add_argument("--keep", help="save the fine-tuned model here (90 MB), or reuse the one saved there")
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    run(args.out, args.train, args.steps, args.test, args.seed, args.tiny, args.methods)
+    run(args.out, args.train, args.steps, args.test, args.seed, args.tiny, args.methods, keep=args.keep)
     return 0
 
 
