@@ -66,7 +66,7 @@ def test_end_to_end_on_a_tiny_model(tmp_path):
                  batch_size=4, log=lambda *a: None)
     saved = json.load(open(tmp_path / "qa.json"))
     assert saved["rows"].keys() == {"random", *methods}
-    assert (tmp_path / "qa.md").read_text().count("\n| ") == len(methods) + 2  # header, separator, rows
+    assert (tmp_path / "qa.md").read_text().count("\n| ") == len(methods) + 2  # header, random, methods
     # Precision@K by a loop over one method's explanations, against the table
     model, tok = qa.load_model(tiny=True, seed=0)
     qa.finetune(model, tok, qa.qa_dataset(32, 201), 2, 0, log=lambda *a: None)
