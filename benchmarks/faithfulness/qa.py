@@ -2,7 +2,7 @@
 answer-bearing tokens are known, a QA model fine-tuned on them here, and AttCAT's Precision@K
 (Qiang et al., NeurIPS 2022, §5.3) of every method for the start, the end and the span score.
 
-    python benchmarks/faithfulness/qa.py --out OUT                 # ~10 min on 1-2 threads (see RESULTS.md)
+    python benchmarks/faithfulness/qa.py --out OUT                 # ~20 min on 1 thread (estimated)
     python benchmarks/faithfulness/qa.py --out OUT --tiny          # seconds: a tiny random BERT, for the tests
 
 1. data: passages of 4-6 facts about different people ("anna lives in new york .", "tom works as a
