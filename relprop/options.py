@@ -108,7 +108,7 @@ def check_aggregation(method: str, options: Dict[str, Any]) -> None:
             bad("head_fusion", f"Choices: {list(fusions)}")
     if "layers" in options and options["layers"] not in LAYER_AGGREGATIONS:
         bad("layers", f"Choices: {list(LAYER_AGGREGATIONS)}")
-    for key in ("positive", "normalize_rows"):
+    for key in ("positive", "normalize_rows", "normalize_self"):
         if key in options and not isinstance(options[key], bool):
             bad(key, "Choices: [True, False]")
     if "discard_ratio" in options:

@@ -84,9 +84,11 @@ def _normalize(r):
     return out
 
 
-def _reference(model, inputs, score):
+def _reference(model, inputs, score, normalize=True):
     """Encoder self-attention, decoder self-attention, cross-attention of a one-layer encoder–decoder:
-    the relevancy maps of Chefer et al. (ICCV 2021) from HuggingFace's own attention outputs."""
+    the relevancy maps of Chefer et al. (ICCV 2021) from HuggingFace's own attention outputs
+    (``normalize=False``: the paper's ablation without Eq. 8–9)."""
+    norm = _normalize if normalize else (lambda r: r)
     model = copy.deepcopy(model)
     out = model(**inputs, output_attentions=True, use_cache=False)
     atts = [out.encoder_attentions[0], out.decoder_attentions[0], out.cross_attentions[0]]
@@ -101,14 +103,15 @@ def _reference(model, inputs, score):
         r_st, r_ts = [[0.0] * nt for _ in range(ns)], [[0.0] * ns for _ in range(nt)]  # Eq. 2
         r_ss, r_st = _add(r_ss, _mm(enc, r_ss)), _add(r_st, _mm(enc, r_st))  # Eq. 6-7, encoder
         r_tt, r_ts = _add(r_tt, _mm(dec, r_tt)), _add(r_ts, _mm(dec, r_ts))  # Eq. 6-7, decoder
-        new_ts = _add(r_ts, _mm(_transpose(_normalize(r_tt)), _mm(cross, _normalize(r_ss))))  # Eq. 10
+        new_ts = _add(r_ts, _mm(_transpose(norm(r_tt)), _mm(cross, norm(r_ss))))  # Eq. 10
         new_tt = _add(r_tt, _mm(cross, r_st))  # Eq. 11
         rows.append((new_ts[-1], new_tt[-1]))  # the last target position is what the score reads
     return rows
 
 
 @pytest.mark.slow
-def test_gradient_rollout_equals_the_papers_rules_on_a_two_block_encoder_decoder():
+@pytest.mark.parametrize("normalize_self", [True, False])
+def test_gradient_rollout_equals_the_papers_rules_on_a_two_block_encoder_decoder(normalize_self):
     torch.manual_seed(0)
     cfg = tf.BartConfig(vocab_size=40, d_model=16, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
                         decoder_attention_heads=2, encoder_ffn_dim=32, decoder_ffn_dim=32,
@@ -117,12 +120,37 @@ def test_gradient_rollout_equals_the_papers_rules_on_a_two_block_encoder_decoder
     for p in model.parameters():  # larger weights than the default init, so that the maps are not ~I
         p.data.normal_(0, 0.3)
     inputs = {SRC: torch.randint(4, 40, (2, 6)), TGT: torch.randint(4, 40, (2, 4))}
-    exp = relprop.explain(model, inputs, target=M.last_token_target, method="gradient_rollout")
-    ref = _reference(model, inputs, M.last_token_target)
+    exp = relprop.explain(model, inputs, target=M.last_token_target, method="gradient_rollout",
+                          normalize_self=normalize_self)
+    ref = _reference(model, inputs, M.last_token_target, normalize_self)
     for b, (src_row, tgt_row) in enumerate(ref):
         torch.testing.assert_close(exp.streams[SRC][b], torch.tensor(src_row), rtol=1e-4, atol=1e-6)
         torch.testing.assert_close(exp.streams[TGT][b], torch.tensor(tgt_row), rtol=1e-4, atol=1e-6)
     assert float(exp.streams[SRC].abs().sum()) > 1e-3  # the source gets relevance through cross-attention
+
+
+def test_normalize_self_is_checked_before_any_work():
+    model, inputs = M.bart(), M.text_inputs()
+    for method in ("gradient_rollout", "transformer_attribution"):
+        with pytest.raises(relprop.OptionError, match=r"normalize_self='no' is not a choice. Choices: \[True, False\]"):
+            relprop.explain(model, inputs, target=M.last_token_target, method=method, normalize_self="no")
+
+
+@pytest.mark.slow
+def test_normalize_self_false_is_the_ablation_without_eq_8_9():
+    model, inputs = M.bart(), M.text_inputs()
+    for method in ("gradient_rollout", "transformer_attribution"):
+        on = relprop.explain(model, inputs, target=M.last_token_target, method=method)
+        off = relprop.explain(model, inputs, target=M.last_token_target, method=method, normalize_self=False)
+        # Eq. 8-9 act on the cross-attention update of R^{ts} only: the source row changes, the target's
+        # self map (Eq. 6 and 11 use R^{st}, which no cross-attention of this model updates) does not
+        assert not torch.allclose(on.streams[SRC], off.streams[SRC])
+        torch.testing.assert_close(on.streams[TGT], off.streams[TGT])
+    one = tf.BertForSequenceClassification(tf.BertConfig(vocab_size=30, hidden_size=8, num_hidden_layers=1,
+                                                         num_attention_heads=2, intermediate_size=16)).eval()
+    with pytest.raises(relprop.MethodError, match="two token streams"):
+        relprop.explain(one, {"input_ids": torch.randint(0, 30, (1, 5))}, target=0, method="gradient_rollout",
+                        normalize_self=False)
 
 
 def test_normalized_self_map():

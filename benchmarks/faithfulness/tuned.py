@@ -50,7 +50,11 @@ GRIDS = {
     "transformer_attribution": GRID,
     "attention_norm": {"head_fusion": ["combined", "max"], "layers": ["last", "rollout", "sum"]},
     "attn_res_ln_norm": {"layers": ["rollout", "last", "sum"], "start_block": [0, -2]},
+    "value_zeroing": {"layers": ["rollout", "last", "sum"], "start_block": [0, -2]},
 }
+#: named settings evaluated on the test split beside the default and tuned rows: the norm-based flow of
+#: Kobayashi et al. (2020) aggregated over the blocks (row-normalized norm matrices rolled out, survey §1.5)
+EXTRA_ROWS = {"attention_norm": {"attention_norm[layers=rollout]": {"layers": "rollout"}}}
 COLUMNS = {"vision": ["positive_auc", "negative_auc", "miou"], "text": ["aopc", "log_odds", "token_f1@3"]}
 
 
@@ -84,10 +88,10 @@ def main(argv=None) -> int:
         "vision": (vit, E.ImageMaskFolder(os.path.join(val, "vision"), normalization=(synth.MEAN, synth.STD)),
                    E.ImageMaskFolder(os.path.join(out, "data", "vision", "test"),
                                      normalization=(synth.MEAN, synth.STD)), "positive_auc",
-                   dict(batch_size=16, perturbation_batch_size=256)),
+                   dict(batch_size=16, perturbation_batch_size=256, progress=False)),
         "text": (bert, E.RationaleJSONL(os.path.join(val, "text.jsonl"), tok),
                  E.RationaleJSONL(os.path.join(out, "data", "text", "test.jsonl"), tok), "aopc",
-                 dict(batch_size=16, perturbation_batch_size=128, rationale_k=(1, 2, 3))),
+                 dict(batch_size=16, perturbation_batch_size=128, rationale_k=(1, 2, 3), progress=False)),
     }
     for kind, (model, val_data, test_data, metric, common) in setups.items():
         base = summary.get(kind, {})  # run.py's rows of the methods with their defaults
@@ -96,20 +100,12 @@ def main(argv=None) -> int:
                   "| method | setting | " + " | ".join(cols) + " |", "|---|---|" + "---|" * len(cols)]
         result[kind] = {}
         for method in args.methods:
-            grid = GRIDS[method]
-            t = time.time()
-            tuned = E.tune(model, val_data, method, grid, metric=metric, progress=False, **common)
-            t_tune = time.time() - t
-            res = E.evaluate(model, test_data, [method], explain_options=tuned.best, kendall=False, conservation=False,
-                             progress=False, **common)
-            row = res.table()[0]
-            result[kind][method] = {"best": tuned.best, "ranking": tuned.rows, "test": row, "tune_s": t_tune}
-            print(f"{kind} {method}: {len(tuned.rows)} settings in {t_tune:.0f}s; best {tuned.best}", flush=True)
-            print(tuned.to_markdown(), flush=True)
+            tuned, rows, t_tune = tune_and_test(model, val_data, test_data, method, metric, common, {}, ("tuned",))
+            result[kind][method] = {"best": tuned.best, "ranking": tuned.rows, "test": rows["tuned"], "tune_s": t_tune}
+            report_tuning(kind + " " + method, tuned, t_tune)
             if method in base:
-                lines.append(f"| {method} | default | " + " | ".join(_fmt(base[method].get(c)) for c in cols) + " |")
-            lines.append(f"| {method}[tuned] | {_setting(tuned.best)} | "
-                         + " | ".join(_fmt(row.get(c)) for c in cols) + " |")
+                rows = {"default": base[method], **rows}  # run.py's row of the default setting
+            lines += table_rows(method, tuned.best, rows, cols)
         lines.append("")
     with open(os.path.join(out, "tuned.json"), "w") as f:
         json.dump(result, f, indent=1, default=str)
@@ -137,27 +133,50 @@ def demo_run(args) -> int:
              "| method | setting | " + " | ".join(cols) + " |", "|---|---|" + "---|" * len(cols)]
     result = {}
     for method in args.methods:
-        t = time.time()
-        tuned = E.tune(model, val, method, GRIDS[method], metric="aopc", explain_options=fixed, **common)
-        t_tune = time.time() - t
-        rows = {}
-        for name, opts in (("default", {}), ("tuned", tuned.best)):
-            res = E.evaluate(model, test, [method], explain_options={**fixed, **opts}, kendall=False,
-                             conservation=False, **common)
-            rows[name] = res.table()[0]
+        tuned, rows, t_tune = tune_and_test(model, val, test, method, "aopc", common, fixed, ("default", "tuned"))
         result[method] = {"best": tuned.best, "ranking": tuned.rows, "test": rows, "tune_s": t_tune}
-        print(f"{method}: {len(tuned.rows)} settings tuned in {t_tune:.0f}s; best {tuned.best}", flush=True)
-        print(tuned.to_markdown(), flush=True)
-        lines.append(f"| {method} | default | " + " | ".join(_fmt(rows['default'].get(c)) for c in cols) + " |")
-        lines.append(f"| {method}[tuned] | {_setting(tuned.best)} | "
-                     + " | ".join(_fmt(rows['tuned'].get(c)) for c in cols) + " |")
-        print("\n".join(lines[-2:]), flush=True)  # the test rows as soon as they exist
+        report_tuning(method, tuned, t_tune)
+        new = table_rows(method, tuned.best, rows, cols)
+        lines += new
+        print("\n".join(new), flush=True)  # the test rows as soon as they exist
     with open(os.path.join(out, "tuned_demo.json"), "w") as f:
         json.dump(result, f, indent=1, default=str)
     with open(os.path.join(out, "tuned_demo.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0
+
+
+def tune_and_test(model, val, test, method: str, metric: str, common: dict, fixed: dict, which) -> tuple:
+    """tune() ``method``'s grid on ``val`` by ``metric``, then evaluate() on ``test`` the settings named in
+    ``which`` ("default": the method's defaults, "tuned": the best setting) and the method's
+    :data:`EXTRA_ROWS`; ``fixed``: options every setting gets.
+    Returns (TuneResult, {name: test-table row}, seconds spent tuning)."""
+    t = time.time()
+    tuned = E.tune(model, val, method, GRIDS[method], metric=metric, explain_options=fixed, **common)
+    t_tune = time.time() - t
+    named = {"default": {}, "tuned": tuned.best, **EXTRA_ROWS.get(method, {})}
+    rows = {}
+    for name in list(which) + list(EXTRA_ROWS.get(method, {})):
+        opts = {**fixed, **named[name]}
+        res = E.evaluate(model, test, [method], explain_options=opts, kendall=False, conservation=False, **common)
+        rows[name] = res.table()[0]
+    return tuned, rows, t_tune
+
+
+def report_tuning(what: str, tuned, seconds: float) -> None:
+    """Print the ranking of a tune() run."""
+    print(f"{what}: {len(tuned.rows)} settings tuned in {seconds:.0f}s; best {tuned.best}", flush=True)
+    print(tuned.to_markdown(), flush=True)
+
+
+def table_rows(method: str, best: dict, rows: dict, cols) -> list:
+    """Markdown rows "<method> | default", "<method>[tuned] | <setting>" and the EXTRA_ROWS, of the rows
+    present."""
+    names = {"default": (method, "default"), "tuned": (f"{method}[tuned]", _setting(best)),
+             **{k: (k, _setting(v)) for k, v in EXTRA_ROWS.get(method, {}).items()}}
+    return [f"| {names[k][0]} | {names[k][1]} | " + " | ".join(_fmt(r.get(c)) for c in cols) + " |"
+            for k, r in rows.items()]
 
 
 def _fmt(v) -> str:

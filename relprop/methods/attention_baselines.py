@@ -30,7 +30,7 @@ from ..errors import MethodError
 from .aggregation import Aggregation, aggregate
 from .registry import method
 from .layout import patch_tokens
-from .bimodal import is_two_stream, two_stream_result
+from .bimodal import check_normalize_self, is_two_stream, two_stream_result
 from .query import query_rows, query_vector
 from .rollout_utils import chain, head_mean, query_row, rollout_blocks, stage_transitions
 
@@ -301,7 +301,8 @@ def attention_gradcam(trace):
         needs_relevance=False)
 def gradient_rollout(trace, query: str = "cls", head_fusion: str = "mean", positive: bool = True,
                      discard_ratio: float = 0.0, start_block: int = 0, end_block: Optional[int] = None,
-                     layers: str = "rollout", last_k: int = 1, normalize_rows: bool = False):
+                     layers: str = "rollout", last_k: int = 1, normalize_rows: bool = False,
+                     normalize_self: bool = True):
     """Chefer, Gur & Wolf, ICCV 2021 ("Generic Attention-model Explainability"), self-attention
     rules: R = I; for every block from the input to the output, Ā = E_h[(∇A ⊙ A)⁺] (Eq. 5) and
     R ← R + Ā · R (Eq. 6); scores = the classification token's row of R. Needs only gradients.
@@ -313,13 +314,16 @@ def gradient_rollout(trace, query: str = "cls", head_fusion: str = "mean", posit
     On a model with two token streams (encoder–decoder, co-attention) the ICCV 2021 rules for
     every pair of streams apply (Eq. 1–11, :mod:`relprop.methods.bimodal`): the result has one
     score row per stream (``exp.streams``); the aggregation options keep their defaults there.
+    ``normalize_self=False`` (two streams only) leaves out the normalization of the self relevancy
+    maps before a cross-attention update (Eq. 8–9), the paper's ablation.
     """
+    check_normalize_self(trace, "gradient_rollout", normalize_self)
     if is_two_stream(trace):  # encoder-decoder, co-attention: the bi-modal rules (Eq. 6-11)
         _blocks(trace, "gradient_rollout")
         _only_defaults("gradient_rollout", query=(query, "cls"), head_fusion=(head_fusion, "mean"),
                        positive=(positive, True), discard_ratio=(discard_ratio, 0.0), start_block=(start_block, 0),
                        end_block=(end_block, None),
                        layers=(layers, "rollout"), last_k=(last_k, 1), normalize_rows=(normalize_rows, False))
-        return two_stream_result(trace, "gradient")
+        return two_stream_result(trace, "gradient", normalize_self)
     agg = Aggregation(head_fusion, positive, discard_ratio, start_block, end_block, layers, last_k, normalize_rows)
     return aggregate(trace, "gradient_rollout", agg, lambda b: b.gradient * b.attention, query=query)

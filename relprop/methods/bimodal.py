@@ -34,6 +34,17 @@ def is_two_stream(trace) -> bool:
     return len(getattr(trace, "streams", None) or []) > 1
 
 
+def check_normalize_self(trace, method: str, normalize_self: bool) -> None:
+    """``normalize_self=False`` (the ICCV 2021 ablation without Eq. 8–9) is asked for on a model
+    with two token streams only: a MethodError otherwise (one stream has no cross-attention update
+    whose self maps it would normalize)."""
+    if normalize_self is not True and not is_two_stream(trace):
+        raise MethodError(f"{method}: normalize_self={normalize_self!r} applies to models with two token streams "
+                          "(encoder-decoder, co-attention: the normalization of the self relevancy maps before a "
+                          "cross-attention update, ICCV 2021 Eq. 8-9); this model has one stream. Leave "
+                          "normalize_self at True")
+
+
 def normalized_self(r: torch.Tensor) -> torch.Tensor:
     """R̄ = rownorm(R − I) + I for a [batch, n, n] self relevancy map (ICCV 2021, Eq. 8–9); rows of
     R − I that sum to zero stay zero."""

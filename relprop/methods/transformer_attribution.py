@@ -5,7 +5,7 @@ from typing import Optional
 
 from ..errors import MethodError
 from .aggregation import Aggregation, aggregate
-from .bimodal import is_two_stream, two_stream_result
+from .bimodal import check_normalize_self, is_two_stream, two_stream_result
 from .registry import method
 
 
@@ -16,7 +16,8 @@ from .registry import method
         needs_relevance=True)
 def transformer_attribution(trace, start_block: int = 0, normalize_rows: bool = False, query: str = "cls",
                             end_block: Optional[int] = None, head_fusion: str = "mean", positive: bool = True,
-                            discard_ratio: float = 0.0, layers: str = "rollout", last_k: int = 1):
+                            discard_ratio: float = 0.0, layers: str = "rollout", last_k: int = 1,
+                            normalize_self: bool = True):
     """Ā_b = I + E_h[(∇A_b ⊙ R_A,b)⁺] (Eq. 13); C = Ā_1 · … · Ā_B (Eq. 14, blocks numbered from the
     output); scores = the classification token's row of C.
 
@@ -38,8 +39,11 @@ def transformer_attribution(trace, start_block: int = 0, normalize_rows: bool = 
     On a model with two token streams (encoder–decoder, co-attention) the maps E_h[(∇A ⊙ R_A)⁺]
     are aggregated by the bi-modal rules of Chefer, Gur & Wolf (ICCV 2021, Eq. 6–11; the paper's
     LRP-weighted variant, :mod:`relprop.methods.bimodal`); the result has one score row per stream
-    (``exp.streams``), and every option keeps its default there.
+    (``exp.streams``), and every option keeps its default there but ``normalize_self``:
+    ``normalize_self=False`` (two streams only) leaves out the normalization of the self relevancy
+    maps before a cross-attention update (ICCV 2021, Eq. 8–9), the paper's ablation.
     """
+    check_normalize_self(trace, "transformer_attribution", normalize_self)
     if trace.blocks and is_two_stream(trace):  # encoder-decoder, co-attention: the ICCV 2021 rules with R_A
         given = {"start_block": (start_block, 0), "normalize_rows": (normalize_rows, False), "query": (query, "cls"),
                  "end_block": (end_block, None), "head_fusion": (head_fusion, "mean"), "positive": (positive, True),
@@ -49,6 +53,6 @@ def transformer_attribution(trace, start_block: int = 0, normalize_rows: bool = 
                 raise MethodError(f"transformer_attribution on a model with two token streams follows the bi-modal "
                                   f"rules of Chefer et al. (ICCV 2021), which have no {option}={value!r}; leave "
                                   f"{option} at {default!r}")
-        return two_stream_result(trace, "relevance")
+        return two_stream_result(trace, "relevance", normalize_self)
     agg = Aggregation(head_fusion, positive, discard_ratio, start_block, end_block, layers, last_k, normalize_rows)
     return aggregate(trace, "transformer_attribution", agg, lambda b: b.gradient * b.relevance, query=query)
