@@ -7,6 +7,10 @@ from ..errors import MethodError
 from .aggregation import Aggregation, aggregate
 from .bimodal import is_two_stream, two_stream_result
 from .registry import method
+from .streaming import streamable
+
+#: Eq. 13's per-head map ∇A ⊙ R_A of a block record (the streamed path folds the same maps)
+_TA_MAPS = streamable("transformer_attribution", lambda b: b.gradient * b.relevance)
 
 
 @method("transformer_attribution",
@@ -39,6 +43,12 @@ def transformer_attribution(trace, start_block: int = 0, normalize_rows: bool = 
     are aggregated by the bi-modal rules of Chefer, Gur & Wolf (ICCV 2021, Eq. 6–11; the paper's
     LRP-weighted variant, :mod:`relprop.methods.bimodal`); the result has one score row per stream
     (``exp.streams``), and every option keeps its default there.
+
+    This function computes C itself from every block's records (the full-matrix path,
+    ``explain(..., keep_blocks=True)``); by default :func:`relprop.explain` folds the query row
+    q · Ā_1 · … · Ā_B block by block during the reverse walk instead, Eq. 14 associated from the
+    query (:mod:`relprop.methods.streaming`), same scores to float32 rounding, without C or the
+    records.
     """
     if trace.blocks and is_two_stream(trace):  # encoder-decoder, co-attention: the ICCV 2021 rules with R_A
         given = {"start_block": (start_block, 0), "normalize_rows": (normalize_rows, False), "query": (query, "cls"),
@@ -51,4 +61,4 @@ def transformer_attribution(trace, start_block: int = 0, normalize_rows: bool = 
                                   f"{option} at {default!r}")
         return two_stream_result(trace, "relevance")
     agg = Aggregation(head_fusion, positive, discard_ratio, start_block, end_block, layers, last_k, normalize_rows)
-    return aggregate(trace, "transformer_attribution", agg, lambda b: b.gradient * b.relevance, query=query)
+    return aggregate(trace, "transformer_attribution", agg, _TA_MAPS, query=query)
