@@ -3,7 +3,7 @@ the full-record path, :func:`relprop.engine.run.build_trace`, and the streamed o
 :mod:`relprop.engine.streaming`)."""
 from __future__ import annotations
 
-from typing import Any, Dict
+from typing import Any, Dict, Optional
 
 import torch
 
@@ -12,10 +12,16 @@ from .trace import BlockRecord
 
 
 def block_record(b, env: Dict[Any, Any], grad: Dict[Any, torch.Tensor], rel_at: Dict[Any, torch.Tensor],
-                 batch: int) -> BlockRecord:
+                 batch: int, partial: bool = False) -> BlockRecord:
     """The record of block ``b`` (a :class:`relprop.graph.blocks.BlockInfo`): A, dA, R_A, h, dh, R_h,
-    V, the features, their gradient and W_O, detached, in at least float32, heads unfolded."""
+    V, the features, their gradient and W_O, detached, in at least float32, heads unfolded.
+
+    ``partial`` (a streamed run, at the end of the block's own segment): values the run has not
+    reached yet are None — the gradient and relevance of the hidden state entering the block, which
+    belong to the segment before it."""
     unfold = unfolder(b.folded_heads, batch)
+    if partial:
+        grad = _Partial(grad)
     return BlockRecord(
         index=b.index, name=b.name, layer=b.layer,
         attention=unfold(record(env[b.attention])), gradient=unfold(record(grad[b.attention])),
@@ -31,9 +37,16 @@ def block_record(b, env: Dict[Any, Any], grad: Dict[Any, torch.Tensor], rel_at: 
     )
 
 
-def record(t: torch.Tensor) -> torch.Tensor:
+class _Partial(dict):
+    """A view of a dict whose missing keys read as None (``record(None)`` is None)."""
+
+    def __missing__(self, key):
+        return None
+
+
+def record(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
     """A value or gradient as the Trace records it: detached, in at least float32 (float64 kept)."""
-    return promote(t.detach())
+    return None if t is None else promote(t.detach())
 
 
 def unfolder(heads, batch: int):

@@ -39,7 +39,7 @@ def segment_hook(request):
         inside = set(seg)
         dropped = set()
         for b in sorted((b for b in a.blocks if b.attention in inside), key=lambda b: -b.index):
-            rec = block_record(b, env, grad, rel_at, batch)
+            rec = block_record(b, env, grad, rel_at, batch, partial=True)
             if b.index == 0:
                 hook.token_count = rec.attention.shape[-1]
             for fold in request.stream:
