@@ -8,7 +8,7 @@ about one more forward pass of time.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Dict, List, Optional
 
 import torch
 import torch.fx
@@ -23,7 +23,7 @@ from .walk import Walker
 
 
 def run_low(request: Request, out_nodes: List[torch.fx.Node], wrt: List[torch.fx.Node], remat,
-            after_segment: Optional[Callable] = None) -> Pass:
+            streamer: Optional[Any] = None) -> Pass:
     """``memory="low"``: gradient checkpointing at the attention blocks, for the walk as well.
 
     1. A forward pass without autograd keeps only the values that cross segments
@@ -41,9 +41,10 @@ def run_low(request: Request, out_nodes: List[torch.fx.Node], wrt: List[torch.fx
     inputs); the gradients are sums of the same terms in another order. Costs one more forward
     pass; the peak holds the block records, the crossing values and one segment.
 
-    ``after_segment(seg, env, grad, rel_at, batch)``, when given, is called after each segment's walk
-    and returns the nodes whose values, gradients and relevance it dropped (a streamed run,
-    :mod:`relprop.engine.streaming`): then the peak holds the crossing values and one segment.
+    ``streamer`` (a streamed run, :class:`relprop.engine.streaming.Streamer`) is attached to the
+    walk (``attach``: it hands each block to the methods' folds when the walk reaches its attention
+    map) and called after each segment (``after_segment``, which returns the nodes whose values and
+    gradients it dropped): then the peak holds the crossing values and one segment.
     """
     captured = request.captured
     a = captured.analysis
@@ -66,6 +67,8 @@ def run_low(request: Request, out_nodes: List[torch.fx.Node], wrt: List[torch.fx
         walker = Walker(request, env, {**seed}, out_nodes, batch, remat)
     needed_later = read_after_walk(a)
     dropped: set = set()
+    if streamer is not None:
+        streamer.attach(walker, env, grad, batch)
     for seg in reversed(segments(captured)):
         _backward_segment(captured, env, seg, gbuf, grad, grad_nodes, kept)
         if walker is not None:
@@ -76,8 +79,8 @@ def run_low(request: Request, out_nodes: List[torch.fx.Node], wrt: List[torch.fx
             for node in seg:
                 if node not in needed_later:
                     env.pop(node, None)
-        if after_segment is not None:
-            dropped |= after_segment(seg, env, grad, walker.rel_at if walker is not None else {}, batch)
+        if streamer is not None:
+            dropped |= streamer.after_segment(seg)
     for n in grad_nodes:  # placeholders (pixels, inputs_embeds): the sum over the segments reading them
         if n not in grad and n not in dropped:
             g = gbuf.get(n)

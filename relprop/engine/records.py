@@ -16,12 +16,13 @@ def block_record(b, env: Dict[Any, Any], grad: Dict[Any, torch.Tensor], rel_at: 
     """The record of block ``b`` (a :class:`relprop.graph.blocks.BlockInfo`): A, dA, R_A, h, dh, R_h,
     V, the features, their gradient and W_O, detached, in at least float32, heads unfolded.
 
-    ``partial`` (a streamed run, at the end of the block's own segment): values the run has not
-    reached yet are None — the gradient and relevance of the hidden state entering the block, which
-    belong to the segment before it."""
+    ``partial`` (a streamed run, when the walk reaches the block's attention map): values the run
+    has not reached yet or already freed are None — the gradient and relevance of the hidden state
+    entering the block (they belong to the segment before it), V and the features when the walk
+    has passed them."""
     unfold = unfolder(b.folded_heads, batch)
     if partial:
-        grad = _Partial(grad)
+        env, grad = _Partial(env), _Partial(grad)
     return BlockRecord(
         index=b.index, name=b.name, layer=b.layer,
         attention=unfold(record(env[b.attention])), gradient=unfold(record(grad[b.attention])),

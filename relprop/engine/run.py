@@ -27,7 +27,7 @@ from .request import Request
 from .session import Session
 from .streams import primary_parts, stream_masks
 from .records import block_record, record
-from .streaming import STREAM_WINDOWS, segment_hook
+from .streaming import STREAM_WINDOWS, Streamer
 from .trace import NotKept, Pass, Trace
 from .walk import Walker, check_rules, walk
 
@@ -68,9 +68,9 @@ def run(request: Request) -> Trace:
     if request.stream:
         if a.windows or len(a.streams) > 1:
             raise RelpropError(STREAM_WINDOWS)
-        hook = segment_hook(request)
-        result = run_low(request, out_nodes, wrt, remat, hook)
-        result.token_count = hook.token_count
+        streamer = Streamer(request)
+        result = run_low(request, out_nodes, wrt, remat, streamer)
+        result.token_count = streamer.token_count
         return build_trace(request, result, notes)
     if request.memory == "low":
         return build_trace(request, run_low(request, out_nodes, wrt, remat), notes)

@@ -24,40 +24,73 @@ STREAM_WINDOWS = ("a streamed run folds one token sequence per block; this model
                   "or connects two token streams: explain it with keep_blocks=True (the full-record path)")
 
 
-def segment_hook(request):
-    """``after_segment(seg, env, grad, rel_at, batch)`` for :func:`relprop.engine.low_memory.run_low`:
-    for the blocks whose attention map lies in ``seg`` (from the output back), build the block's
-    record, call every fold of ``request.stream`` with it, and free its A, dA, R_A, V and features;
-    returns the nodes freed. Sets ``hook.token_count`` (the first block's number of tokens)."""
-    captured = request.captured
-    a = captured.analysis
-    kept = crossing(captured) | set(a.sources) | {a.primary}
-    first = segments(captured)[0]
-    seen: List[int] = []
+class Streamer:
+    """Hands every attention block of a segmented run (:func:`relprop.engine.low_memory.run_low`) to
+    the folds of ``request.stream``, from the output block back, and frees the block's records.
 
-    def hook(seg, env, grad, rel_at, batch: int) -> set:
+    With the relevance walk, a block is handed over when the walk reaches its attention map (R_A is
+    then complete; dA came from the segment's backward pass), before the map's own rule runs: dA is
+    freed at once, R_A when the rule has passed it on, A when the walk leaves the node (the walk no
+    longer keeps A, V and the features for after the walk). Without it (gradient-only methods) the
+    blocks of a segment are handed over after the segment's backward pass. ``token_count`` is the
+    first block's number of tokens once it has been seen."""
+
+    def __init__(self, request):
+        captured = request.captured
+        a = captured.analysis
+        self.folds, self.analysis = request.stream, a
+        self.block_of = {b.attention: b for b in a.blocks}
+        kept = crossing(captured) | set(a.sources) | {a.primary}
+        self.droppable = {n for b in a.blocks for n in (b.attention, b.value, b.features)
+                          if n is not None and n not in kept}
+        self.first = segments(captured)[0]
+        self.seen: List[int] = []
+        self.token_count = None
+        self.walker = None
+
+    def attach(self, walker, env, grad, batch: int) -> None:
+        """Called by the run once its forward values ``env``, gradients ``grad`` and ``walker``
+        (None without the relevance walk) exist."""
+        self.env, self.grad, self.batch, self.walker = env, grad, batch, walker
+        if walker is not None:
+            for node in self.block_of:
+                walker.reached[node] = self._reached
+                walker.keep.discard(node)
+            walker.needed_later = walker.needed_later - self.droppable
+            walker.keep_recomputed = False
+
+    def _reached(self, node, relevance) -> None:
+        self._hand_over(self.block_of[node], {node: relevance})
+
+    def _hand_over(self, b, rel_at) -> None:
+        rec = block_record(b, self.env, self.grad, rel_at, self.batch, partial=True)
+        if b.index == 0:
+            self.token_count = rec.attention.shape[-1]
+        for fold in self.folds:
+            fold(rec)
+        self.seen.append(b.index)
+        self.grad.pop(b.attention, None)
+        if b.features is not None and b.features in self.droppable:
+            self.grad.pop(b.features, None)
+
+    def after_segment(self, seg) -> set:
+        """After a segment's walk: hand over its blocks if the walk did not, free their values;
+        returns the nodes whose values and gradients were freed."""
         inside = set(seg)
+        blocks = sorted((b for b in self.analysis.blocks if b.attention in inside), key=lambda b: -b.index)
+        if self.walker is None:
+            for b in blocks:
+                self._hand_over(b, {})
         dropped = set()
-        for b in sorted((b for b in a.blocks if b.attention in inside), key=lambda b: -b.index):
-            rec = block_record(b, env, grad, rel_at, batch, partial=True)
-            if b.index == 0:
-                hook.token_count = rec.attention.shape[-1]
-            for fold in request.stream:
-                fold(rec)
-            del rec
-            seen.append(b.index)
+        for b in blocks:
             for n in (b.attention, b.value, b.features):
-                if n is not None and n in inside and n not in kept:
-                    env.pop(n, None)
-                    grad.pop(n, None)
-                    rel_at.pop(n, None)
+                if n in self.droppable and n in inside:
+                    self.env.pop(n, None)
+                    self.grad.pop(n, None)
                     dropped.add(n)
-        if seg is first:
-            missing = [b.index for b in a.blocks if b.index not in seen]
+        if seg is self.first:
+            missing = [b.index for b in self.analysis.blocks if b.index not in self.seen]
             if missing:
                 raise RelpropError(f"a streamed run did not reach blocks {missing} (a bug of relprop's segments: "
                                    "please report it; keep_blocks=True explains without streaming)")
         return dropped
-
-    hook.token_count = None
-    return hook
