@@ -118,7 +118,8 @@ class Walker:
         self.needed_later = read_after_walk(a)
         self.done = None
         #: node -> callback(node, relevance), called when the walk reaches the node (its relevance
-        #: is complete) and before its rule runs (a streamed run, :mod:`relprop.engine.streaming`)
+        #: is complete, None when none reaches it) and before its rule runs (a streamed run,
+        #: :mod:`relprop.engine.streaming`)
         self.reached: Dict[torch.fx.Node, Any] = {}
         self.keep_recomputed = True
 
@@ -182,6 +183,8 @@ class Walker:
             env.pop(self.done, None)
         self.done = node
         if node not in R:
+            if node in self.reached:  # no relevance reaches it (e.g. attention held constant): say so
+                self.reached[node](node, None)
             return
         r = R.pop(node)
         if node in self.keep:
