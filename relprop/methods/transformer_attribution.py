@@ -44,11 +44,12 @@ def transformer_attribution(trace, start_block: int = 0, normalize_rows: bool = 
     LRP-weighted variant, :mod:`relprop.methods.bimodal`); the result has one score row per stream
     (``exp.streams``), and every option keeps its default there.
 
-    This function computes C itself from every block's records (the full-matrix path,
-    ``explain(..., keep_blocks=True)``); by default :func:`relprop.explain` folds the query row
-    q · Ā_1 · … · Ā_B block by block during the reverse walk instead, Eq. 14 associated from the
-    query (:mod:`relprop.methods.streaming`), same scores to float32 rounding, without C or the
-    records.
+    This function computes C itself from every block's records (the full-matrix path, the default
+    ``explain(..., keep_blocks=True)``); with ``keep_blocks=False`` :func:`relprop.explain` folds
+    the query row q · Ā_1 · … · Ā_B (output block first) during the reverse walk instead, Eq. 14
+    associated from the query (:mod:`relprop.methods.streaming`): the same scores to float32
+    rounding, without C or the records (memory flat in the number of blocks, one block's
+    tokens² maps at a time).
     """
     if trace.blocks and is_two_stream(trace):  # encoder-decoder, co-attention: the ICCV 2021 rules with R_A
         given = {"start_block": (start_block, 0), "normalize_rows": (normalize_rows, False), "query": (query, "cls"),
