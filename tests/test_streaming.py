@@ -14,9 +14,11 @@ import torch
 
 import relprop
 from relprop.engine import Request, run
-from relprop.engine.trace import NotKept
+from relprop.engine.trace import BlockRecord, NotKept
 from relprop.graph.capture import CACHE
 from relprop.graph.inputs import bind_inputs
+from relprop.methods import get_method
+from relprop.methods.streaming import RowFold
 from relprop.targets import resolve
 
 import models
@@ -198,3 +200,57 @@ def test_several_streamed_methods_share_one_run():
     for f, s in zip(full, streamed):
         assert f.method == s.method
         _same(f, s)
+
+
+def _synthetic(causal: bool, pad: bool, seed: int = 0, batch: int = 2, heads: int = 3, n: int = 5, blocks: int = 3):
+    """A trace-like object with random block records: softmax-normalized A (causal: lower
+    triangular), dA non-zero on the rows the target reads (row 0, or a decoder's last real row), R_A
+    of both signs; ``pad`` masks the last token of sample 1."""
+    g = torch.Generator().manual_seed(seed)
+    mask = torch.ones(batch, n, dtype=torch.long)
+    if pad:
+        mask[1, -1] = 0
+    records = []
+    for i in range(blocks):
+        logits = torch.randn(batch, heads, n, n, generator=g)
+        if causal:
+            logits = logits.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
+        a = logits.softmax(-1)
+        grad = torch.randn(batch, heads, n, n, generator=g)
+        if i == blocks - 1:  # the block next to the output: only the rows the target reads
+            keep = torch.zeros(batch, 1, n, 1)
+            for s in range(batch):
+                keep[s, 0, int(mask[s].sum()) - 1 if causal else 0] = 1
+            grad = grad * keep
+        records.append(BlockRecord(index=i, name=f"b{i}", layer=f"layers.{i}", attention=a, gradient=grad,
+                                   relevance=torch.randn(batch, heads, n, n, generator=g) * a, hidden=None,
+                                   hidden_gradient=None, hidden_relevance=None))
+    trace = type("T", (), {})()
+    trace.blocks, trace.token_mask, trace.batch_size, trace.stages, trace.token_mixing = (
+        records, mask.bool(), batch, None, None)
+    return trace, mask
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("method,options", [
+    ("transformer_attribution", {}), ("transformer_attribution", {"normalize_rows": True, "start_block": 1}),
+    ("transformer_attribution", {"query": "mean"}), ("rollout", {}), ("gradient_rollout", {"end_block": -1}),
+])
+def test_row_fold_equals_the_full_matrix_on_synthetic_records(causal, method, options):
+    """Fast (no model): :class:`RowFold` fed the records output block first equals the method's
+    full-matrix path on the same records (encoder and causal reading, a padded sample)."""
+    trace, mask = _synthetic(causal, pad=True)
+    info = get_method(method)
+    full = info.fn(trace, **options)
+    fold = RowFold(info, options, len(trace.blocks), mask, None, None)
+    for rec in reversed(trace.blocks):
+        fold(rec)
+    got = fold.result()
+    if causal and options.get("query") != "mean":  # a decoder's query: its last real position
+        assert got["query"].argmax(1).tolist() == [4, 3]
+    torch.testing.assert_close(got["tokens"], full["tokens"], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(got["query"], full["query"].to(got["query"].dtype), rtol=0, atol=0)
+    if full.get("heads") is not None:
+        torch.testing.assert_close(got["heads"], full["heads"], rtol=1e-5, atol=1e-6)
+    with pytest.raises(relprop.MethodError, match="keep_blocks=True"):
+        got["matrix"].shape
