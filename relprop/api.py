@@ -22,7 +22,7 @@ from .errors import MethodError, OptionError, RelpropError, RelpropWarning
 from .explanation import build, mask_from_tokenizer, split_tokenizer_keys
 from .graph.capture import CACHE, Captured
 from .graph.inputs import bind_inputs, primary_input
-from .methods import MethodInfo, apply
+from .methods import MethodInfo, apply, streaming
 from .rules import get_preset
 from .rules.stabilize import DEFAULT_EPS
 from .targets import resolve, specify
@@ -57,7 +57,7 @@ def explain(model: torch.nn.Module, inputs: Any, target: Any = None, method: Any
             preset: Any = None, *, eps: float = DEFAULT_EPS, unsupported: str = "error",
             special_tokens_mask: Optional[torch.Tensor] = None, tokenizer: Any = None,
             fast_path: Optional[bool] = None, memory: str = "default", wrt: Optional[str] = None,
-            image_processor: Any = None, **options):
+            image_processor: Any = None, keep_blocks: bool = True, **options):
     """Explain the score of class ``target`` of an unmodified ``model`` on ``inputs``.
 
     Parameters
@@ -121,6 +121,17 @@ def explain(model: torch.nn.Module, inputs: Any, target: Any = None, method: Any
         that the alpha1-beta0 rule splits (Eq. 5): 2x the linear weights in float32 (~680 MiB for
         BERT-base), saving the splits' time on every later call. ``"default"`` splits each weight
         when the walk reaches it and drops the split at once.
+    keep_blocks : True (default) keeps every attention block's records (A, dA, R_A, h, dh, ...) in
+        ``exp.blocks`` and the rollout-style methods' aggregated matrix in ``exp.matrix``. False
+        lets the rollout-style methods (``transformer_attribution``, ``rollout``,
+        ``gradient_rollout``, with ``layers="rollout"`` and ``discard_ratio=0``) fold each block
+        into the query's row during the reverse walk, output block first (row ← row · (I + Ā_b):
+        CVPR 2021 Eq. 13–14 associated from the query; :mod:`relprop.methods.streaming`), and drop
+        the block's records at once: the peak memory no longer grows with blocks × heads × tokens²,
+        the scores equal the full path's to float32 rounding, and reading ``exp.blocks`` or
+        ``exp.matrix`` raises a :class:`relprop.MethodError` naming this option. Where folding does
+        not apply (other methods in the call, window attention, two token streams, other
+        aggregations) the full path runs, as with True, and ``exp.notes`` says why.
     wrt : the input to explain onto, by name, when the model takes several (default: the first of
         ``input_ids``, ``pixel_values``, ``inputs_embeds``, ...). For a CLIP model,
         ``wrt="pixel_values"`` explains the image tower and ``wrt="input_ids"`` (the default) the
@@ -135,7 +146,7 @@ def explain(model: torch.nn.Module, inputs: Any, target: Any = None, method: Any
     model, inputs, tokenizer, target, wrt = raw_inputs.adapt(model, inputs, tokenizer, image_processor, target, wrt)
     infos, many = opt.check_methods(method)
     return _checked_explain(model, inputs, target, infos, many, preset, options, eps, unsupported,
-                            special_tokens_mask, tokenizer, fast_path, memory, wrt)
+                            special_tokens_mask, tokenizer, fast_path, memory, wrt, keep_blocks)
 
 
 def explain_settings(model: torch.nn.Module, inputs: Any, settings: Sequence[Dict[str, Any]], target: Any = None,
@@ -160,14 +171,15 @@ def explain_settings(model: torch.nn.Module, inputs: Any, settings: Sequence[Dic
 
 
 def _checked_explain(model, inputs, target, infos, many, preset, options, eps, unsupported, special_tokens_mask,
-                     tokenizer, fast_path, memory, wrt):
+                     tokenizer, fast_path, memory, wrt, keep_blocks=True):
     """The shared body of :func:`explain` and :func:`explain_settings`: ``options`` is the method
     options (a dict), or one dict per entry of ``infos`` (settings of one method)."""
     preset = opt.check_preset(preset)
     for info in infos:
         if info.preset:
             get_preset(info.preset)
-    opt.check_arguments(eps=eps, unsupported=unsupported, memory=memory, fast_path=fast_path)
+    opt.check_arguments(eps=eps, unsupported=unsupported, memory=memory, fast_path=fast_path,
+                        keep_blocks=keep_blocks)
     inputs, batch_mask = split_tokenizer_keys(inputs)
     mask_source = "special_tokens_mask=" if special_tokens_mask is not None else "the batch's special_tokens_mask"
     special_tokens_mask = opt.check_special_tokens_mask(special_tokens_mask if special_tokens_mask is not None
@@ -186,7 +198,8 @@ def _checked_explain(model, inputs, target, infos, many, preset, options, eps, u
             mask_source = f"tokenizer= ({type(tokenizer).__name__}'s special ids)"
     try:
         return _explain(model, prepared, target, jobs, many, preset,
-                        dict(eps=eps, unsupported=unsupported, memory=memory, fast_path=fast_path),
+                        dict(eps=eps, unsupported=unsupported, memory=memory, fast_path=fast_path,
+                             keep_blocks=keep_blocks),
                         (special_tokens_mask, mask_source), tokenizer)
     except RelpropError:
         raise
@@ -201,11 +214,17 @@ def _explain(model, prepared: "Prepared", target, jobs, many, preset, engine_opt
     """The body of :func:`explain` once every argument is checked and the graph captured."""
     special_tokens_mask, mask_source = special
     fast_path = engine_options.pop("fast_path")
+    keep_blocks = engine_options.pop("keep_blocks")
     # label names, next-token targets of language models, contrasts: see targets.specify
     target = specify(target, model, tokenizer, prepared.kwargs.get("attention_mask"))
     request = Request(prepared.captured, model, prepared.kwargs, resolve(target, prepared.batch,
                                                                           prepared.captured.primary),
                       **engine_options)
+    why = None if keep_blocks else _why_not_streamed(jobs, prepared.captured.analysis)
+    if not keep_blocks and why is None:
+        results = _explain_streamed(request, jobs, preset, special)
+        validation.check_result(results)
+        return results if many else results[0]
     traces = _run_engine([i for i, _ in jobs], request, preset, fast_path)
     results = []
     for info, options in jobs:
@@ -213,8 +232,47 @@ def _explain(model, prepared: "Prepared", target, jobs, many, preset, engine_opt
         trace = traces[key]
         out = apply(info, trace, options, key, type(model).__name__)
         results.append(build(info, key or preset, out, trace, special_tokens_mask, mask_source))
+        if why is not None:
+            results[-1].notes.append(f"keep_blocks=False: not folded block by block ({why}); the full-record path ran "
+                                     "and exp.blocks holds every block's records")
     validation.check_result(results)
     return results if many else results[0]
+
+
+def _why_not_streamed(jobs, analysis) -> Optional[str]:
+    """None when every method of ``jobs`` can be folded block by block (:mod:`relprop.methods.streaming`),
+    else why not."""
+    for info, options in jobs:
+        why = streaming.why_not(info, options, analysis)
+        if why is not None:
+            return why
+    return None
+
+
+def _explain_streamed(request: Request, jobs, preset: Optional[str], special) -> list:
+    """``keep_blocks=False``: one streamed run per preset the methods need (gradient-only methods ride
+    on the first), each method a :class:`relprop.methods.streaming.RowFold` fed block by block from
+    the output back; the Explanations have no ``blocks`` or ``matrix`` (:class:`NotKept`)."""
+    a = request.captured.analysis
+    mask = request.kwargs.get("attention_mask")
+    folds = [streaming.RowFold(info, options, len(a.blocks), mask, _preset_of(info, preset) if info.needs_relevance
+                               else None, a.token_mixing) for info, options in jobs]
+    keys = [_preset_of(info, preset) if info.needs_relevance else None for info, _ in jobs]
+    wanted = list(dict.fromkeys(k for k in keys if k is not None)) or [None]
+    keys = [k if k is not None else wanted[0] for k in keys]
+    outputs = {}
+    for p in wanted:
+        mine = [i for i, k in enumerate(keys) if k == p]
+        req = request.but(preset=p or preset or DEFAULT_PRESET, relevance=p is not None,
+                          stream=tuple(folds[i] for i in mine))
+        trace = run(req)
+        trace.notes.append("keep_blocks=False: each attention block was folded into the scores during the reverse "
+                           "walk and its records dropped (exp.blocks and exp.matrix are not kept)")
+        for i, out in zip(mine, trace.streamed):
+            outputs[i] = (out, trace, p)
+    special_tokens_mask, mask_source = special
+    return [build(info, key or preset, outputs[j][0], outputs[j][1], special_tokens_mask, mask_source)
+            for j, ((info, _), key) in enumerate(zip(jobs, keys))]
 
 
 def _preset_of(info: MethodInfo, preset: Optional[str]) -> str:

@@ -61,10 +61,24 @@ def check_special_tokens_mask(mask: Any) -> Optional[torch.Tensor]:
     return t.bool()
 
 
-def check_arguments(*, eps: Any, unsupported: Any, memory: Any, fast_path: Any) -> None:
+#: the values of ``explain(..., keep_blocks=...)``
+KEEP_BLOCKS_CHOICES = (True, False)
+
+
+def check_keep_blocks(keep_blocks: Any) -> None:
+    """``keep_blocks`` is True or False."""
+    if not isinstance(keep_blocks, bool):
+        raise OptionError(f"keep_blocks={keep_blocks!r} is not a choice here. Choices: {list(KEEP_BLOCKS_CHOICES)} "
+                          "(True: keep every block's A, dA, R_A in exp.blocks and the aggregated exp.matrix; False: "
+                          "rollout-style methods fold each block into their scores during the reverse walk and "
+                          "keep neither)")
+
+
+def check_arguments(*, eps: Any, unsupported: Any, memory: Any, fast_path: Any, keep_blocks: Any = True) -> None:
     """The engine options of :func:`relprop.explain` (OptionError naming the choices)."""
     check_engine_options(eps=eps, unsupported=unsupported, memory=memory)
     check_fast_path(fast_path)
+    check_keep_blocks(keep_blocks)
 
 
 def method_options(infos: Sequence[MethodInfo], options: Dict[str, Any], many: bool) -> Dict[str, Dict[str, Any]]:

@@ -8,7 +8,7 @@ about one more forward pass of time.
 """
 from __future__ import annotations
 
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional
 
 import torch
 import torch.fx
@@ -22,7 +22,8 @@ from .trace import Pass
 from .walk import Walker
 
 
-def run_low(request: Request, out_nodes: List[torch.fx.Node], wrt: List[torch.fx.Node], remat) -> Pass:
+def run_low(request: Request, out_nodes: List[torch.fx.Node], wrt: List[torch.fx.Node], remat,
+            streamer: Optional[Any] = None) -> Pass:
     """``memory="low"``: gradient checkpointing at the attention blocks, for the walk as well.
 
     1. A forward pass without autograd keeps only the values that cross segments
@@ -39,6 +40,11 @@ def run_low(request: Request, out_nodes: List[torch.fx.Node], wrt: List[torch.fx
     Each recomputed value equals the one of the default path bit for bit (same ops on the same
     inputs); the gradients are sums of the same terms in another order. Costs one more forward
     pass; the peak holds the block records, the crossing values and one segment.
+
+    ``streamer`` (a streamed run, :class:`relprop.engine.streaming.Streamer`) is attached to the
+    walk (``attach``: it hands each block to the methods' folds when the walk reaches its attention
+    map) and called after each segment (``after_segment``, which returns the nodes whose values and
+    gradients it dropped): then the peak holds the crossing values and one segment.
     """
     captured = request.captured
     a = captured.analysis
@@ -60,6 +66,9 @@ def run_low(request: Request, out_nodes: List[torch.fx.Node], wrt: List[torch.fx
     if request.relevance:  # (no memo of 2x every weight here: memory="high" only)
         walker = Walker(request, env, {**seed}, out_nodes, batch, remat)
     needed_later = read_after_walk(a)
+    dropped: set = set()
+    if streamer is not None:
+        streamer.attach(walker, env, grad, batch)
     for seg in reversed(segments(captured)):
         _backward_segment(captured, env, seg, gbuf, grad, grad_nodes, kept)
         if walker is not None:
@@ -70,8 +79,10 @@ def run_low(request: Request, out_nodes: List[torch.fx.Node], wrt: List[torch.fx
             for node in seg:
                 if node not in needed_later:
                     env.pop(node, None)
+        if streamer is not None:
+            dropped |= streamer.after_segment(seg)
     for n in grad_nodes:  # placeholders (pixels, inputs_embeds): the sum over the segments reading them
-        if n not in grad:
+        if n not in grad and n not in dropped:
             g = gbuf.get(n)
             grad[n] = g if g is not None else torch.zeros_like(env[n])
     rel_at, conservation, input_rel = walker.finish() if walker is not None else ({}, None, None)

@@ -34,6 +34,10 @@ class Request:
     eps : the rules' denominator stabilizer.
     unsupported : ``"error"`` or ``"z_rule"`` (:data:`UNSUPPORTED_MODES`).
     memory : ``"default"``, ``"low"`` or ``"high"`` (:data:`MEMORY_MODES`).
+    stream : folds, each called with every block's :class:`relprop.engine.trace.BlockRecord` from
+        the output block back, as soon as the reverse walk has its A, dA and R_A; the records are
+        dropped after the calls (:func:`relprop.engine.run.run`; each fold's ``result()`` goes to
+        ``Trace.streamed``). Empty: every block's records are kept in ``Trace.blocks``.
     """
 
     captured: Captured
@@ -45,6 +49,7 @@ class Request:
     eps: float = DEFAULT_EPS
     unsupported: str = "error"
     memory: str = "default"
+    stream: tuple = ()
 
     def but(self, **changes) -> "Request":
         """A copy with some fields changed."""

@@ -15,11 +15,10 @@ import torch
 import torch.fx
 import torch.utils._pytree as pytree
 
-from ..errors import RelpropWarning
+from ..errors import RelpropError, RelpropWarning
 from ..graph.nodes import live_outputs
 from ..graph.tokens import token_positions
 from ..graph.windows import globalize, locate_windows
-from ..rules.stabilize import promote
 from ..targets import find_logits, fixed, require_input_dependence
 from .forward import forward, output_seed
 from .low_memory import run_low
@@ -27,7 +26,9 @@ from .memory import rematerializable
 from .request import Request
 from .session import Session
 from .streams import primary_parts, stream_masks
-from .trace import BlockRecord, Pass, Trace
+from .records import block_record, record
+from .streaming import STREAM_WINDOWS, Streamer
+from .trace import NotKept, Pass, Trace
 from .walk import Walker, check_rules, walk
 
 WINDOWS_LOW_MEMORY = ("memory='low' does not segment window attention (Swin): its window bookkeeping reads every "
@@ -64,6 +65,13 @@ def run(request: Request) -> Trace:
     out_nodes = live_outputs(captured.graph, a.live)
     wrt = gradient_nodes(a, out_nodes)
     remat = rematerializable(captured)
+    if request.stream:
+        if a.windows or len(a.streams) > 1:
+            raise RelpropError(STREAM_WINDOWS)
+        streamer = Streamer(request)
+        result = run_low(request, out_nodes, wrt, remat, streamer)
+        result.token_count = streamer.token_count
+        return build_trace(request, result, notes)
     if request.memory == "low":
         return build_trace(request, run_low(request, out_nodes, wrt, remat), notes)
     with torch.enable_grad():
@@ -95,34 +103,23 @@ def build_trace(request: Request, result: Pass, notes: List[str]) -> Trace:
     a = captured.analysis
     env, grad, rel_at = result.env, result.grad, result.rel_at
     batch = result.scores.shape[0]
-    blocks = []
-    for b in a.blocks:
-        unfold = _unfolder(b.folded_heads, batch)
-        blocks.append(BlockRecord(
-            index=b.index, name=b.name, layer=b.layer,
-            attention=unfold(_record(env[b.attention])), gradient=unfold(_record(grad[b.attention])),
-            relevance=unfold(rel_at.get(b.attention)),
-            hidden=_record(env[b.hidden]) if b.hidden is not None else None,
-            hidden_gradient=_record(grad[b.hidden]) if b.hidden is not None else None,
-            hidden_relevance=rel_at.get(b.hidden) if b.hidden is not None else None,
-            value=unfold(_record(env[b.value])) if b.value is not None else None,
-            features=_record(env[b.features]) if b.features is not None else None,
-            features_gradient=_record(grad[b.features]) if b.features is not None else None,
-            out_proj_weight=_record(env[b.out_proj]) if b.out_proj is not None else None,
-            query_stream=b.query_stream, key_stream=b.key_stream, wave=b.wave,
-        ))
-    blocks, stages = globalize(result.windows, blocks, batch)
+    if request.stream:  # a streamed run: the folds read every block and its records are gone
+        blocks, stages = NotKept("the per-block records (exp.blocks)", _names(request.stream)), None
+        n_tok = result.token_count
+    else:
+        blocks = [block_record(b, env, grad, rel_at, batch) for b in a.blocks]
+        blocks, stages = globalize(result.windows, blocks, batch)
+        n_tok = blocks[0].attention.shape[-1] if blocks else None
     input_grad = None
     if a.sources:
         g = [grad[s] for s, _ in primary_parts(a, [(s, None) for s in a.sources])]
-        input_grad = _record(g[0]) if len(g) == 1 else _record(torch.stack(g).sum(0))
+        input_grad = record(g[0]) if len(g) == 1 else record(torch.stack(g).sum(0))
     outputs = pytree.tree_map(lambda t: t.detach() if torch.is_tensor(t) else t, result.outputs)
     logits = find_logits(outputs)
     score = request.target.score if result.target is None else fixed(result.target, captured.primary).score
     session = Session(captured, request.model, request.kwargs, score,
                       env[a.sources[0]].detach() if a.sources else None)
     am = request.kwargs.get("attention_mask")
-    n_tok = blocks[0].attention.shape[-1] if blocks else None
     if torch.is_tensor(am) and am.dim() == 2 and n_tok == am.shape[1]:
         token_mask = am.to(result.scores.device) != 0
     else:
@@ -133,19 +130,10 @@ def build_trace(request: Request, result: Pass, notes: List[str]) -> Trace:
                  session=session, token_mask=token_mask, stages=stages, notes=notes, token_map=result.tokens.get(0),
                  token_maps=result.tokens, token_mixing=a.token_mixing, unmapped_blocks=a.unmapped,
                  streams=list(a.streams), stream_relevance=result.stream_relevance,
-                 stream_masks=stream_masks(a, request.kwargs, batch))
+                 stream_masks=stream_masks(a, request.kwargs, batch),
+                 streamed=[f.result() for f in request.stream])
 
 
-def _record(t: torch.Tensor) -> torch.Tensor:
-    """A value or gradient as the Trace records it: detached, in at least float32 (float64 kept)."""
-    return promote(t.detach())
-
-
-def _unfolder(heads, batch: int):
-    """[batch·heads, ...] → [batch, heads, ...] for a block whose heads are folded into the batch
-    axis, batch-major (identity for the others and for None)."""
-    def unfold(t):
-        if t is None or not heads or t.shape[0] != batch * heads:
-            return t
-        return t.reshape((batch, heads) + tuple(t.shape[1:]))
-    return unfold
+def _names(folds) -> str:
+    """The methods of a streamed run's folds, for the message of :class:`NotKept`."""
+    return ", ".join(dict.fromkeys(getattr(f, "name", type(f).__name__) for f in folds))

@@ -7,6 +7,8 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
+from ..errors import MethodError
+
 
 @dataclasses.dataclass
 class BlockRecord:
@@ -31,6 +33,37 @@ class BlockRecord:
     query_stream: Optional[str] = None
     key_stream: Optional[str] = None
     wave: Optional[int] = None
+
+
+class NotKept:
+    """Stands in for per-block records (``Trace.blocks``, ``Explanation.blocks``) or an aggregated
+    matrix (``Explanation.matrix``) that a streamed run did not keep: the method folded each block
+    into its result during the reverse walk and dropped the block's A, dA and R_A at once. Any use
+    of it (length, truth value, iteration, indexing, attributes) raises :class:`MethodError` naming
+    the option that keeps them; :class:`relprop.Explanation` raises already when the field is read."""
+
+    def __init__(self, what: str, method: str, option: str = "keep_blocks=True"):
+        self.what, self.method, self.option = what, method, option
+
+    @property
+    def message(self) -> str:
+        return (f"{self.what} of this explanation were not kept: method '{self.method}' folded each attention block "
+                f"into its result during the reverse walk (memory flat in the number of tokens) and dropped the "
+                f"block's records at once. Pass {self.option} to explain() to keep them (the full-matrix path: the "
+                f"same scores, to float32 rounding, and every block's A, dA and R_A in memory)")
+
+    def _refuse(self, *args, **kwargs):
+        raise MethodError(self.message)
+
+    __len__ = __bool__ = __iter__ = __getitem__ = _refuse
+
+    def __getattr__(self, name):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        raise MethodError(self.message)
+
+    def __repr__(self) -> str:
+        return f"<{self.what} not kept: {self.option}>"
 
 
 @dataclasses.dataclass
@@ -84,7 +117,9 @@ class Trace:
     logits: Optional[torch.Tensor]
     target: Optional[torch.Tensor]
     target_scores: torch.Tensor
-    blocks: List[BlockRecord]
+    #: per attention block, from the input; a :class:`NotKept` after a streamed run (the method's
+    #: result was folded block by block, :attr:`streamed`)
+    blocks: Any
     input_relevance: Optional[torch.Tensor]
     input_gradient: Optional[torch.Tensor]
     conservation: Optional[Conservation]
@@ -114,7 +149,11 @@ class Trace:
     #: features] inputs) and [batch, tokens] mask of real tokens
     streams: List[str] = dataclasses.field(default_factory=list)
     stream_relevance: Dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
+    #: a streamed run: the number of tokens of the first block (its records are gone)
+    token_count: Optional[int] = None
     stream_masks: Dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
+    #: a streamed run (``Request.stream``): each fold's result, in the order of ``Request.stream``
+    streamed: List[Any] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass
@@ -135,3 +174,5 @@ class Pass:
     windows: Any = None
     tokens: Dict[int, torch.Tensor] = dataclasses.field(default_factory=dict)  # token_positions()
     stream_relevance: Dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
+    #: a streamed run: the number of tokens of the first block (its records are gone)
+    token_count: Optional[int] = None

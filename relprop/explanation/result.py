@@ -6,7 +6,7 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
-from ..engine.trace import BlockRecord, Conservation
+from ..engine.trace import BlockRecord, Conservation, NotKept
 from ..viz import api as viz_api
 
 
@@ -33,6 +33,9 @@ class Explanation:
         a decoder's last position; :mod:`relprop.methods.query`), or None for methods that read
         no query row.
     blocks : per attention block, A, dA, R_A, h, dh (:class:`relprop.engine.trace.BlockRecord`).
+        With ``explain(..., keep_blocks=False)`` a rollout-style method folds the blocks into its
+        scores and keeps no records: reading ``blocks`` (or ``matrix``) then raises a
+        :class:`relprop.MethodError` that names ``keep_blocks=True``.
     target : [batch] class indices explained (None for a callable target).
     target_scores : [batch] the explained scores (logits of the target class).
     conservation : relevance put in, reaching the input, absorbed by constants, and per block,
@@ -78,6 +81,18 @@ class Explanation:
     output_stream: Optional[str] = None
     convergence_delta: Optional[torch.Tensor] = None  # integrated_gradients: Σ IG − (f(x) − f(x₀)) per sample
 
+    def __getattribute__(self, name):
+        value = object.__getattribute__(self, name)
+        if type(value) is NotKept:  # a streamed explanation: blocks / matrix were not kept
+            value._refuse()
+        return value
+
+    @property
+    def kept_blocks(self) -> bool:
+        """False when ``blocks`` and ``matrix`` were not kept (``explain(..., keep_blocks=False)``
+        folded the blocks into the scores); reading them then raises :class:`relprop.MethodError`."""
+        return type(object.__getattribute__(self, "blocks")) is not NotKept
+
     def show(self, **kwargs):
         """Display the explanation (image overlay, or coloured tokens/HTML in a notebook); see
         :func:`relprop.viz.api.show` for the options (``image=``, ``tokens=``, ``index=``, ...)."""
@@ -101,6 +116,7 @@ class Explanation:
         return self.scores.shape[0]
 
     def __repr__(self) -> str:
+        blocks = len(self.blocks) if self.kept_blocks else "not kept"
         return (f"Explanation(method='{self.method}', preset='{self.preset}', scores={tuple(self.scores.shape)}, "
-                f"map={None if self.map is None else tuple(self.map.shape)}, blocks={len(self.blocks)}, "
+                f"map={None if self.map is None else tuple(self.map.shape)}, blocks={blocks}, "
                 f"target={None if self.target is None else self.target.tolist()})")

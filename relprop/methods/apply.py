@@ -15,6 +15,13 @@ TWO_STREAM_METHODS = ("gradient_rollout", "transformer_attribution", "lrp", "inp
                       "integrated_gradients")
 
 
+def no_relevance(name: str, preset: Optional[str]) -> str:
+    """Why method ``name``, which reads R_A, cannot run on the relevance of ``preset``."""
+    return (f"method '{name}' reads the relevance of the attention maps (R_A), and preset '{preset}' gives them none "
+            f"(CP-LRP holds the attention constant). Use preset 'attnlrp' or 'chefer2021' for it, or method 'lrp' for "
+            f"the input relevance.")
+
+
 def apply(info: MethodInfo, trace, options: Dict[str, Any], preset: Optional[str], model_name: str) -> dict:
     """``info.fn(trace, **options)``, or a :class:`MethodError` saying why the method does not apply
     to this model: it reads attention blocks and the graph has none, it reads the relevance of the
@@ -31,9 +38,7 @@ def apply(info: MethodInfo, trace, options: Dict[str, Any], preset: Optional[str
         raise MethodError(f"method '{info.name}' reads the attention blocks as token-to-token maps, and {model_name} "
                           f"computes {unmapped}. Methods that apply: {usable}")
     if info.needs_relevance and info.needs_blocks and any(b.relevance is None for b in trace.blocks):
-        raise MethodError(f"method '{info.name}' reads the relevance of the attention maps (R_A), and preset "
-                          f"'{preset}' gives them none (CP-LRP holds the attention constant). Use preset "
-                          f"'attnlrp' or 'chefer2021' for it, or method 'lrp' for the input relevance.")
+        raise MethodError(no_relevance(info.name, preset))
     if len(getattr(trace, "streams", None) or []) > 1 and info.name not in TWO_STREAM_METHODS:
         raise MethodError(f"method '{info.name}' reads the attention blocks of one token stream, and {model_name} has "
                           f"two ({', '.join(trace.streams)}) connected by cross-attention, which it does not define. "

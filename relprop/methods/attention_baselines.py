@@ -33,6 +33,7 @@ from .layout import patch_tokens
 from .bimodal import check_normalize_self, is_two_stream, two_stream_result
 from .query import query_rows, query_vector
 from .rollout_utils import chain, head_mean, query_row, rollout_blocks, stage_transitions
+from .streaming import streamable
 
 #: methods that need no attention blocks (named when a model has none)
 _WITHOUT_ATTENTION = "lrp, input_x_gradient, smoothgrad, integrated_gradients"
@@ -245,7 +246,11 @@ def rollout(trace, start_block: int = 0, normalize_rows: bool = True, query: str
         Eq. 15–16 (``head_fusion="max"`` with ``discard_ratio=0.9`` is the common "max fusion").
     """
     agg = Aggregation(head_fusion, positive, discard_ratio, start_block, end_block, layers, last_k, normalize_rows)
-    return aggregate(trace, "rollout", agg, lambda b: b.attention, query=query)
+    return aggregate(trace, "rollout", agg, _ROLLOUT_MAPS, query=query)
+
+
+#: attention rollout's per-head maps A (the streamed path folds the same maps)
+_ROLLOUT_MAPS = streamable("rollout", lambda b: b.attention)
 
 
 def _key_columns(trace, n: int, device) -> torch.Tensor:
@@ -326,4 +331,8 @@ def gradient_rollout(trace, query: str = "cls", head_fusion: str = "mean", posit
                        layers=(layers, "rollout"), last_k=(last_k, 1), normalize_rows=(normalize_rows, False))
         return two_stream_result(trace, "gradient", normalize_self)
     agg = Aggregation(head_fusion, positive, discard_ratio, start_block, end_block, layers, last_k, normalize_rows)
-    return aggregate(trace, "gradient_rollout", agg, lambda b: b.gradient * b.attention, query=query)
+    return aggregate(trace, "gradient_rollout", agg, _GRADIENT_ROLLOUT_MAPS, query=query)
+
+
+#: the gradient rollout's per-head maps ∇A ⊙ A (ICCV 2021, Eq. 5; the streamed path folds the same maps)
+_GRADIENT_ROLLOUT_MAPS = streamable("gradient_rollout", lambda b: b.gradient * b.attention)

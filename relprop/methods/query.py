@@ -40,22 +40,32 @@ def is_causal(trace) -> bool:
     if n < 2:
         return False
     device = blocks[0].attention.device
-    upper = torch.ones(n, n, dtype=torch.bool, device=device).triu(1)
     real = real_tokens(trace, n, device)  # [B, N]
-    for b in blocks:
-        a = b.attention
-        if tuple(a.shape[-2:]) != (n, n):
-            return False
-        rows = real[:, None, :, None] if a.dim() == 4 else real[:, :, None]
-        if bool(((a != 0) & upper & rows).any()):
-            return False
-    return True
+    return all(causal_block(b.attention, real) for b in blocks)
+
+
+def causal_block(a: torch.Tensor, real: torch.Tensor) -> bool:
+    """Whether one block's attention ``a`` ([batch, heads, N, N] or [batch, N, N]) is causal on the
+    real queries ``real`` ([batch, N] bool, :func:`real_tokens`): its strict upper triangle is
+    exactly zero there. A map of another size than ``real`` is not."""
+    n = real.shape[-1]
+    if tuple(a.shape[-2:]) != (n, n):
+        return False
+    upper = torch.ones(n, n, dtype=torch.bool, device=a.device).triu(1)
+    rows = real[:, None, :, None] if a.dim() == 4 else real[:, :, None]
+    return not bool(((a != 0) & upper & rows).any())
 
 
 def support(trace) -> torch.Tensor:
     """[batch, rows of the last block's attention] bool: the rows with a non-zero gradient (the
     token states the target reads)."""
-    read = trace.blocks[-1].gradient != 0
+    return support_of(trace.blocks[-1].gradient)
+
+
+def support_of(gradient: torch.Tensor) -> torch.Tensor:
+    """[batch, rows] bool: the rows of an attention gradient ([batch, heads, N, N] or [batch, N, N])
+    with a non-zero entry in some head."""
+    read = gradient != 0
     if read.dim() == 4:  # [B, H, N, N]
         read = read.any(1)
     return read.any(-1)
@@ -67,17 +77,34 @@ def query_weights(trace) -> torch.Tensor:
     last = trace.blocks[-1].attention
     n, device = last.shape[-2], last.device
     read = support(trace).to(device)
-    weights = torch.zeros(trace.batch_size, n, device=device)
+    real = real_tokens(trace, n, device)
+    if row_zero_only(read):
+        return weights_of(read, real, False)
+    return weights_of(read, real, is_causal(trace))
+
+
+def row_zero_only(read: torch.Tensor) -> bool:
+    """True when every sample's support (``read`` [batch, rows]) is row 0 alone, or there is one row:
+    the query is the class token's row whether the model is causal or not."""
+    return read.shape[1] < 2 or bool((read[:, 0] & (read.sum(1) == 1)).all())
+
+
+def weights_of(read: torch.Tensor, real: torch.Tensor, causal: bool) -> torch.Tensor:
+    """[batch, rows]: the query weights from the support ``read`` and the real tokens ``real``
+    ([batch, rows] bool each) of a causal or a non-causal model (see the module docstring)."""
+    batch, n = read.shape
+    device = read.device
+    weights = torch.zeros(batch, n, device=device)
     weights[:, 0] = 1.0
-    if n < 2 or bool((read[:, 0] & (read.sum(1) == 1)).all()):
+    if row_zero_only(read):
         return weights  # every sample reads row 0 alone: the class token's row
     idx = torch.arange(n, device=device)
-    if is_causal(trace):
-        last_real = torch.where(real_tokens(trace, n, device), idx, -1).amax(1).clamp_min(0)
+    if causal:
+        last_real = torch.where(real, idx, -1).amax(1).clamp_min(0)
         last_read = torch.where(read, idx, -1).amax(1)
         q = torch.where(last_read >= 0, last_read, last_real)
         return torch.nn.functional.one_hot(q, n).float()
-    for b in range(trace.batch_size):
+    for b in range(batch):
         if bool(read[b].any()):
             weights[b] = read[b].float() / read[b].sum()
     return weights

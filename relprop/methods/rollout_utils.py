@@ -80,22 +80,40 @@ def rollout_blocks(trace, name: str, start_block: int = 0, end_block: Optional[i
     of one token sequence (or of stages linked by a token merging, Swin), and no op mixing tokens
     outside the attention blocks (:func:`relprop.graph.blocks.token_mixing`)."""
     blocks = trace.blocks[start_block:end_block]
-    others = "Methods that apply: " + ", ".join(sorted(set(all_methods()) - set(ROLLOUT_METHODS)))
     for b in blocks:
-        q, k = b.attention.shape[-2], b.attention.shape[-1]
-        if q != k:
-            raise MethodError(f"{name} multiplies the token-to-token maps of the blocks, and block {b.index} "
-                              f"('{b.name}') maps {k} tokens to {q} queries (class attention, attention pooling or "
-                              f"downsampling), which a rollout does not cover. {others}")
+        check_square(b, name)
     stages = getattr(trace, "stages", None)
     for prev, nxt in zip(blocks, blocks[1:]):
-        n0, n1 = prev.attention.shape[-1], nxt.attention.shape[-1]
-        if n0 != n1 and (stages is None or prev.index not in stages.links):
-            raise MethodError(f"{name} multiplies the token-to-token maps of the blocks, and block {prev.index} "
-                              f"('{prev.name}') has {n0} tokens while block {nxt.index} ('{nxt.name}') has {n1}, "
-                              f"with no token merging relprop can read off the graph between them. {others}")
-    mixing = getattr(trace, "token_mixing", None)
+        check_neighbours(prev, nxt, name, stages)
+    check_mixing(getattr(trace, "token_mixing", None), name)
+    return blocks
+
+
+def _others() -> str:
+    return "Methods that apply: " + ", ".join(sorted(set(all_methods()) - set(ROLLOUT_METHODS)))
+
+
+def check_square(b, name: str) -> None:
+    """A :class:`MethodError` when block record ``b`` maps its keys to another number of queries."""
+    q, k = b.attention.shape[-2], b.attention.shape[-1]
+    if q != k:
+        raise MethodError(f"{name} multiplies the token-to-token maps of the blocks, and block {b.index} "
+                          f"('{b.name}') maps {k} tokens to {q} queries (class attention, attention pooling or "
+                          f"downsampling), which a rollout does not cover. {_others()}")
+
+
+def check_neighbours(prev, nxt, name: str, stages=None) -> None:
+    """A :class:`MethodError` when consecutive blocks ``prev``, ``nxt`` have different token counts
+    with no token merging between them (``stages``, Swin)."""
+    n0, n1 = prev.attention.shape[-1], nxt.attention.shape[-1]
+    if n0 != n1 and (stages is None or prev.index not in stages.links):
+        raise MethodError(f"{name} multiplies the token-to-token maps of the blocks, and block {prev.index} "
+                          f"('{prev.name}') has {n0} tokens while block {nxt.index} ('{nxt.name}') has {n1}, "
+                          f"with no token merging relprop can read off the graph between them. {_others()}")
+
+
+def check_mixing(mixing: Optional[str], name: str) -> None:
+    """A :class:`MethodError` when tokens mix outside the attention blocks (``mixing``: the op, in words)."""
     if mixing is not None:
         raise MethodError(f"{name} multiplies the attention maps of the blocks, and the tokens of this model also mix "
-                          f"outside them: {mixing}; a rollout of the attention maps would leave that out. {others}")
-    return blocks
+                          f"outside them: {mixing}; a rollout of the attention maps would leave that out. {_others()}")

@@ -7,6 +7,10 @@ from ..errors import MethodError
 from .aggregation import Aggregation, aggregate
 from .bimodal import check_normalize_self, is_two_stream, two_stream_result
 from .registry import method
+from .streaming import streamable
+
+#: Eq. 13's per-head map ∇A ⊙ R_A of a block record (the streamed path folds the same maps)
+_TA_MAPS = streamable("transformer_attribution", lambda b: b.gradient * b.relevance)
 
 
 @method("transformer_attribution",
@@ -42,6 +46,13 @@ def transformer_attribution(trace, start_block: int = 0, normalize_rows: bool = 
     (``exp.streams``), and every option keeps its default there but ``normalize_self``:
     ``normalize_self=False`` (two streams only) leaves out the normalization of the self relevancy
     maps before a cross-attention update (ICCV 2021, Eq. 8–9), the paper's ablation.
+
+    This function computes C itself from every block's records (the full-matrix path, the default
+    ``explain(..., keep_blocks=True)``); with ``keep_blocks=False`` :func:`relprop.explain` folds
+    the query row q · Ā_1 · … · Ā_B (output block first) during the reverse walk instead, Eq. 14
+    associated from the query (:mod:`relprop.methods.streaming`): the same scores to float32
+    rounding, without C or the records (memory flat in the number of blocks, one block's
+    tokens² maps at a time).
     """
     check_normalize_self(trace, "transformer_attribution", normalize_self)
     if trace.blocks and is_two_stream(trace):  # encoder-decoder, co-attention: the ICCV 2021 rules with R_A
@@ -55,4 +66,4 @@ def transformer_attribution(trace, start_block: int = 0, normalize_rows: bool = 
                                   f"{option} at {default!r}")
         return two_stream_result(trace, "relevance", normalize_self)
     agg = Aggregation(head_fusion, positive, discard_ratio, start_block, end_block, layers, last_k, normalize_rows)
-    return aggregate(trace, "transformer_attribution", agg, lambda b: b.gradient * b.relevance, query=query)
+    return aggregate(trace, "transformer_attribution", agg, _TA_MAPS, query=query)

@@ -1,0 +1,183 @@
+"""Peak memory and time of ``transformer_attribution`` as inputs grow, against one forward+backward.
+
+Goal 3 of issue 14 ("memory flat in sequence length"): Transformer Attribution within 1.5x the
+peak memory and 2.5x the time of one forward+backward pass of the same model, on BERT-base at up
+to 2048 tokens and on a LLaMA-style decoder at up to 4096 tokens.
+
+Models (random weights, built from configs; memory and time do not depend on the weights):
+
+* ``bert``: HuggingFace BERT-base (12 blocks, 12 heads, hidden 768; ``max_position_embeddings``
+  raised to the length), sequence classification, batch 1, target class 1.
+* ``llama``: a LLaMA-style decoder (RMSNorm, rotary embeddings, gated SiLU MLP, grouped-query
+  attention) far smaller than a real LLaMA so that one thread can run it at 4096 tokens: hidden 512,
+  8 heads of 64 (2 key/value heads), MLP 1408, 4 blocks, vocabulary 4096; causal LM, batch 1, target
+  a fixed next token at the last position.
+
+Measured, each in a fresh subprocess (``--child``):
+
+* ``fwdbwd``: the model's forward, then ``backward()`` of the target score (parameter gradients
+  included), with the model's default attention (``sdpa``: fused, no tokens² tensor kept);
+* ``fwdbwd-eager``: the same with ``attn_implementation="eager"`` (the attention probabilities of
+  every block kept for the backward pass, as relprop's captured graph computes them);
+* ``ta-full``: ``relprop.explain(..., method="transformer_attribution")`` with ``keep_blocks=True``
+  (every block's A, dA, R_A kept; the full-matrix path);
+* ``ta-stream``: the same with ``keep_blocks=False`` (each block folded into the query row during the
+  reverse walk and dropped, :mod:`relprop.methods.streaming`).
+
+Memory on CPU is the peak resident set size of the process (VmHWM of /proc/self/status, reset with
+``5 > /proc/self/clear_refs`` once the model, the inputs and, for relprop, the captured graph exist)
+minus the resident set at that moment; glibc is told to serve allocations over 128 KiB with mmap
+(``MALLOC_MMAP_THRESHOLD_``) so that freed tensors leave the resident set at once. On CUDA it is
+``torch.cuda.max_memory_allocated`` minus what was allocated before. Time is the wall-clock time of
+the one measured call (the capture, cached per model and input shape, is done before it).
+
+    OMP_NUM_THREADS=1 python benchmarks/memory_scaling.py                       # every configuration
+    OMP_NUM_THREADS=1 python benchmarks/memory_scaling.py --model bert --tokens 512 1024 2048
+    OMP_NUM_THREADS=1 python benchmarks/memory_scaling.py --model llama --tokens 4096 --what fwdbwd ta-stream
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+MMAP_THRESHOLD = str(128 * 1024)
+WHATS = ("fwdbwd", "fwdbwd-eager", "ta-full", "ta-stream")
+DEFAULT_TOKENS = {"bert": (512, 1024, 2048), "llama": (1024, 2048, 4096)}
+TARGET_TOKEN = 7
+
+
+def _threads() -> int:
+    env = os.environ.get("OMP_NUM_THREADS")
+    return int(env) if env and env.isdigit() else 1
+
+
+def build(name: str, n: int, attn: str, device: str):
+    """(model, inputs, target) for model ``name`` at ``n`` tokens with attention ``attn``."""
+    import torch
+    import transformers
+    torch.manual_seed(0)
+    if name == "bert":
+        cfg = transformers.BertConfig(num_labels=2, max_position_embeddings=max(512, n), attn_implementation=attn)
+        model = transformers.BertForSequenceClassification(cfg)
+        ids = torch.randint(1000, 20000, (1, n))
+        target = 1
+    else:
+        cfg = transformers.LlamaConfig(vocab_size=4096, hidden_size=512, intermediate_size=1408, num_hidden_layers=4,
+                                       num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=n,
+                                       pad_token_id=0, bos_token_id=1, eos_token_id=2, attn_implementation=attn)
+        model = transformers.LlamaForCausalLM(cfg)
+        ids = torch.randint(3, 4096, (1, n))
+        target = TARGET_TOKEN
+    model = model.eval().to(device)
+    ids = ids.to(device)
+    return model, {"input_ids": ids, "attention_mask": torch.ones_like(ids)}, target
+
+
+def _rss_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise RuntimeError(f"{field} not in /proc/self/status")
+
+
+def child(name: str, n: int, what: str, device: str) -> None:
+    """Measure one configuration in this (fresh) process; print one JSON line."""
+    import gc
+    import warnings
+
+    import torch
+
+    import relprop
+    from relprop.graph.capture import CACHE
+    from relprop.graph.inputs import bind_inputs
+
+    warnings.simplefilter("ignore")
+    torch.set_num_threads(_threads())
+    model, inputs, target = build(name, n, "eager" if what == "fwdbwd-eager" else "sdpa", device)
+    if what.startswith("ta"):
+        CACHE.get(model, bind_inputs(model, inputs))  # the capture is outside the measurement
+    gc.collect()
+    cuda = device.startswith("cuda")
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+    else:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        base = _rss_kib("VmRSS") * 1024
+    t0 = time.perf_counter()
+    if what.startswith("fwdbwd"):
+        logits = model(**inputs).logits
+        score = logits[:, 1] if name == "bert" else logits[:, -1, target]
+        score.sum().backward()
+        del logits, score
+    else:
+        exp = relprop.explain(model, inputs, target=target, method="transformer_attribution",
+                              keep_blocks=what == "ta-full")
+        del exp
+    if cuda:
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated() - base
+    else:
+        peak = _rss_kib("VmHWM") * 1024 - base
+    seconds = time.perf_counter() - t0
+    print(json.dumps({"model": name, "tokens": n, "what": what, "device": device, "peak_bytes": peak,
+                      "seconds": seconds, "threads": torch.get_num_threads()}))
+
+
+def measure(name: str, n: int, what: str, device: str) -> dict:
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_=MMAP_THRESHOLD, PYTHONWARNINGS="ignore")
+    cmd = [sys.executable, os.path.abspath(__file__), "--child", name, str(n), what, device]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+    if proc.returncode != 0 or not lines:
+        return {"error": (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]}
+    return json.loads(lines[-1])
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", choices=("bert", "llama", "all"), default="all")
+    parser.add_argument("--tokens", type=int, nargs="+", default=None, help="sequence lengths (default per model)")
+    parser.add_argument("--what", nargs="+", choices=WHATS, default=None, help="subset of the measurements")
+    parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
+    parser.add_argument("--child", nargs=4, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.child:
+        name, n, what, device = args.child
+        child(name, int(n), what, device)
+        return 0
+    import torch
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    names = ["bert", "llama"] if args.model == "all" else [args.model]
+    whats = list(args.what or WHATS)
+    if "fwdbwd" not in whats:
+        whats = ["fwdbwd"] + whats
+    memory = "peak RSS delta" if device == "cpu" else "max_memory_allocated delta"
+    print(f"| model ({device}, {_threads()} thread(s), {memory}) | tokens | measured | peak MiB | × fwd+bwd "
+          f"| seconds | time × fwd+bwd |")
+    print("|---|---:|---|---:|---:|---:|---:|")
+    for name in names:
+        for n in args.tokens or DEFAULT_TOKENS[name]:
+            ref = None
+            for w in whats:
+                r = measure(name, n, w, device)
+                if "error" in r:
+                    print(f"| {name} | {n} | {w} | failed: {r['error'][0][:120]} | | | |", flush=True)
+                    continue
+                ref = ref or (r if w == "fwdbwd" else None)
+                mib = r["peak_bytes"] / 2**20
+                ratio = f"{r['peak_bytes'] / ref['peak_bytes']:.2f}" if ref else "-"
+                tratio = f"{r['seconds'] / ref['seconds']:.2f}" if ref else "-"
+                print(f"| {name} | {n} | {w} | {mib:.0f} | {ratio} | {r['seconds']:.2f} | {tratio} |", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,96 @@
+"""A streamed run: every attention block handed to the methods' folds as soon as the reverse walk
+has its A, dA and R_A, and then dropped.
+
+Rollout-style methods read per block one heads-fused token×token map and only the query's row of
+the product of the blocks' maps (CVPR 2021, Eq. 13–14). Folded from the output block back, the row
+needs one block at a time, so the run need not keep any block's records: it is the segmented run of
+``memory="low"`` (:func:`relprop.engine.low_memory.run_low`: a forward pass without autograd, then
+block by block from the output, the block recomputed with autograd, its gradients, its part of the
+relevance walk) with, after each segment, the block's record passed to every fold of
+``Request.stream`` and its attention-sized values (A, dA, R_A) and the block's own V and features
+freed. The peak then holds the hidden states between blocks and one block, whatever the number of
+blocks; the records grow with blocks × heads × tokens² otherwise.
+"""
+from __future__ import annotations
+
+from typing import List
+
+from ..errors import RelpropError
+from .memory import crossing, segments
+from .records import block_record
+
+#: why a streamed run was refused by the engine (the api does not ask for one there)
+STREAM_WINDOWS = ("a streamed run folds one token sequence per block; this model's attention works on windows (Swin) "
+                  "or connects two token streams: explain it with keep_blocks=True (the full-record path)")
+
+
+class Streamer:
+    """Hands every attention block of a segmented run (:func:`relprop.engine.low_memory.run_low`) to
+    the folds of ``request.stream``, from the output block back, and frees the block's records.
+
+    With the relevance walk, a block is handed over when the walk reaches its attention map (R_A is
+    then complete; dA came from the segment's backward pass), before the map's own rule runs: dA is
+    freed at once, R_A when the rule has passed it on, A when the walk leaves the node (the walk no
+    longer keeps A, V and the features for after the walk). Without it (gradient-only methods) the
+    blocks of a segment are handed over after the segment's backward pass. ``token_count`` is the
+    first block's number of tokens once it has been seen."""
+
+    def __init__(self, request):
+        captured = request.captured
+        a = captured.analysis
+        self.folds, self.analysis = request.stream, a
+        self.block_of = {b.attention: b for b in a.blocks}
+        kept = crossing(captured) | set(a.sources) | {a.primary}
+        self.droppable = {n for b in a.blocks for n in (b.attention, b.value, b.features)
+                          if n is not None and n not in kept}
+        self.first = segments(captured)[0]
+        self.seen: List[int] = []
+        self.token_count = None
+        self.walker = None
+
+    def attach(self, walker, env, grad, batch: int) -> None:
+        """Called by the run once its forward values ``env``, gradients ``grad`` and ``walker``
+        (None without the relevance walk) exist."""
+        self.env, self.grad, self.batch, self.walker = env, grad, batch, walker
+        if walker is not None:
+            for node in self.block_of:
+                walker.reached[node] = self._reached
+                walker.keep.discard(node)
+            walker.needed_later = walker.needed_later - self.droppable
+            walker.keep_recomputed = False
+
+    def _reached(self, node, relevance) -> None:
+        self._hand_over(self.block_of[node], {node: relevance})
+
+    def _hand_over(self, b, rel_at) -> None:
+        rec = block_record(b, self.env, self.grad, rel_at, self.batch, partial=True)
+        if b.index == 0:
+            self.token_count = rec.attention.shape[-1]
+        for fold in self.folds:
+            fold(rec)
+        self.seen.append(b.index)
+        self.grad.pop(b.attention, None)
+        if b.features is not None and b.features in self.droppable:
+            self.grad.pop(b.features, None)
+
+    def after_segment(self, seg) -> set:
+        """After a segment's walk: hand over its blocks if the walk did not, free their values;
+        returns the nodes whose values and gradients were freed."""
+        inside = set(seg)
+        blocks = sorted((b for b in self.analysis.blocks if b.attention in inside), key=lambda b: -b.index)
+        if self.walker is None:
+            for b in blocks:
+                self._hand_over(b, {})
+        dropped = set()
+        for b in blocks:
+            for n in (b.attention, b.value, b.features):
+                if n in self.droppable and n in inside:
+                    self.env.pop(n, None)
+                    self.grad.pop(n, None)
+                    dropped.add(n)
+        if seg is self.first:
+            missing = [b.index for b in self.analysis.blocks if b.index not in self.seen]
+            if missing:
+                raise RelpropError(f"a streamed run did not reach blocks {missing} (a bug of relprop's segments: "
+                                   "please report it; keep_blocks=True explains without streaming)")
+        return dropped

@@ -1,0 +1,197 @@
+"""Rollout-style methods folded block by block during the reverse walk (memory flat in the number of
+tokens).
+
+Transformer Attribution (Chefer, Gur & Wolf, CVPR 2021, Eq. 13–14), attention rollout (Eq. 15–16)
+and the gradient rollout (ICCV 2021, Eq. 5–6) build per block b one fused map Ā_b = I + M_b
+(M_b = E_h[(∇A_b ⊙ R_A,b)⁺] for Eq. 13; each I + M_b divided by its row sums with
+``normalize_rows``), multiply them output side first, C = Ā_{e-1} · … · Ā_s (Eq. 14, blocks counted
+from the input here), and read the query's row of C: scores = q · C for the query weights q
+(:mod:`relprop.methods.query`). By associativity
+
+    q · C = ((q · Ā_{e-1}) · Ā_{e-2}) · … · Ā_s,
+
+so a row r ← r · Ā_b, started at q and updated from the output block back, needs one block at a
+time: the engine hands each block's record to a :class:`RowFold` as soon as the reverse walk has
+its A, ∇A and R_A, and frees the record (:mod:`relprop.engine.streaming`). The peak holds one block
+instead of blocks × heads × tokens² records, and the products are of a [k, tokens] row with a
+[tokens, tokens] map (k ≤ 2) instead of [tokens, tokens]².
+
+The query q is read off the block next to the output (the rows its gradient reaches), which the
+fold meets first. Whether the model is causal (a decoder's query is its last position, an encoder's
+the mean of the rows read) is known only once every block has been seen, so when the two readings
+differ both rows are folded and the right one is kept at the end. The results equal those of the
+full-matrix path (``keep_blocks=True``, :func:`relprop.methods.aggregation.aggregate`) to float
+rounding (the products are associated differently); ``tests/test_streaming.py`` checks it.
+"""
+from __future__ import annotations
+
+import inspect
+import types
+from typing import Any, Callable, Dict, Optional
+
+import torch
+
+from ..engine.trace import NotKept
+from ..errors import MethodError
+from .aggregation import Aggregation, block_range, fuse_heads
+from .apply import no_relevance
+from .query import causal_block, row_zero_only, support_of, weighted_rows, weights_of
+from .rollout_utils import check_mixing, check_neighbours, check_square
+
+#: the methods whose result a :class:`RowFold` computes: name -> the per-head maps of a block record
+#: (the same function the method passes to :func:`relprop.methods.aggregation.aggregate`)
+STREAM_MAPS: Dict[str, Callable] = {}
+
+
+def streamable(name: str, head_maps: Callable) -> Callable:
+    """Register ``head_maps(record) -> [batch, heads, N, N]`` as method ``name``'s per-head maps,
+    for the streamed path; returns ``head_maps``."""
+    STREAM_MAPS[name] = head_maps
+    return head_maps
+
+
+def settings(info, options: Dict[str, Any]) -> Dict[str, Any]:
+    """Every option of method ``info`` with its value: ``options`` over the method's defaults."""
+    params = inspect.signature(info.fn).parameters
+    return {k: options.get(k, p.default) for k, p in params.items() if k != "trace"}
+
+
+def why_not(info, options: Dict[str, Any], analysis) -> Optional[str]:
+    """None when method ``info`` with ``options`` can be folded block by block on a model with this
+    graph ``analysis``, else why not, in words."""
+    if info.name not in STREAM_MAPS:
+        return f"method '{info.name}' is not a rollout of per-block maps"
+    s = settings(info, options)
+    if s.get("layers", "rollout") != "rollout":
+        return f"layers={s['layers']!r} reads the maps of several blocks at once (only layers='rollout' folds)"
+    if s.get("discard_ratio", 0.0) > 0:
+        return "discard_ratio > 0 ranks every entry of each block's map against the query of the last block"
+    if s.get("normalize_self", True) is not True:
+        return "normalize_self=False is the two-stream ablation (the full path checks it)"
+    if not analysis.blocks:
+        return "the model has no attention blocks"
+    if analysis.windows:
+        return "the model's attention works on windows whose token count changes between stages (Swin)"
+    if len(analysis.streams) > 1:
+        return "the model has two token streams (the bi-modal rules read every block of both)"
+    if analysis.unmapped:
+        return "the blocks' attention cannot be read as token-to-token maps"
+    return None
+
+
+class RowFold:
+    """The query row of a rollout-style method, folded from the output block back.
+
+    Called with every block's :class:`relprop.engine.trace.BlockRecord` from the output back
+    (``fold(record)``); :meth:`result` then gives the method's output (``tokens``, ``query``,
+    ``heads``, and ``matrix`` as a :class:`relprop.engine.trace.NotKept`). Options and checks are
+    those of the method (:func:`relprop.methods.aggregation.aggregate`); the block range is checked
+    when the fold is made, before any work.
+    """
+
+    def __init__(self, info, options: Dict[str, Any], n_blocks: int, attention_mask: Optional[torch.Tensor],
+                 preset: Optional[str], token_mixing: Optional[str] = None):
+        s = settings(info, options)
+        self.name, self.preset, self.needs_relevance = info.name, preset, info.needs_relevance
+        self.head_maps = STREAM_MAPS[info.name]
+        self.agg = Aggregation(*(s[k] for k in ("head_fusion", "positive", "discard_ratio", "start_block",
+                                                "end_block", "layers", "last_k", "normalize_rows")))
+        self.query = s["query"]
+        if self.query not in ("cls", "mean"):
+            raise MethodError(f"query={self.query!r} is not a choice. Choices: ['cls', 'mean']")
+        self.range = block_range(n_blocks, self.agg.start_block, self.agg.end_block, info.name)
+        self.mask, self.mixing, self.n_blocks = attention_mask, token_mixing, n_blocks
+        self.row = None  # [batch, k, N]: the folded rows of the k query candidates
+        self.weights = None  # [batch, k, N]: the candidates' query weights
+        self.real = None  # [batch, N] bool: the real (non-padding) tokens
+        self.causal = True
+        self.heads = None
+        self.prev = None  # (index, name, tokens) of the block folded last
+        self.seen, self.tokens0, self.used_mask = 0, None, False
+
+    def _real(self, n: int, device) -> torch.Tensor:
+        """[batch, n] bool: the real tokens, as ``Trace.token_mask`` gives them (the attention mask
+        when it has one entry per token, else every token)."""
+        m = self.mask
+        if torch.is_tensor(m) and m.dim() == 2 and m.shape[1] == n:
+            self.used_mask = True
+            return m.to(device) != 0
+        self.used_mask = False
+        return torch.ones(self.batch, n, dtype=torch.bool, device=device)
+
+    def _start(self, rec) -> None:
+        """At the block next to the output: the real tokens and the query candidates."""
+        a = rec.attention
+        self.batch, n, device = a.shape[0], a.shape[-2], a.device
+        self.real = self._real(n, device)
+        self.first_tokens = n
+        if self.query == "mean":
+            self.causal = False
+            self.weights = self.real[:, None, :].float()
+            return
+        read = support_of(rec.gradient).to(device)
+        self.causal = n >= 2
+        if row_zero_only(read):
+            self.weights = weights_of(read, self.real, False)[:, None, :]
+        else:  # [non-causal reading, causal reading]; the blocks decide which one holds
+            self.weights = torch.stack([weights_of(read, self.real, False), weights_of(read, self.real, True)], 1)
+
+    def __call__(self, rec) -> None:
+        """Fold one block (blocks arrive from the output back)."""
+        if self.needs_relevance and rec.relevance is None:
+            raise MethodError(no_relevance(self.name, self.preset))
+        if self.seen == 0:
+            self._start(rec)
+        self.seen += 1
+        if rec.index == 0:
+            self.tokens0 = rec.attention.shape[-1]
+        if self.causal and self.weights.shape[1] > 1:
+            self.causal = causal_block(rec.attention, self.real)
+        if rec.index not in self.range:
+            return
+        check_square(rec, self.name)
+        if self.prev is not None:
+            check_neighbours(rec, self.prev, self.name)
+        self.prev = types.SimpleNamespace(index=rec.index, name=rec.name,
+                                          attention=torch.empty(rec.attention.shape, device="meta"))
+        maps = self.head_maps(rec)
+        fused = fuse_heads(maps, rec.gradient, self.agg)
+        if self.row is None:  # the last block of the range: start from the query weights
+            self.row = self.weights.to(fused.dtype)
+            self.heads = self._head_rows(rec, maps)
+        a = fused + torch.eye(fused.shape[-1], dtype=fused.dtype, device=fused.device)
+        if self.agg.normalize_rows:
+            a = a / a.sum(-1, keepdim=True)
+        self.row = torch.matmul(self.row, a)  # [batch, k, N] · [batch, N, N]: row ← row · (I + M_b)
+
+    def _head_rows(self, rec, maps: torch.Tensor) -> Optional[torch.Tensor]:
+        """[batch, k, heads, N]: each head's map of the last block of the range at the query rows
+        (as :func:`relprop.methods.aggregation._head_rows`)."""
+        if maps.dim() != 4 or maps.shape[-1] != maps.shape[-2]:
+            return None
+        if self.agg.head_fusion == "gradient":
+            maps = rec.gradient * maps
+        if self.agg.positive:
+            maps = maps.clamp(min=0)
+        w = self.weights.to(maps.dtype)
+        if self.query == "mean":
+            w = w / w.sum(-1, keepdim=True).clamp_min(1)
+        return torch.stack([weighted_rows(w[:, i], maps) for i in range(w.shape[1])], 1)
+
+    def result(self) -> dict:
+        """The method's output: ``tokens`` (the query row of C), ``query`` (its weights), ``heads``."""
+        check_mixing(self.mixing, self.name)
+        if self.seen != self.n_blocks or self.row is None:
+            raise MethodError(f"{self.name}: the streamed run folded {self.seen} of {self.n_blocks} blocks; explain "
+                              f"with keep_blocks=True")
+        if self.used_mask and self.tokens0 != self.first_tokens:
+            raise MethodError(f"{self.name}: the first and the last attention block have different token counts; "
+                              f"explain with keep_blocks=True")
+        pick = 1 if self.weights.shape[1] > 1 and self.causal else 0
+        row, w = self.row[:, pick], self.weights[:, pick].to(self.row.dtype)
+        heads = None if self.heads is None else self.heads[:, pick]
+        if self.query == "mean":
+            total = w.sum(1, keepdim=True).clamp_min(1)
+            row, w = row / total, w / total
+        return {"tokens": row, "query": w, "heads": heads,
+                "matrix": NotKept("the aggregated matrix (exp.matrix)", self.name)}
