@@ -5,7 +5,8 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+# one intra-op thread per pytest-xdist worker (the workers already use the cores), up to two otherwise
+torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else max(1, min(2, os.cpu_count() or 1)))
 
 import models  # noqa: E402
 
@@ -30,3 +31,26 @@ from hypothesis import settings as _hyp_settings  # noqa: E402
 _hyp_settings.register_profile("ci", derandomize=True, deadline=None, print_blob=True)
 if os.environ.get("CI"):
     _hyp_settings.load_profile("ci")
+
+
+# The tests listed in slow_tests.txt (measured at more than about half a second each) join the slow suite.
+SLOW_LIST = os.path.join(os.path.dirname(__file__), "slow_tests.txt")
+
+
+def _listed_slow_tests():
+    with open(SLOW_LIST) as f:
+        return {line.strip() for line in f if line.strip() and not line.startswith("#")}
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m "not slow"` deselects
+def pytest_collection_modifyitems(config, items):
+    listed = _listed_slow_tests()
+    seen = set()
+    for item in items:
+        if item.nodeid in listed:
+            item.add_marker(pytest.mark.slow)
+            seen.add(item.nodeid)
+    whole_suite = config.args_source == pytest.Config.ArgsSource.TESTPATHS
+    if whole_suite and listed - seen:
+        raise pytest.UsageError(f"tests/slow_tests.txt names tests that do not exist (renamed or deleted? "
+                                f"update the list): {sorted(listed - seen)}")

@@ -19,6 +19,10 @@ import models
 import relprop
 from snapshot import assert_same, snapshot
 
+# under pytest-xdist (--dist loadgroup) every test of this module runs in one worker, in order, so that
+# test_zz_report sees the outcomes of the cases tried before it
+pytestmark = pytest.mark.xdist_group("bad_input")
+
 #: how every case tried in this module ended: (case, "result" | error class name) -> count
 OUTCOMES = collections.Counter()
 
