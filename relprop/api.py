@@ -242,8 +242,7 @@ def _run_engine(infos: List[MethodInfo], request: Request, preset: Optional[str]
         if note is not None:
             traces[p].notes.append(note)
     if not traces:
-        traces[None] = run(request.but(preset=preset or DEFAULT_PRESET, relevance=False,
-                                       gradients=any(i.needs_gradients for i in infos)))
+        traces[None] = run(request.but(preset=preset or DEFAULT_PRESET, relevance=False))
     return traces
 
 

@@ -31,9 +31,6 @@ class Request:
     target : what is explained (:class:`relprop.targets.Target`).
     preset : the name of the preset whose rules the walk applies.
     relevance : walk the relevance back (else only the forward pass and the gradients).
-    gradients : take the gradients of the target (dA, ∇h, ∇x, ...) when ``relevance`` is False;
-        without them the trace records None for every gradient (methods that re-run the model
-        for their own gradients: SmoothGrad, Integrated Gradients, ViT-CX).
     eps : the rules' denominator stabilizer.
     unsupported : ``"error"`` or ``"z_rule"`` (:data:`UNSUPPORTED_MODES`).
     memory : ``"default"``, ``"low"`` or ``"high"`` (:data:`MEMORY_MODES`).
@@ -45,7 +42,6 @@ class Request:
     target: Target
     preset: str = "chefer2021"
     relevance: bool = True
-    gradients: bool = True
     eps: float = DEFAULT_EPS
     unsupported: str = "error"
     memory: str = "default"

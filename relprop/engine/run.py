@@ -71,14 +71,10 @@ def run(request: Request) -> Trace:
         scores = request.target.score(outputs)
         target = request.target.classes(outputs)
         require_input_dependence(scores)
-        if request.relevance or request.gradients:
-            grads = torch.autograd.grad(scores.sum(), [env[n] for n in wrt], allow_unused=True)
+        grads = torch.autograd.grad(scores.sum(), [env[n] for n in wrt], allow_unused=True)
         scores = scores.detach()
-    if request.relevance or request.gradients:
-        grad = {n: (g if g is not None else torch.zeros_like(env[n])) for n, g in zip(wrt, grads)}
-        del grads
-    else:
-        grad = _NoGradients()
+    grad = {n: (g if g is not None else torch.zeros_like(env[n])) for n, g in zip(wrt, grads)}
+    del grads
     batch = scores.shape[0]
     result = Pass(env, outputs, scores, target, grad)
     result.windows = locate_windows(a, env, batch)  # window attention: read before the walk frees values
@@ -117,7 +113,7 @@ def build_trace(request: Request, result: Pass, notes: List[str]) -> Trace:
         ))
     blocks, stages = globalize(result.windows, blocks, batch)
     input_grad = None
-    if a.sources and not isinstance(grad, _NoGradients):
+    if a.sources:
         g = [grad[s] for s, _ in primary_parts(a, [(s, None) for s in a.sources])]
         input_grad = _record(g[0]) if len(g) == 1 else _record(torch.stack(g).sum(0))
     outputs = pytree.tree_map(lambda t: t.detach() if torch.is_tensor(t) else t, result.outputs)
@@ -140,17 +136,9 @@ def build_trace(request: Request, result: Pass, notes: List[str]) -> Trace:
                  stream_masks=stream_masks(a, request.kwargs, batch))
 
 
-class _NoGradients(dict):
-    """The gradients of a run that took none (``Request.gradients`` False): None for every node."""
-
-    def __missing__(self, node):
-        return None
-
-
-def _record(t):
-    """A value or gradient as the Trace records it: detached, in at least float32 (float64 kept);
-    None stays None."""
-    return None if t is None else promote(t.detach())
+def _record(t: torch.Tensor) -> torch.Tensor:
+    """A value or gradient as the Trace records it: detached, in at least float32 (float64 kept)."""
+    return promote(t.detach())
 
 
 def _unfolder(heads, batch: int):

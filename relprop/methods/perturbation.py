@@ -196,7 +196,7 @@ def vitcx_masks(maps: torch.Tensor, gram: torch.Tensor, distance_threshold: floa
         class_specific=True, signed=True,
         reference="Xie et al. 2022, 'ViT-CX: Causal Explanation of Vision Transformers', §3 (mask generation, "
                   "causal impact scoring with coverage-bias correction)",
-        needs_relevance=False, needs_gradients=False)
+        needs_relevance=False)
 def vit_cx(trace, distance_threshold: float = 0.1, baseline: Union[str, float] = "zero", batch_size: int = 32):
     """ViT-CX (Xie et al. 2022, §3). Images only.
 

@@ -22,7 +22,6 @@ class MethodInfo:
     needs_relevance: bool  # needs the relevance walk (else gradients/attention only)
     preset: Optional[str] = None  # preset the method uses unless one is given (e.g. "lrp"); None: the default
     needs_blocks: bool = True  # reads per-block attention records
-    needs_gradients: bool = True  # reads a gradient the trace records (dA, ∇h, ∇x, ...) for any options
 
     @property
     def options(self) -> List[str]:
@@ -34,12 +33,11 @@ _METHODS: Dict[str, MethodInfo] = {}
 
 
 def method(name: str, *, description: str, class_specific: bool, signed: bool, reference: str,
-           needs_relevance: bool, preset: Optional[str] = None, needs_blocks: bool = True,
-           needs_gradients: bool = True):
+           needs_relevance: bool, preset: Optional[str] = None, needs_blocks: bool = True):
     """Register an explanation method under ``name`` (see :class:`MethodInfo` for the fields)."""
     def decorate(fn):
         _METHODS[name] = MethodInfo(name, fn, description, class_specific, signed, reference, needs_relevance, preset,
-                                    needs_blocks, needs_gradients)
+                                    needs_blocks)
         return fn
     return decorate
 
