@@ -1,5 +1,6 @@
-"""The fast path skips the element-wise work on the rows of a decoder's logits its seed never
-reaches (:func:`relprop.rules.stabilize.on_nonzero_rows`): the same numbers as without the skip."""
+"""The fast path's wide ε-rule linear (a language model's head) back-propagates only the rows its
+gradient reaches (:func:`relprop.rules.stabilize.on_nonzero_rows`, ``_WideLinear``): the same
+numbers as without the skip, to float rounding."""
 import pytest
 import torch
 import transformers
