@@ -27,7 +27,7 @@ def test_on_nonzero_rows_equals_dense(monkeypatch):
 @pytest.mark.slow
 def test_fast_path_llama_same_with_row_skip(monkeypatch):
     """lrp under attnlrp on a tiny LLaMA explained at its last position: the same with the row
-    skip on (the head, rows of 8+ logits) and off, and equal to the interpreter, to rounding."""
+    skips on (seed R/y and head, rows of 8+ logits) and off, and equal to the interpreter, to rounding."""
     torch.manual_seed(0)
     cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                                    num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=16)
