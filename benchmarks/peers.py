@@ -16,9 +16,20 @@ here from LXT's own functions, the way LXT patches its supported models: LayerNo
 q, k (÷4) and v (÷2) before the attention, as its ``wrap_attention_forward``. The patch is applied
 to a copy of the model's classes only while LXT runs.
 
+``--model llama``: a small LLaMA decoder with random weights (``LlamaForCausalLM`` from a
+``LlamaConfig``: ``--layers`` layers of width 512, ``--tokens`` tokens), explained at the logit of
+one token at the last position. LXT is applied as its README applies it to LLaMA:
+``monkey_patch(modeling_llama)`` (its AttnLRP patch map: RMSNorm and gated-MLP forwards, the
+attention functions wrapped with ``divide_gradient``), the parameters frozen, the word embeddings
+fed as ``inputs_embeds`` with ``requires_grad``, ``use_cache=False``, one ``.backward()`` of the
+target logit, relevance = (embeddings × gradient) summed over the hidden size. LXT 2.1 replaces
+transformers' attention-function registry with a plain dict, which transformers 5 can no longer
+look up (``get_interface``); this process wraps the patched dict back into the registry's class.
+The patch is undone after each LXT run (relprop's capture and the fwd+bwd unit run unpatched).
+
     pip install -e ".[bench]"     # lxt, captum (and einops for the authors' code)
-    python benchmarks/peers.py [--model vit|bert] [--threads 1] [--repeats 3] [--authors /tmp/te]
-                               [--device cpu|cuda]
+    python benchmarks/peers.py [--model vit|bert|llama] [--threads 1] [--repeats 3] [--authors /tmp/te]
+                               [--device cpu|cuda] [--layers 4] [--tokens 128]
 """
 from __future__ import annotations
 
@@ -50,9 +61,15 @@ def logits_of(out):
     return out.logits if hasattr(out, "logits") else out
 
 
+def score_of(logits, target):
+    """The explained score: the target class, or for a decoder ([batch, tokens, vocab]) the target
+    token's logit at the last position."""
+    return logits[:, -1, target] if logits.dim() == 3 else logits[:, target]
+
+
 def fwd_bwd(model, inputs, target):
     out = model(**inputs) if isinstance(inputs, dict) else model(inputs)
-    logits_of(out)[:, target].sum().backward()
+    score_of(logits_of(out), target).sum().backward()
     model.zero_grad(set_to_none=True)
 
 
@@ -119,6 +136,42 @@ def lxt_vit(model, x, target):
         return (xi * xi.grad).sum(1)
 
 
+@contextlib.contextmanager
+def lxt_on_llama():
+    """LXT 2.1's ``monkey_patch(modeling_llama)`` (its default AttnLRP map), undone afterwards."""
+    lxt_functions()
+    from lxt.efficient import monkey_patch
+    from transformers.models.llama import modeling_llama as ml
+    from transformers.modeling_utils import AttentionInterface
+    classes = [ml.LlamaMLP, ml.LlamaRMSNorm, torch.nn.Dropout]
+    saved = [(c, c.__dict__.get("forward")) for c in classes]
+    eager, registry = ml.eager_attention_forward, ml.ALL_ATTENTION_FUNCTIONS
+    monkey_patch(ml, verbose=False)
+    if not hasattr(ml.ALL_ATTENTION_FUNCTIONS, "get_interface"):  # LXT 2.1 leaves a plain dict
+        wrapped = AttentionInterface()
+        for k, v in ml.ALL_ATTENTION_FUNCTIONS.items():
+            wrapped[k] = v
+        ml.ALL_ATTENTION_FUNCTIONS = wrapped
+    try:
+        yield
+    finally:
+        for c, f in saved:
+            if f is None:
+                del c.forward
+            else:
+                c.forward = f
+        ml.eager_attention_forward, ml.ALL_ATTENTION_FUNCTIONS = eager, registry
+
+
+def lxt_llama(model, ids, target):
+    """As LXT's README explains a LLaMA: embeddings × their gradient, summed over the hidden size."""
+    with frozen(model), lxt_on_llama():
+        emb = model.get_input_embeddings()(ids["input_ids"]).requires_grad_(True)
+        logits = model(inputs_embeds=emb, attention_mask=ids["attention_mask"], use_cache=False).logits
+        logits[:, -1, target].sum().backward()
+        return (emb * emb.grad).float().sum(-1)
+
+
 def captum_ig(model, x, target, steps):
     from captum.attr import IntegratedGradients
     with frozen(model):
@@ -147,7 +200,10 @@ def authors_ta(device):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", choices=("vit", "bert"), default="vit")
+    p.add_argument("--model", choices=("vit", "bert", "llama"), default="vit")
+    p.add_argument("--layers", type=int, default=4, help="llama: decoder layers")
+    p.add_argument("--tokens", type=int, default=128, help="llama: sequence length")
+    p.add_argument("--methods", default=",".join(METHODS), help="relprop methods to time")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--device", default="cpu")
@@ -166,18 +222,33 @@ def main():
         x = {"input_ids": torch.randint(1000, 30000, (1, 128), device=dev),
              "attention_mask": torch.ones(1, 128, dtype=torch.long, device=dev)}
         name = "BERT-base, 128 tokens, batch 1"
+    if args.model == "llama":
+        cfg = transformers.LlamaConfig(vocab_size=32000, hidden_size=512, intermediate_size=1376,
+                                       num_hidden_layers=args.layers, num_attention_heads=8, num_key_value_heads=4,
+                                       max_position_embeddings=max(256, args.tokens))
+        model = transformers.LlamaForCausalLM(cfg).eval().to(dev)
+        x = {"input_ids": torch.randint(3, cfg.vocab_size, (1, args.tokens), device=dev),
+             "attention_mask": torch.ones(1, args.tokens, dtype=torch.long, device=dev)}
+        target = 7  # the logit of token 7 at the last position
+        name = (f"LlamaForCausalLM, {args.layers} layers, hidden 512, {args.tokens} tokens, batch 1 "
+                f"({sum(q.numel() for q in model.parameters()) / 1e6:.0f}M parameters)")
+    explained = relprop.targets.next_token(x["attention_mask"], token=target) if args.model == "llama" else target
     runs = {}
-    for m in METHODS:
+    for m in args.methods.split(",") if args.methods else ():
         method, _, preset = m.partition("@")
         kw = {"preset": preset} if preset else {}
-        runs[f"relprop {m}"] = (lambda method, kw: lambda: relprop.explain(model, x, target=target, method=method,
+        runs[f"relprop {m}"] = (lambda method, kw: lambda: relprop.explain(model, x, target=explained, method=method,
                                                                            **kw))(method, kw)
-    runs[f"relprop integrated_gradients ({args.ig_steps} steps)"] = lambda: relprop.explain(
-        model, x, target=target, method="integrated_gradients", n_steps=args.ig_steps)
+    if args.ig_steps:
+        runs[f"relprop integrated_gradients ({args.ig_steps} steps)"] = lambda: relprop.explain(
+            model, x, target=explained, method="integrated_gradients", n_steps=args.ig_steps)
+    if args.model == "llama":
+        runs["LXT 2.1 AttnLRP, monkey_patch (input relevance only)"] = lambda: lxt_llama(model, x, target)
     if args.model == "vit":
         runs["LXT 2.1 AttnLRP (input relevance only)"] = lambda: lxt_vit(model, x, target)
-        runs[f"captum IntegratedGradients ({args.ig_steps} steps)"] = lambda: captum_ig(model, x, target,
-                                                                                       args.ig_steps)
+        if args.ig_steps:
+            runs[f"captum IntegratedGradients ({args.ig_steps} steps)"] = lambda: captum_ig(model, x, target,
+                                                                                           args.ig_steps)
         if args.authors:
             their = authors_ta(dev)(model, args.authors)
             runs["authors' Transformer Attribution (HEAD)"] = lambda: their(x, target)
@@ -186,6 +257,15 @@ def main():
         t = time.perf_counter()
         fn()
         print(f"warm-up {k}: {time.perf_counter() - t:.1f} s", file=sys.stderr, flush=True)
+    agreement = ""
+    if args.model == "llama":  # the same work: LXT's input relevance against relprop's
+        e = relprop.explain(model, x, target=explained, method="lrp", preset="attnlrp")
+        # relprop seeds the target logit with 1 (its gradient), LXT with the logit's value
+        ours = e.input_relevance[0].double() * float(e.target_scores[0])
+        theirs = lxt_llama(model, x, target)[0].detach().double()
+        agreement = (f"LXT vs relprop lrp@attnlrp input relevance (relprop's × the target logit): max |diff| / "
+                     f"max |R| = {float((ours - theirs).abs().max() / theirs.abs().max()):.1e}, "
+                     f"sums {float(ours.sum()):.4g} / {float(theirs.sum()):.4g}\n")
     fwd_bwd(model, x, target)
     times = {"fwd+bwd (weight gradients)": []}
     times.update({k: [] for k in runs})
@@ -201,7 +281,7 @@ def main():
     fb = med["fwd+bwd (weight gradients)"]
     print(f"{name}; torch {torch.__version__}, device {dev}, {torch.get_num_threads()} threads, "
           f"median of {args.repeats}, load {load0:.2f} -> {os.getloadavg()[0]:.2f}\n")
-    print("| what | ms | ratio to fwd+bwd |\n|---|---:|---:|")
+    print(agreement + "| what | ms | ratio to fwd+bwd |\n|---|---:|---:|")
     for k, v in med.items():
         print(f"| {k} | {v * 1e3:.0f} | {v / fb:.2f} |")
 

@@ -30,7 +30,7 @@ from ..errors import RelpropError
 from ..graph.capture import Captured
 from ..graph.nodes import evaluate, is_live, live_outputs, module_path, output_leaves, relevance_path
 from ..rules import registry
-from ..rules.stabilize import promote, relevance_dtype, safe_divide
+from ..rules.stabilize import on_nonzero_rows, promote, relevance_dtype, safe_divide
 from ..targets import find_logits, fixed, require_input_dependence
 from .forward import count_forward
 from .request import Request
@@ -157,7 +157,9 @@ def run_fast(request: Request) -> Trace:
                 continue
             roots.append(env[n])
             # exact R / y: the ε of the ε-rule enters at each ε-rule node, as in the interpreter
-            grad_outputs.append(safe_divide(seed, env[n].detach(), 0.0).to(env[n].dtype))
+            # (on the rows the seed reaches: a decoder's logits are seeded at one position)
+            grad_outputs.append(on_nonzero_rows(lambda s, y: safe_divide(s, y, 0.0), seed,
+                                                env[n].detach()).to(env[n].dtype))
         grads = torch.autograd.grad(roots, src_vals, grad_outputs, allow_unused=True)
     batch = scores.shape[0]
     input_rel = None

@@ -53,7 +53,7 @@ def cosine_distance(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         needs_relevance=False)
 def value_zeroing(trace, head_fusion: str = "all", positive: bool = False, discard_ratio: float = 0.0,
                   start_block: int = 0, end_block: Optional[int] = None, layers: str = "rollout", last_k: int = 1,
-                  query: str = "cls"):
+                  query: str = "cls", batch_size: int = 32):
     """Value Zeroing (Mohebbi et al., EACL 2023, §3).
 
     For every block b and token j, block b is re-evaluated on its original input with the value
@@ -75,11 +75,16 @@ def value_zeroing(trace, head_fusion: str = "all", positive: bool = False, disca
     Class-agnostic (it never looks at the target). A padding token's values are multiplied by
     attention weights that are exactly 0, so zeroing them changes nothing and its column is exactly
     0 for the real tokens: padding never changes the real tokens' rows (those of the padding
-    positions themselves are meaningless). Cost: one re-run of one block per (block, token), on the
-    whole explained batch at once (tokens that no query of any sample attends to are skipped); there is
-    no ``batch_size``, since a re-run of one block on the explained batch is already the unit the
-    session re-evaluates.
+    positions themselves are meaningless). Cost: one evaluation of one block per (block, token), on
+    the whole explained batch (tokens that no query of any sample attends to are skipped). The
+    evaluations of several tokens run as one batched re-run of the block: ``batch_size`` rows per
+    re-run, i.e. max(1, batch_size // batch) zeroed tokens of every sample at a time
+    (``torch.func.vmap`` over the zeroed token; the per-token loop where a block's ops cannot be
+    batched that way). Each (token, sample) row is computed on its own, so results do not depend
+    on ``batch_size`` or on the batch, up to float rounding.
     """
+    if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
+        raise MethodError(f"value_zeroing: batch_size must be a positive int, not {batch_size!r}")
     blocks = trace.blocks
     if not blocks:
         raise MethodError("value_zeroing needs attention blocks, and none were found in the graph of this model. "
@@ -94,10 +99,10 @@ def value_zeroing(trace, head_fusion: str = "all", positive: bool = False, disca
                           "values of a token are zeroed in every head at once)")
     agg = Aggregation("mean", positive, discard_ratio, start_block, end_block, layers, last_k, False)
     return aggregate(trace, "value_zeroing", agg, None, identity=False, query=query,
-                     block_maps=lambda chosen: _vz_maps(trace, chosen), dtype=torch.float32)
+                     block_maps=lambda chosen: _vz_maps(trace, chosen, batch_size), dtype=torch.float32)
 
 
-def _vz_maps(trace, chosen) -> List[torch.Tensor]:
+def _vz_maps(trace, chosen, batch_size: int = 32) -> List[torch.Tensor]:
     """VZ_b of every chosen block: [batch, tokens, tokens] float64, rows normalized to sum 1."""
     session = trace.session
     env = session.base_env()
@@ -111,19 +116,33 @@ def _vz_maps(trace, chosen) -> List[torch.Tensor]:
             ref = session.block_output_with_value_scaled(env, blk.index, ones)  # [batch, tokens, hidden]
             dist = torch.zeros((bsz, tokens, tokens), dtype=torch.float64, device=ref.device)
             received = blk.attention.sum(dim=(1, 2))  # [batch, tokens]: attention token j receives
-            for j in range(tokens):
-                if bool((received[:, j] == 0).all()):  # nobody reads v_j: zeroing it changes nothing
-                    bar.update(1)
-                    continue
-                scale = ones.clone()
-                scale[:, :, j, :] = 0
-                out = session.block_output_with_value_scaled(env, blk.index, scale)
-                dist[:, :, j] = cosine_distance(out, ref)
-                bar.update(1)
+            read = [j for j in range(tokens) if not bool((received[:, j] == 0).all())]  # others change nothing
+            bar.update(tokens - len(read))
+            step = max(1, batch_size // bsz)
+            for start in range(0, len(read), step):
+                js = read[start:start + step]
+                outs = _zeroed_outputs(session, env, blk.index, ones, js)  # [len(js), batch, tokens, hidden]
+                dist[:, :, js] = cosine_distance(outs, ref.expand_as(outs)).permute(1, 2, 0)
+                bar.update(len(js))
             total = dist.sum(-1, keepdim=True)
             vz = torch.where(total > 0, dist / total.clamp_min(1e-300), torch.zeros_like(dist))
             maps.append(vz)
     return maps
+
+
+def _zeroed_outputs(session, env, index: int, ones: torch.Tensor, js: List[int]) -> torch.Tensor:
+    """Block ``index``'s output with the values of token j zeroed in every head, for each j of
+    ``js``: [len(js), batch, tokens, hidden]. One batched re-run of the block (``torch.func.vmap``
+    over j); one re-run per token where an op of the block has no batched form."""
+    scales = ones.expand((len(js),) + tuple(ones.shape)).clone()
+    for k, j in enumerate(js):
+        scales[k, :, :, j, :] = 0
+    if len(js) > 1:
+        try:
+            return torch.func.vmap(lambda s: session.block_output_with_value_scaled(env, index, s))(scales)
+        except RuntimeError:  # an op without a batching rule: the same evaluation one token at a time
+            pass
+    return torch.stack([session.block_output_with_value_scaled(env, index, s) for s in scales])
 
 
 # ---------------------------------------------------------------- ViT-CX

@@ -44,8 +44,9 @@ import types
 import torch
 
 from .convolution import conv_input_adjoint
-from .gradient_forms import (constant_operand, epsilon_stabilized, gradient_form, identity_rule, half_gradient,
-                             layer_norm_const_std, plain, rms_norm_const_rms, uniform_product)
+from .gradient_forms import (constant_operand, epsilon_linear_form, epsilon_stabilized, gradient_form,
+                             identity_rule, half_gradient, layer_norm_const_std, plain, rms_norm_const_rms,
+                             uniform_product)
 from .linear import require_constant_weight
 from .normalization import is_statistic
 from .reductions import pooling_z_rule
@@ -70,7 +71,7 @@ _f = promote
 # ε-rule: linear maps (Eq. 8)
 # ------------------------------------------------------------------------------------------------
 @rule(aten.linear.default, preset=PRESET)
-@gradient_form(epsilon_stabilized())
+@gradient_form(epsilon_linear_form)
 def epsilon_linear(ctx, relevance):
     """``y = x Wᵀ + b``: ε-rule (AttnLRP Eq. 8; Bach et al. 2015 Eq. 58),
     R_x = x ⊙ (R / y) W with y including the bias; the bias absorbs b ⊙ R / y."""

@@ -42,7 +42,7 @@ import torch
 from torch.autograd import Function
 
 from ..graph.torch_fixes import safe_target
-from .stabilize import safe_divide
+from .stabilize import SPARSE_ROW, on_nonzero_rows, safe_divide
 
 #: signature of a gradient form: (node, live flags of node.args, eps) -> replacement or None
 GradientForm = Callable[..., Optional[Callable]]
@@ -98,6 +98,31 @@ class _Stabilize(Function):
         den = (z * ctx.scale).abs() if ctx.scale != 1 else z.abs()
         factor = torch.nan_to_num_(den / (den + ctx.eps), nan=0.0)
         return g * factor, None, None
+
+
+class _WideLinear(Function):
+    """``linear(x, W, b)`` forward, W and b constant; backward the ε-stabilized gradient to x,
+    (g · z / (z + ε·sign z)) W, on the rows where g is nonzero (see
+    :func:`relprop.rules.stabilize.on_nonzero_rows`): a language model's head explained at one
+    position multiplies one row per sample by W instead of every position's."""
+
+    @staticmethod
+    def forward(ctx, x, w, b, eps):
+        z = torch.ops.aten.linear.default(x, w, b)
+        ctx.save_for_backward(w, z)
+        ctx.eps = eps
+        return z
+
+    @staticmethod
+    def backward(ctx, g):
+        w, z = ctx.saved_tensors
+        eps = ctx.eps
+
+        def input_gradient(g, z):
+            den = z.abs()  # the stabilizer of _Stabilize
+            return (g * torch.nan_to_num_(den / (den + eps), nan=0.0)) @ w
+        gx = on_nonzero_rows(input_gradient, g, z) if ctx.needs_input_grad[0] else None
+        return gx, None, None, None
 
 
 class _HalfGradient(Function):
@@ -223,6 +248,22 @@ def epsilon_stabilized(form: GradientForm = plain, scale: Optional[Callable] = N
     return stabilized
 
 
+def epsilon_linear_form(node, live, eps):
+    """``aten.linear`` under the ε-rule (AttnLRP Eq. 8): :func:`epsilon_stabilized`'s replacement,
+    except that a layer with at least :data:`relprop.rules.stabilize.SPARSE_ROW` outputs and a
+    constant weight and bias (a language model's head) runs as :class:`_WideLinear`, whose
+    backward skips the rows its gradient does not reach (same relevance to float rounding)."""
+    dense = _EPSILON_PLAIN(node, live, eps)
+    if any(live[1:3]):
+        return dense
+
+    def call(x, w, b=None):
+        if w.dim() != 2 or w.shape[0] < SPARSE_ROW:
+            return dense(x, w, b)
+        return _WideLinear.apply(x, w.detach(), b.detach() if torch.is_tensor(b) else b, eps)
+    return call
+
+
 def uniform_product(node, live, eps):
     """Product of two live factors with the uniform rule (AttnLRP Eq. 7, Props. 3.2–3.3): the
     gradient of both factors halved."""
@@ -272,3 +313,8 @@ def rms_norm_const_rms(node, live, stabilizer):
     def call(input, normalized_shape, weight=None, eps=None):
         return _RMSNormConstRMS.apply(input, list(normalized_shape), weight, eps)
     return call
+
+
+_EPSILON_PLAIN = epsilon_stabilized()
+epsilon_linear_form.inner = plain
+epsilon_linear_form.lost = _EPSILON_PLAIN.lost

@@ -41,6 +41,36 @@ def safe_divide(num: torch.Tensor, den: torch.Tensor, eps: float = DEFAULT_EPS) 
     return torch.nan_to_num_(out, nan=0.0, posinf=0.0, neginf=0.0) if out.is_floating_point() else out
 
 
+#: rows (along the last dimension) at least this long are skipped by :func:`on_nonzero_rows` when
+#: they hold only zeros (a language model's vocabulary-sized logits, seeded at one position)
+SPARSE_ROW = 8192
+
+
+def on_nonzero_rows(fn, g: torch.Tensor, *others: torch.Tensor) -> torch.Tensor:
+    """``fn(g, *others)`` evaluated only on the rows (along the last dimension) where ``g`` is not
+    all zero, 0 on the others, when the rows are long (≥ :data:`SPARSE_ROW`) and at most half of
+    them are nonzero; else ``fn`` on everything. ``fn`` maps rows to rows (its output's last
+    dimension may differ from g's: a gradient times a matrix) and must map a zero row of g to a
+    zero row, such as a gradient divided by something after :func:`safe_divide` or multiplied by
+    a finite stabilizer and a weight; ``others`` have g's shape. Equal to ``fn`` on everything up
+    to the sign of zeros and, when ``fn`` contains a matrix product, float rounding (a product of
+    fewer rows may sum in another order). It saves the passes over the rows the relevance never
+    reaches: a decoder explained at its last position gets a seed that is zero at every other
+    position of its [batch, positions, vocabulary] logits (Achtibat et al., ICML 2024, Eq. 8 at
+    the output layer)."""
+    n = g.shape[-1] if g.dim() >= 2 else 0
+    if n < SPARSE_ROW or any(t.shape != g.shape for t in others):
+        return fn(g, *others)
+    flat = g.reshape(-1, n)
+    rows = (flat.abs().amax(-1) != 0).nonzero().squeeze(1)  # NaN rows count as nonzero
+    if 2 * rows.numel() > flat.shape[0]:
+        return fn(g, *others)
+    part = fn(flat[rows], *(t.reshape(-1, n)[rows] for t in others))
+    out = torch.zeros((flat.shape[0], part.shape[-1]), dtype=part.dtype, device=part.device)
+    out[rows] = part
+    return out.reshape(*g.shape[:-1], part.shape[-1])
+
+
 def finite(t: torch.Tensor) -> torch.Tensor:
     """``t`` with NaN and ±inf replaced by 0 (used on products of relevance with masks)."""
     return torch.nan_to_num(t, nan=0.0, posinf=0.0, neginf=0.0)
