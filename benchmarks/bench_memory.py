@@ -27,12 +27,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
-import time
 
-MMAP_THRESHOLD = str(128 * 1024)
-
+from peak_memory import PeakMeter, run_child
 
 def _build(name, device):
     import torch
@@ -55,14 +52,6 @@ def _threads():
     """OMP_NUM_THREADS when set (e.g. 1 on a shared machine), else up to 4."""
     env = os.environ.get("OMP_NUM_THREADS")
     return int(env) if env and env.isdigit() else max(1, min(4, os.cpu_count() or 1))
-
-
-def _rss_kib(field):
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise RuntimeError(f"{field} not in /proc/self/status")
 
 
 def child(name, what, device):
@@ -90,41 +79,24 @@ def child(name, what, device):
             embeds = model.get_input_embeddings()(inputs["input_ids"]).detach().requires_grad_(True)
             inputs = {"inputs_embeds": embeds, "attention_mask": inputs["attention_mask"]}
     gc.collect()
-    cuda = device.startswith("cuda")
-    if cuda:
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-    else:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        base = _rss_kib("VmRSS") * 1024
-    t0 = time.perf_counter()
-    if what.startswith("fwdbwd"):
-        out = model(inputs) if torch.is_tensor(inputs) else model(**inputs)
-        logits = out if torch.is_tensor(out) else out.logits
-        logits[:, 1].sum().backward()
-    else:
-        memory = {"explain-low": "low", "explain-high": "high", "explain-high-2nd": "high"}.get(what, "default")
-        exp = relprop.explain(model, inputs, target=1, memory=memory)
-        del exp
-    if cuda:
-        torch.cuda.synchronize()
-        peak = torch.cuda.max_memory_allocated() - base
-    else:
-        peak = _rss_kib("VmHWM") * 1024 - base
-    seconds = time.perf_counter() - t0
-    print(json.dumps({"model": name, "what": what, "device": device, "peak_bytes": peak, "seconds": seconds}))
+    with PeakMeter(device) as meter:
+        if what.startswith("fwdbwd"):
+            out = model(inputs) if torch.is_tensor(inputs) else model(**inputs)
+            logits = out if torch.is_tensor(out) else out.logits
+            logits[:, 1].sum().backward()
+        else:
+            memory = {"explain-low": "low", "explain-high": "high", "explain-high-2nd": "high"}.get(what, "default")
+            exp = relprop.explain(model, inputs, target=1, memory=memory)
+            del exp
+    print(json.dumps({"model": name, "what": what, "device": device, "peak_bytes": meter.peak_bytes,
+                      "seconds": meter.seconds}))
 
 
 def measure(name, what, device):
-    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_=MMAP_THRESHOLD, PYTHONWARNINGS="ignore")
-    cmd = [sys.executable, __file__, "--child", name, what, device]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
-    if proc.returncode != 0 or not lines:
-        raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stderr[-3000:]}")
-    return json.loads(lines[-1])
+    result, cmd, stderr = run_child(__file__, [name, what, device])
+    if result is None:
+        raise RuntimeError(f"{' '.join(cmd)} failed:\n{stderr[-3000:]}")
+    return result
 
 
 def main(argv=None):

@@ -40,11 +40,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
-import time
 
-MMAP_THRESHOLD = str(128 * 1024)
+from peak_memory import PeakMeter, run_child
+
 WHATS = ("fwdbwd", "fwdbwd-eager", "ta-full", "ta-stream")
 DEFAULT_TOKENS = {"bert": (512, 1024, 2048), "llama": (1024, 2048, 4096)}
 TARGET_TOKEN = 7
@@ -77,14 +76,6 @@ def build(name: str, n: int, attn: str, device: str):
     return model, {"input_ids": ids, "attention_mask": torch.ones_like(ids)}, target
 
 
-def _rss_kib(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise RuntimeError(f"{field} not in /proc/self/status")
-
-
 def child(name: str, n: int, what: str, device: str) -> None:
     """Measure one configuration in this (fresh) process; print one JSON line."""
     import gc
@@ -102,43 +93,23 @@ def child(name: str, n: int, what: str, device: str) -> None:
     if what.startswith("ta"):
         CACHE.get(model, bind_inputs(model, inputs))  # the capture is outside the measurement
     gc.collect()
-    cuda = device.startswith("cuda")
-    if cuda:
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-    else:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        base = _rss_kib("VmRSS") * 1024
-    t0 = time.perf_counter()
-    if what.startswith("fwdbwd"):
-        logits = model(**inputs).logits
-        score = logits[:, 1] if name == "bert" else logits[:, -1, target]
-        score.sum().backward()
-        del logits, score
-    else:
-        exp = relprop.explain(model, inputs, target=target, method="transformer_attribution",
-                              keep_blocks=what == "ta-full")
-        del exp
-    if cuda:
-        torch.cuda.synchronize()
-        peak = torch.cuda.max_memory_allocated() - base
-    else:
-        peak = _rss_kib("VmHWM") * 1024 - base
-    seconds = time.perf_counter() - t0
-    print(json.dumps({"model": name, "tokens": n, "what": what, "device": device, "peak_bytes": peak,
-                      "seconds": seconds, "threads": torch.get_num_threads()}))
+    with PeakMeter(device) as meter:
+        if what.startswith("fwdbwd"):
+            logits = model(**inputs).logits
+            score = logits[:, 1] if name == "bert" else logits[:, -1, target]
+            score.sum().backward()
+            del logits, score
+        else:
+            exp = relprop.explain(model, inputs, target=target, method="transformer_attribution",
+                                  keep_blocks=what == "ta-full")
+            del exp
+    print(json.dumps({"model": name, "tokens": n, "what": what, "device": device, "peak_bytes": meter.peak_bytes,
+                      "seconds": meter.seconds, "threads": torch.get_num_threads()}))
 
 
 def measure(name: str, n: int, what: str, device: str) -> dict:
-    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_=MMAP_THRESHOLD, PYTHONWARNINGS="ignore")
-    cmd = [sys.executable, os.path.abspath(__file__), "--child", name, str(n), what, device]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
-    if proc.returncode != 0 or not lines:
-        return {"error": (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]}
-    return json.loads(lines[-1])
+    result, _, stderr = run_child(__file__, [name, str(n), what, device])
+    return result if result is not None else {"error": stderr.strip().splitlines()[-1:] or ["no output"]}
 
 
 def main(argv=None) -> int:
