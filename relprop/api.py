@@ -255,9 +255,9 @@ def _explain_streamed(request: Request, jobs, preset: Optional[str], special) ->
     the output back; the Explanations have no ``blocks`` or ``matrix`` (:class:`NotKept`)."""
     a = request.captured.analysis
     mask = request.kwargs.get("attention_mask")
-    folds = [streaming.RowFold(info, options, len(a.blocks), mask, _preset_of(info, preset) if info.needs_relevance
-                               else None, a.token_mixing) for info, options in jobs]
     keys = [_preset_of(info, preset) if info.needs_relevance else None for info, _ in jobs]
+    folds = [streaming.RowFold(info, options, len(a.blocks), mask, key, a.token_mixing)
+             for (info, options), key in zip(jobs, keys)]
     wanted = list(dict.fromkeys(k for k in keys if k is not None)) or [None]
     keys = [k if k is not None else wanted[0] for k in keys]
     outputs = {}

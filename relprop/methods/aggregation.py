@@ -192,14 +192,23 @@ def _head_rows(trace, block, agg: Aggregation, heads_of: Optional[Callable], que
     or for window attention)."""
     if heads_of is None or getattr(trace, "stages", None) is not None:
         return None
-    maps = heads_of(block)
+    maps = per_head_maps(block, heads_of(block), agg)
+    if maps is None:
+        return None
+    if query == "cls":
+        return query_rows(trace, maps)
+    _, w = query_row(trace, maps.mean(1), query)
+    return weighted_rows(w, maps)
+
+
+def per_head_maps(block, maps: torch.Tensor, agg: Aggregation) -> Optional[torch.Tensor]:
+    """Each head's map of ``block`` as the per-head query rows (``exp.heads``) read it: ∇A ⊙ map
+    with ``head_fusion="gradient"``, its positive part with ``positive=True``; None when ``maps``
+    is not [batch, heads, N, N]."""
     if maps.dim() != 4 or maps.shape[-1] != maps.shape[-2]:
         return None
     if agg.head_fusion == "gradient":
         maps = block.gradient * maps
     if agg.positive:
         maps = maps.clamp(min=0)
-    if query == "cls":
-        return query_rows(trace, maps)
-    _, w = query_row(trace, maps.mean(1), query)
-    return weighted_rows(w, maps)
+    return maps

@@ -77,10 +77,8 @@ def query_weights(trace) -> torch.Tensor:
     last = trace.blocks[-1].attention
     n, device = last.shape[-2], last.device
     read = support(trace).to(device)
-    real = real_tokens(trace, n, device)
-    if row_zero_only(read):
-        return weights_of(read, real, False)
-    return weights_of(read, real, is_causal(trace))
+    causal = not row_zero_only(read) and is_causal(trace)  # (row 0 alone: the class token's row either way)
+    return weights_of(read, real_tokens(trace, n, device), causal)
 
 
 def row_zero_only(read: torch.Tensor) -> bool:

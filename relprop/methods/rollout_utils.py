@@ -17,6 +17,13 @@ def head_mean(t: torch.Tensor) -> torch.Tensor:
     return t.mean(1)
 
 
+def with_identity(m: torch.Tensor, normalize_rows: bool = False) -> torch.Tensor:
+    """One block's factor of the rollout, I + M_b (Eq. 13's residual), divided by its row sums with
+    ``normalize_rows``."""
+    a = m + torch.eye(m.shape[-1], dtype=m.dtype, device=m.device)
+    return a / a.sum(-1, keepdim=True) if normalize_rows else a
+
+
 def chain(matrices: List[torch.Tensor], normalize_rows: bool = False,
           transitions: Optional[List[Optional[torch.Tensor]]] = None) -> torch.Tensor:
     """``I + M_b`` for every block (input → output order), multiplied output-side first::
@@ -33,9 +40,7 @@ def chain(matrices: List[torch.Tensor], normalize_rows: bool = False,
     """
     joint = None
     for i, m in enumerate(matrices):
-        a = m + torch.eye(m.shape[-1], dtype=m.dtype, device=m.device)
-        if normalize_rows:
-            a = a / a.sum(-1, keepdim=True)
+        a = with_identity(m, normalize_rows)
         if joint is not None and transitions is not None and transitions[i - 1] is not None:
             joint = transitions[i - 1].to(joint.dtype) @ joint
         joint = a if joint is None else a @ joint

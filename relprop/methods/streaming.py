@@ -33,10 +33,10 @@ import torch
 
 from ..engine.trace import NotKept
 from ..errors import MethodError
-from .aggregation import Aggregation, block_range, fuse_heads
+from .aggregation import Aggregation, block_range, fuse_heads, per_head_maps
 from .apply import no_relevance
 from .query import causal_block, row_zero_only, support_of, weighted_rows, weights_of
-from .rollout_utils import check_mixing, check_neighbours, check_square
+from .rollout_utils import check_mixing, check_neighbours, check_square, with_identity
 
 #: the methods whose result a :class:`RowFold` computes: name -> the per-head maps of a block record
 #: (the same function the method passes to :func:`relprop.methods.aggregation.aggregate`)
@@ -159,20 +159,15 @@ class RowFold:
         if self.row is None:  # the last block of the range: start from the query weights
             self.row = self.weights.to(fused.dtype)
             self.heads = self._head_rows(rec, maps)
-        a = fused + torch.eye(fused.shape[-1], dtype=fused.dtype, device=fused.device)
-        if self.agg.normalize_rows:
-            a = a / a.sum(-1, keepdim=True)
+        a = with_identity(fused, self.agg.normalize_rows)
         self.row = torch.matmul(self.row, a)  # [batch, k, N] · [batch, N, N]: row ← row · (I + M_b)
 
     def _head_rows(self, rec, maps: torch.Tensor) -> Optional[torch.Tensor]:
         """[batch, k, heads, N]: each head's map of the last block of the range at the query rows
         (as :func:`relprop.methods.aggregation._head_rows`)."""
-        if maps.dim() != 4 or maps.shape[-1] != maps.shape[-2]:
+        maps = per_head_maps(rec, maps, self.agg)
+        if maps is None:
             return None
-        if self.agg.head_fusion == "gradient":
-            maps = rec.gradient * maps
-        if self.agg.positive:
-            maps = maps.clamp(min=0)
         w = self.weights.to(maps.dtype)
         if self.query == "mean":
             w = w / w.sum(-1, keepdim=True).clamp_min(1)

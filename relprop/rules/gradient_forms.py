@@ -79,6 +79,14 @@ class _IdentityRule(Function):
         return g * ratio, None, None
 
 
+def _stabilizer(z: torch.Tensor, eps: float, scale: float = 1) -> torch.Tensor:
+    """The ε-rule's factor s z / (s z + ε·sign z) = |s z| / (|s z| + ε) on a gradient (fewer passes
+    over the tensor than safe_divide(z, z, ε)); 0/0 (z = 0 with ε = 0) and inf/inf (z not finite)
+    are NaN, set to 0 as safe_divide does."""
+    den = (z * scale).abs() if scale != 1 else z.abs()
+    return torch.nan_to_num_(den / (den + eps), nan=0.0)
+
+
 class _Stabilize(Function):
     """Identity forward; backward g · s z / (s z + ε·sign z) (0 where z = 0 or is not finite): the
     ε-rule's stabilizer on the denominator s·z of a node with output z (s = 1 but for a mean, whose
@@ -93,11 +101,7 @@ class _Stabilize(Function):
     @staticmethod
     def backward(ctx, g):
         (z,) = ctx.saved_tensors
-        # z / (z + ε·sign z) = |z| / (|z| + ε): fewer passes over the tensor than safe_divide(z, z, ε);
-        # 0/0 (z = 0 with ε = 0) and inf/inf (z not finite) are NaN, set to 0 as safe_divide does
-        den = (z * ctx.scale).abs() if ctx.scale != 1 else z.abs()
-        factor = torch.nan_to_num_(den / (den + ctx.eps), nan=0.0)
-        return g * factor, None, None
+        return g * _stabilizer(z, ctx.eps, ctx.scale), None, None
 
 
 class _WideLinear(Function):
@@ -119,8 +123,7 @@ class _WideLinear(Function):
         eps = ctx.eps
 
         def input_gradient(g, z):
-            den = z.abs()  # the stabilizer of _Stabilize
-            return (g * torch.nan_to_num_(den / (den + eps), nan=0.0)) @ w
+            return (g * _stabilizer(z, eps)) @ w
         gx = on_nonzero_rows(input_gradient, g, z) if ctx.needs_input_grad[0] else None
         return gx, None, None, None
 
