@@ -286,6 +286,7 @@ def _run_engine(infos: List[MethodInfo], request: Request, preset: Optional[str]
     one-backward fast path when every method reads only the input relevance."""
     wanted = list(dict.fromkeys(_preset_of(i, preset) for i in infos if i.needs_relevance))
     input_only = all(i.needs_relevance and not i.needs_blocks for i in infos)
+    request = request.but(input_gradient=any(i.needs_input_gradient for i in infos))
     traces: Dict[Optional[str], Trace] = {}
     for p in wanted:
         note = None

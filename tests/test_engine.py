@@ -296,3 +296,31 @@ def test_unknown_method_and_preset_errors(zoo):
         relprop.explain(model, x, preset="chefer")
     with pytest.raises(relprop.MethodError, match="start_block"):
         relprop.explain(model, x, start_blok=1)
+
+
+@pytest.mark.parametrize("name", ["timm_vit_tiny", pytest.param("hf_bert_eager", marks=pytest.mark.slow)])
+def test_gradient_pass_reaches_the_input_only_when_a_method_reads_it(zoo, name, monkeypatch):
+    """Without a method that reads Trace.input_gradient the gradient pass stops at the blocks (a
+    ViT's patch embedding is not back-propagated); the records, scores and input relevance are the
+    same bit for bit, and input_x_gradient in the same call still gets its gradient."""
+    model = zoo(name)
+    x = _inputs(name, model)
+    asked = []
+    grad = torch.autograd.grad
+
+    def counting(outputs, inputs, *args, **kwargs):
+        asked.append(len(inputs))
+        return grad(outputs, inputs, *args, **kwargs)
+    monkeypatch.setattr(torch.autograd, "grad", counting)
+    alone = relprop.explain(model, x, target=1, method="transformer_attribution")
+    n_alone, asked[:] = sum(asked), []
+    both = relprop.explain(model, x, target=1, method=["transformer_attribution", "input_x_gradient"])
+    monkeypatch.undo()
+    assert sum(asked) == n_alone + 1  # the same tensors and the input's
+    ixg = relprop.explain(model, x, target=1, method="input_x_gradient")
+    assert torch.equal(alone.scores, both[0].scores)
+    assert torch.equal(alone.input_relevance, both[0].input_relevance)
+    for a, b in zip(alone.blocks, both[0].blocks):
+        for field in ("attention", "gradient", "relevance", "hidden", "hidden_gradient"):
+            assert torch.equal(getattr(a, field), getattr(b, field)), field
+    assert torch.equal(both[1].scores, ixg.scores)

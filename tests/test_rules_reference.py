@@ -21,7 +21,7 @@ import torch.fx
 
 from relprop.rules import registry
 from relprop.rules.context import RuleContext
-from relprop.rules.convolution import z_box
+from relprop.rules.convolution import from_patches, is_patchify, to_patches, z_box
 from relprop.rules.linear import alpha1_beta0, lrp_baseline
 from relprop.rules.products import z_rule_matmul
 from relprop.rules.residual import normalize_shares, z_rule_sum
@@ -553,6 +553,7 @@ def test_registered_add_of_python_number_passes_relevance():
 CONV_CASES = [
     (([1, 1], [0, 0], [1, 1], False, [0, 0], 1), (2, 3, 5, 5), (4, 3, 3, 3)),
     (([4, 4], [0, 0], [1, 1], False, [0, 0], 1), (2, 3, 8, 8), (5, 3, 4, 4)),   # patch embedding
+    (([4, 4], [0, 0], [1, 1], False, [0, 0], 1), (1, 3, 10, 9), (2, 3, 4, 4)),  # patches, unread edge
     (([3, 3], [1, 1], [1, 1], False, [0, 0], 1), (1, 2, 7, 7), (3, 2, 2, 2)),   # unread pixels
     (([2, 1], [1, 2], [1, 2], False, [0, 0], 2), (1, 4, 5, 6), (6, 2, 3, 2)),   # groups, dilation
     (([2, 2], [1, 1], [1, 1], True, [1, 0], 1), (1, 2, 3, 3), (2, 3, 3, 2)),    # transposed
@@ -576,6 +577,18 @@ def test_z_box_matches_reference(p, xs, ws, pixels):
     got = z_box(x, w, p, R, EPS, low, high)
     ref = ref_conv(x, w, p, R, EPS, "zbox", low.flatten().tolist(), high.flatten().tolist())
     torch.testing.assert_close(got, ref, **F64)
+
+
+def test_patchify_detection():
+    """The patch-matrix path of z_box is taken exactly for kernel = stride, no padding, dilation or groups."""
+    w = torch.zeros(4, 3, 4, 4)
+    assert is_patchify(w, ([4, 4], [0, 0], [1, 1], False, [0, 0], 1))
+    for p in (([2, 2], [0, 0], [1, 1], False, [0, 0], 1), ([4, 4], [1, 1], [1, 1], False, [0, 0], 1),
+              ([4, 4], [0, 0], [2, 2], False, [0, 0], 1), ([4, 4], [0, 0], [1, 1], True, [0, 0], 1)):
+        assert not is_patchify(w, p)
+    assert not is_patchify(torch.zeros(4, 1, 4, 4), ([4, 4], [0, 0], [1, 1], False, [0, 0], 3))
+    x = rand((2, 3, 9, 10), 5)
+    assert torch.equal(from_patches(to_patches(x, (4, 4)), x.shape, (4, 4))[..., :8, :8], x[..., :8, :8])
 
 
 def test_z_box_constant_image_and_fixed_bounds():

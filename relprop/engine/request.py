@@ -38,6 +38,9 @@ class Request:
         the output block back, as soon as the reverse walk has its A, dA and R_A; the records are
         dropped after the calls (:func:`relprop.engine.run.run`; each fold's ``result()`` goes to
         ``Trace.streamed``). Empty: every block's records are kept in ``Trace.blocks``.
+    input_gradient : take the gradient at the input (``Trace.input_gradient``). False (no method
+        reads it) lets the gradient pass stop at the first block's input, below which only the
+        input gradient needs it: e.g. a vision transformer's patch embedding is not back-propagated.
     """
 
     captured: Captured
@@ -50,6 +53,7 @@ class Request:
     unsupported: str = "error"
     memory: str = "default"
     stream: tuple = ()
+    input_gradient: bool = True
 
     def but(self, **changes) -> "Request":
         """A copy with some fields changed."""

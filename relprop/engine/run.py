@@ -35,12 +35,12 @@ WINDOWS_LOW_MEMORY = ("memory='low' does not segment window attention (Swin): it
                       "block's forward values. Explaining with memory='default'.")
 
 
-def gradient_nodes(analysis, out_nodes: List[torch.fx.Node]) -> List[torch.fx.Node]:
+def gradient_nodes(analysis, out_nodes: List[torch.fx.Node], sources: bool = True) -> List[torch.fx.Node]:
     """The nodes whose gradient a run records: the outputs, each block's attention, hidden states
-    and features, and the relevance sources."""
+    and features, and (if ``sources``) the relevance sources."""
     a = analysis
     nodes = out_nodes + [b.attention for b in a.blocks] + [b.hidden for b in a.blocks if b.hidden is not None] \
-        + [b.features for b in a.blocks if b.features is not None] + list(a.sources)
+        + [b.features for b in a.blocks if b.features is not None] + (list(a.sources) if sources else [])
     return list(dict.fromkeys(nodes))
 
 
@@ -74,6 +74,8 @@ def run(request: Request) -> Trace:
         return build_trace(request, result, notes)
     if request.memory == "low":
         return build_trace(request, run_low(request, out_nodes, wrt, remat), notes)
+    if not request.input_gradient:  # no method reads Trace.input_gradient: stop at the blocks
+        wrt = gradient_nodes(a, out_nodes, sources=False)
     with torch.enable_grad():
         env, outputs = forward(captured, request.model, request.kwargs, discard=remat)
         scores = request.target.score(outputs)
@@ -111,7 +113,7 @@ def build_trace(request: Request, result: Pass, notes: List[str]) -> Trace:
         blocks, stages = globalize(result.windows, blocks, batch)
         n_tok = blocks[0].attention.shape[-1] if blocks else None
     input_grad = None
-    if a.sources:
+    if a.sources and all(s in grad for s in a.sources):
         g = [grad[s] for s, _ in primary_parts(a, [(s, None) for s in a.sources])]
         input_grad = record(g[0]) if len(g) == 1 else record(torch.stack(g).sum(0))
     outputs = pytree.tree_map(lambda t: t.detach() if torch.is_tensor(t) else t, result.outputs)

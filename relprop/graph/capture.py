@@ -60,7 +60,7 @@ class Captured:
     analysis: GraphAnalysis
     primary: str
     #: memo of signed weight splits used by the linear rules under ``explain(..., memory="high")``
-    #: (see relprop.rules.linear.weight_parts); one dict per model, shared by all its captures
+    #: (see relprop.rules.linear.weight_abs); one dict per model, shared by all its captures
     weight_cache: dict = dataclasses.field(default_factory=dict)
     #: memo of the engine's plans for this graph (last uses, rematerializable nodes, segments,
     #: modified-gradient replacements), filled by the engine on first use

@@ -136,7 +136,7 @@ class Reruns:
                     "colour channels / embedding size",
         class_specific=True, signed=True,
         reference="survey §2.1 'Input gradient'; Shrikumar et al. 2016 (gradient ⊙ input)",
-        needs_relevance=False, needs_blocks=False)
+        needs_relevance=False, needs_blocks=False, needs_input_gradient=True)
 def input_x_gradient(trace):
     """x ⊙ ∂f_t/∂x at the source x (pixels, or word embeddings), reduced as the module says:
     images → ``"pixels"`` Σ_c x_c ∂f_t/∂x_c per pixel; text → ``"tokens"`` Σ_k e_k ∂f_t/∂e_k per

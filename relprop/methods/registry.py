@@ -22,6 +22,7 @@ class MethodInfo:
     needs_relevance: bool  # needs the relevance walk (else gradients/attention only)
     preset: Optional[str] = None  # preset the method uses unless one is given (e.g. "lrp"); None: the default
     needs_blocks: bool = True  # reads per-block attention records
+    needs_input_gradient: bool = False  # reads the gradient at the input (Trace.input_gradient)
 
     @property
     def options(self) -> List[str]:
@@ -33,11 +34,12 @@ _METHODS: Dict[str, MethodInfo] = {}
 
 
 def method(name: str, *, description: str, class_specific: bool, signed: bool, reference: str,
-           needs_relevance: bool, preset: Optional[str] = None, needs_blocks: bool = True):
+           needs_relevance: bool, preset: Optional[str] = None, needs_blocks: bool = True,
+           needs_input_gradient: bool = False):
     """Register an explanation method under ``name`` (see :class:`MethodInfo` for the fields)."""
     def decorate(fn):
         _METHODS[name] = MethodInfo(name, fn, description, class_specific, signed, reference, needs_relevance, preset,
-                                    needs_blocks)
+                                    needs_blocks, needs_input_gradient)
         return fn
     return decorate
 

@@ -31,7 +31,7 @@ class RuleContext:
         chooses its formula by it (each preset's table names its own rules).
     options : what the engine knows of this call beyond the node: ``reads_pixels`` (node name ->
         whether the convolution reads the pixel input, for the z^B rule) and ``weight_cache`` (the
-        memo of split weights under ``explain(..., memory="high")``, else None).
+        memo of the weights' |W| under ``explain(..., memory="high")``, else None).
     """
 
     node: torch.fx.Node

@@ -36,8 +36,38 @@ def conv_input_adjoint(s, w, x_shape, p):
                                              output_padding, groups, [True, False, False])[0]
 
 
+def is_patchify(w, p) -> bool:
+    """Whether a 2-d convolution with weight ``w`` and parameters ``p`` (stride, padding, dilation,
+    transposed, output_padding, groups) cuts its input into non-overlapping patches, as a vision
+    transformer's patch embedding does: kernel = stride, no padding, no dilation, one group."""
+    stride, padding, dilation, transposed, output_padding, groups = p
+    return (w.dim() == 4 and not transposed and groups == 1 and list(stride) == list(w.shape[2:])
+            and all(q == 0 for q in padding) and all(d == 1 for d in dilation))
+
+
+def to_patches(x, k):
+    """[B, C, H, W] → [B, H/k₀·W/k₁, C·k₀·k₁]: the patches a patchifying convolution reads (the
+    rows and columns past the last whole patch are left out, as the convolution leaves them)."""
+    b, c, h, w = x.shape
+    hp, wp = h // k[0], w // k[1]
+    x = x[:, :, :hp * k[0], :wp * k[1]].reshape(b, c, hp, k[0], wp, k[1])
+    return x.permute(0, 2, 4, 1, 3, 5).reshape(b, hp * wp, c * k[0] * k[1])
+
+
+def from_patches(t, x_shape, k):
+    """The inverse of :func:`to_patches`: [B, L, C·k₀·k₁] → [B, C, H, W], 0 on the left-out edge."""
+    b, c, h, w = x_shape
+    hp, wp = h // k[0], w // k[1]
+    img = t.reshape(b, hp, wp, c, k[0], k[1]).permute(0, 3, 1, 4, 2, 5).reshape(b, c, hp * k[0], wp * k[1])
+    if (hp * k[0], wp * k[1]) != (h, w):
+        img = torch.nn.functional.pad(img, (0, w - wp * k[1], 0, h - hp * k[0]))
+    return img
+
+
 def z_box(x, w, p, relevance, eps, low, high):
     """z^B rule with per-sample lower/upper bounds ``low``, ``high`` (broadcastable to x)."""
+    if is_patchify(w, p) and low.shape[1:] == high.shape[1:] == (1,) * (x.dim() - 1):
+        return _z_box_patches(x, w, relevance, eps, low, high)
     wp, wn = w.clamp(min=0), w.clamp(max=0)
     lo = low.expand_as(x)
     hi = high.expand_as(x)
@@ -45,6 +75,23 @@ def z_box(x, w, p, relevance, eps, low, high):
     s = safe_divide(relevance, z, eps)
     return (x * conv_input_adjoint(s, w, x.shape, p) - lo * conv_input_adjoint(s, wp, x.shape, p)
             - hi * conv_input_adjoint(s, wn, x.shape, p))
+
+
+def _z_box_patches(x, w, relevance, eps, low, high):
+    """:func:`z_box` for a patchifying convolution with per-sample scalar bounds, as matrix products
+    over the patches (same formula; the convolution's input adjoint is the transposed product).
+
+    With P the patches, W the weight as [out, C·k·k] and l, h the bounds:
+    z = P Wᵀ − l Σ W⁺ − h Σ W⁻ per output channel, and R_P = P ⊙ (S W) − l (S W⁺) − h (S W⁻)."""
+    k = tuple(w.shape[2:])
+    wm = w.reshape(w.shape[0], -1)  # [out, C·k·k]
+    wp, wn = wm.clamp(min=0), wm.clamp(max=0)
+    patches = to_patches(x, k)  # [B, L, C·k·k]
+    lo, hi = low.reshape(-1, 1, 1), high.reshape(-1, 1, 1)
+    z = patches @ wm.t() - lo * wp.sum(1) - hi * wn.sum(1)  # [B, L, out]
+    s = safe_divide(relevance.flatten(2).transpose(1, 2), z, eps)
+    r = patches * (s @ wm) - lo * (s @ wp) - hi * (s @ wn)
+    return from_patches(r, x.shape, k)
 
 
 def conv_alpha1_beta0(x, w, p, relevance, eps, joint=True):

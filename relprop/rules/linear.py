@@ -8,8 +8,9 @@ W⁻ = min(W, 0), one joint denominator per output, bias ignored::
     R_i   = Σ_j (x⁺_i W⁺_ji + x⁻_i W⁻_ji) / z_j · R_j
 
 Every term is non-negative, so Σ_i R_i = Σ_j R_j wherever z_j ≠ 0: the rule conserves relevance.
-Its denominator is computed as ½(xW + |x||W|) (:func:`alpha1_beta0`), with xW read from the layer's
-forward output: three matrix products per layer instead of four, and no split of x in the forward.
+Its denominator is computed as ½(xW + |x||W|) and its adjoint as ½(x ⊙ (S Wᵀ) + |x| ⊙ (S |W|ᵀ))
+(:func:`alpha1_beta0`), with xW read from the layer's forward output: three matrix products per
+layer instead of four, and neither x nor W split into signed parts.
 
 ``"lrp"`` — the linear rule of the authors' LRP *baseline* (``Linear.relprop`` of
 ``modules/layers_lrp.py`` and ``BERT_explainability/modules/layers_lrp.py`` at the newest commit of
@@ -38,9 +39,9 @@ from .stabilize import promote, safe_divide
 aten = torch.ops.aten
 
 
-def weight_parts(w: torch.Tensor, cache: dict = None, key=None):
-    """``(|W|, W⁺, W⁻)`` for ``w`` of shape [..., out, in], in the relevance's
-    precision (float32 at least), memoized in ``cache``.
+def weight_abs(w: torch.Tensor, cache: dict = None, key=None) -> torch.Tensor:
+    """``|W|`` for ``w`` of shape [..., out, in], in the relevance's precision (float32 at least),
+    memoized in ``cache``.
 
     The memo is keyed by the weight's memory (address, shape, strides, dtype, device), so all the
     captures of one model share an entry per weight, and checked against the version counter, so
@@ -48,45 +49,53 @@ def weight_parts(w: torch.Tensor, cache: dict = None, key=None):
     caller wants the memo used.
     """
     if cache is not None and key is not None:
-        key = ("parts", w.data_ptr(), tuple(w.shape), w.stride(), w.dtype, w.device)
+        key = ("abs", w.data_ptr(), tuple(w.shape), w.stride(), w.dtype, w.device)
         stamp = w._version
         hit = cache.get(key)
         if hit is not None and hit[0] == stamp:
             return hit[1]
-    wf = promote(w)  # float32 at least (float64 kept)
-    parts = (wf.abs(), wf.clamp(min=0), wf.clamp(max=0))
+    abs_w = promote(w).abs()  # float32 at least (float64 kept)
     if cache is not None and key is not None:
-        cache[key] = (stamp, parts)
-    return parts
+        cache[key] = (stamp, abs_w)
+    return abs_w
 
 
 def alpha1_beta0(x: torch.Tensor, w: torch.Tensor, relevance: torch.Tensor, eps: float, xw=None,
-                 parts=None) -> torch.Tensor:
+                 abs_wt=None) -> torch.Tensor:
     """Relevance of ``x`` for ``z = x @ w`` under LRP-alpha1beta0 with a joint denominator (Eq. 5).
 
     ``w`` is [in, out] (or batched [..., in, out]); ``x`` is [..., in]; ``relevance`` is [..., out].
-    ``xw`` may pass ``x @ w`` (a linear layer's own forward output less its bias) and ``parts``
-    :func:`weight_parts` of ``wᵀ``. The denominator uses the identity x⁺W⁺ + x⁻W⁻ = ½(xW + |x||W|)
-    (one matrix product when ``xw`` is given instead of two on the split x and W); the adjoint is
-    x⁺ ⊙ (S W⁺ᵀ) + x⁻ ⊙ (S W⁻ᵀ), exactly the terms of Eq. 5 (so R ≥ 0
-    gives R_x ≥ 0 and x_i = 0 gives R_i = 0 exactly). In floating point z differs from the sum of
-    the split terms by rounding of the order of the unit roundoff times |x||W|; outputs whose z is
-    below :data:`SMALL_Z` times |x||W| (cancellation) are recomputed from the split terms.
+    ``xw`` may pass ``x @ w`` (a linear layer's own forward output less its bias) and ``abs_wt``
+    ``|wᵀ|`` (:func:`weight_abs` of the layer's weight).
+
+    Both halves of the rule use x⁺W⁺ + x⁻W⁻ = ½(xW + |x||W|), so neither x nor W is split:
+
+    * the denominator z = ½(xW + |x||W|): one matrix product when ``xw`` is given;
+    * the adjoint x⁺ ⊙ (S W⁺ᵀ) + x⁻ ⊙ (S W⁻ᵀ) = ½(x ⊙ (S Wᵀ) + |x| ⊙ (S |W|ᵀ)), with S = R / z:
+      two matrix products, on W itself and on the |W| of the denominator.
+
+    x_i = 0 gives R_i = 0 exactly. In floating point the identity differs from the split terms by
+    rounding of the order of the unit roundoff times |x||W| (denominator) and |x| (S |W|ᵀ)
+    (adjoint); so that R ≥ 0 still gives R_x ≥ 0 exactly, as Eq. 5's non-negative terms do, a
+    non-negative S clamps the (rounding-sized) negative values at 0. Outputs whose z is below
+    :data:`SMALL_Z` times |x||W| (cancellation) are recomputed from the split terms.
     """
-    if parts is None:
-        parts = weight_parts(w.transpose(-1, -2))
-    abs_wt, wp, wn = parts  # each [..., out, in]
+    if abs_wt is None:
+        abs_wt = w.transpose(-1, -2).abs()  # [..., out, in]
     if xw is None:
         xw = x @ w
-    den = x.abs() @ abs_wt.transpose(-1, -2)  # Σ|x||W| >= z: the scale of the rounding error of z
+    abs_x = x.abs()
+    den = abs_x @ abs_wt.transpose(-1, -2)  # Σ|x||W| >= z: the scale of the rounding error of z
     z = (xw + den).mul_(0.5)
     s = safe_divide(relevance, z, eps)
     small = z < den * SMALL_Z
     exact = None
     if bool(small.any()):  # cancellation: these outputs are recomputed from the split terms
         s, exact = _exact_columns(x, w, relevance, eps, s, small)
-    rx = x.clamp(min=0) * (s @ wp)
-    rx.addcmul_(x.clamp(max=0), s @ wn)
+    rx = x * (s @ w.transpose(-1, -2))
+    rx.addcmul_(abs_x, s @ abs_wt).mul_(0.5)
+    if not bool((s < 0).any()):  # Eq. 5's terms are >= 0 for S >= 0: drop rounding below 0
+        rx.clamp_(min=0)
     return rx if exact is None else rx.add_(exact)
 
 
@@ -161,8 +170,8 @@ def linear(ctx, relevance):
     """``y = x Wᵀ + b``: LRP-alpha1beta0 with a joint denominator (CVPR 2021, Eq. 5); bias ignored."""
     require_constant_weight(ctx, 1)
     x, w = promote(ctx.args[0]), ctx.args[1]
-    parts = weight_parts(w, ctx.options.get("weight_cache"), ctx.node.name)
-    rx = alpha1_beta0(x, promote(w).t(), relevance, ctx.eps, xw=_forward_product(ctx, x), parts=parts)
+    abs_w = weight_abs(w, ctx.options.get("weight_cache"), ctx.node.name)
+    rx = alpha1_beta0(x, promote(w).t(), relevance, ctx.eps, xw=_forward_product(ctx, x), abs_wt=abs_w)
     return (rx,) + (None,) * (len(ctx.args) - 1)
 
 
