@@ -34,7 +34,7 @@ import torch
 from ..errors import UnsupportedOperation
 from ..graph.nodes import module_type
 from .registry import rule
-from .stabilize import promote, safe_divide
+from .stabilize import promote, safe_divide, safe_divide_nonnegative
 
 aten = torch.ops.aten
 
@@ -87,14 +87,14 @@ def alpha1_beta0(x: torch.Tensor, w: torch.Tensor, relevance: torch.Tensor, eps:
     abs_x = x.abs()
     den = abs_x @ abs_wt.transpose(-1, -2)  # Σ|x||W| >= z: the scale of the rounding error of z
     z = (xw + den).mul_(0.5)
-    s = safe_divide(relevance, z, eps)
+    s = safe_divide_nonnegative(relevance, z, eps)  # z < 0 (rounding) is below SMALL_Z: recomputed
     small = z < den * SMALL_Z
     exact = None
     if bool(small.any()):  # cancellation: these outputs are recomputed from the split terms
         s, exact = _exact_columns(x, w, relevance, eps, s, small)
     rx = x * (s @ w.transpose(-1, -2))
     rx.addcmul_(abs_x, s @ abs_wt).mul_(0.5)
-    if not bool((s < 0).any()):  # Eq. 5's terms are >= 0 for S >= 0: drop rounding below 0
+    if s.numel() and not bool(s.amin() < 0):  # Eq. 5's terms are >= 0 for S >= 0: drop rounding below 0
         rx.clamp_(min=0)
     return rx if exact is None else rx.add_(exact)
 
