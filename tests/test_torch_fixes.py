@@ -58,3 +58,28 @@ def test_one_image_explains_as_in_a_batch_through_batch_norm():
         alone = relprop.explain(model, x[:1], target=1, method="lrp", preset="attnlrp", fast_path=fast_path)
         scale = alone.input_relevance.abs().max()
         assert (both.input_relevance[:1] - alone.input_relevance).abs().max() <= 1e-5 * scale
+
+
+def test_safe_softmax_substitute_is_bit_identical():
+    """aten._safe_softmax as relprop evaluates it (one reduction to find all −inf rows, else the plain
+    softmax) gives the kernel's values and gradient bit for bit, with and without such rows."""
+    from relprop.graph.torch_fixes import safe_target
+    aten = torch.ops.aten
+    fast = safe_target(aten._safe_softmax.default)
+    assert fast is not aten._safe_softmax.default
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 3, 5, 6, generator=g)
+    dead = x.clone()
+    dead[0, 1, 2, :] = float("-inf")
+    dead[1, 0, :, 3] = float("-inf")
+    for t in (x, dead, x.double(), torch.empty(0, 3, 5, 6)):
+        for dtype in (None, torch.float64):
+            a, b = t.clone().requires_grad_(), t.clone().requires_grad_()
+            ya, yb = aten._safe_softmax.default(a, -1, dtype), fast(b, -1, dtype)
+            assert torch.equal(ya, yb) and ya.dtype == yb.dtype
+            if t.numel():
+                seed = torch.randn(ya.shape, generator=g, dtype=ya.dtype)
+                ga, = torch.autograd.grad(ya, a, seed)
+                gb, = torch.autograd.grad(yb, b, seed)
+                assert torch.equal(ga, gb)
+    assert not torch.isnan(fast(dead, -1)).any()

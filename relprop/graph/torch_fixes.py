@@ -1,4 +1,4 @@
-"""Workarounds for torch kernels whose gradient is wrong in cases relprop meets.
+"""Workarounds for torch kernels whose gradient is wrong, or that are slow, in cases relprop meets.
 
 **Inference BatchNorm, batch of one.** On CPU (torch 2.x), the backward of
 ``aten._native_batch_norm_legit_no_training`` returns wrong values when the batch has one sample and
@@ -6,6 +6,13 @@ the incoming gradient is strided unusually (batch stride smaller than the sample
 ``flatten(2).transpose(1, 2)`` of the tokens, e.g. EfficientFormer, LeViT): up to the whole gradient's
 scale, so a single image was explained unlike the same image in a batch. Computing the op as it is and
 handing its backward a contiguous gradient gives the exact gradient, a ⊙ g per channel.
+
+**Safe softmax.** ``aten._safe_softmax`` (what ``torch.export`` makes of a fused attention's softmax)
+gives 0 instead of NaN on rows that are entirely −inf. Its CPU kernel spends three passes over the
+scores to find them (``eq``, ``all``, ``where``: 4× the time of the softmax on a ViT-B/16 block).
+:func:`_safe_softmax` finds them with one reduction (the row maximum is −inf) and runs the plain
+softmax when there is none; the values and the gradient are the same bit for bit (the backward of
+both is the softmax's own), and where there is such a row it runs ``_safe_softmax`` itself.
 
 :func:`safe_target` returns, for an op of the graph, the callable relprop evaluates it with: the op
 itself, or the op with such a fix. Every evaluation of a graph node goes through it
@@ -48,7 +55,16 @@ def _native_batch_norm(*args, **kwargs):
     return (contiguous_gradient(out[0]),) + tuple(out[1:])
 
 
+def _safe_softmax(x, dim, dtype=None):
+    """``aten._safe_softmax`` with one reduction to find the rows that are entirely −inf (module
+    docstring)."""
+    if x.numel() == 0 or bool((x.amax(dim) == float("-inf")).any()):
+        return aten._safe_softmax.default(x, dim, dtype)
+    return aten._softmax.default(x if dtype is None else x.to(dtype), dim, False)
+
+
 _FIXED = {
+    aten._safe_softmax.default: _safe_softmax,
     aten._native_batch_norm_legit_no_training.default: _batch_norm_no_training,
     aten.native_batch_norm.default: _native_batch_norm,
 }
@@ -56,5 +72,5 @@ _FIXED = {
 
 def safe_target(target: Callable) -> Callable:
     """The callable to evaluate a graph op ``target`` with: ``target``, or ``target`` with a fix for
-    a wrong gradient of its torch kernel (module docstring)."""
+    a wrong gradient or a slow kernel of torch (module docstring)."""
     return _FIXED.get(target, target)

@@ -83,8 +83,8 @@ def _stabilizer(z: torch.Tensor, eps: float, scale: float = 1) -> torch.Tensor:
     """The ε-rule's factor s z / (s z + ε·sign z) = |s z| / (|s z| + ε) on a gradient (fewer passes
     over the tensor than safe_divide(z, z, ε)); 0/0 (z = 0 with ε = 0) and inf/inf (z not finite)
     are NaN, set to 0 as safe_divide does."""
-    den = (z * scale).abs() if scale != 1 else z.abs()
-    return torch.nan_to_num_(den / (den + eps), nan=0.0)
+    den = (z * scale).abs_() if scale != 1 else z.abs()
+    return torch.nan_to_num_(den.div_(den + eps), nan=0.0)
 
 
 class _Stabilize(Function):
