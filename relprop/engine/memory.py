@@ -67,6 +67,22 @@ REMAT_OPS = {
 _PRODUCTS = {aten.matmul.default, aten.bmm.default}
 
 
+def transient(captured: Captured) -> frozenset:
+    """Every node a re-run that reads only the outputs and the sources' values (and gradients) may
+    free after its last forward use: all but the sources and the nodes the graph's output returns.
+    Autograd keeps what it saved; dropping the rest keeps a re-run on a large batch (SmoothGrad,
+    Integrated Gradients) from holding every intermediate value at once."""
+    plans = captured.plans
+    if "transient" not in plans:
+        a = captured.analysis
+        keep = set(a.sources)
+        for node in captured.graph.nodes:
+            if node.op == "output":
+                keep.update(node.all_input_nodes)
+        plans["transient"] = frozenset(n for n in captured.graph.nodes if n.op == "call_function" and n not in keep)
+    return plans["transient"]
+
+
 def rematerializable(captured: Captured) -> frozenset:
     """Nodes whose values the forward pass frees after their last forward use, and the reverse
     walk computes again when a rule reads them.

@@ -10,6 +10,7 @@ from ..graph.nodes import module_paths
 from ..rules.stabilize import promote
 from ..targets import fixed
 from .forward import forward
+from .memory import transient
 
 
 class Session:
@@ -42,7 +43,8 @@ class Session:
     def source_gradient(self, perturb: Optional[Callable] = None):
         """(source value, d score / d source) with the source replaced by ``perturb(source)``."""
         with torch.enable_grad():
-            env, outputs = forward(self.captured, self.model, self.kwargs, perturb=perturb)
+            env, outputs = forward(self.captured, self.model, self.kwargs, perturb=perturb,
+                                   discard=transient(self.captured))
             scores = self.score_fn(outputs)
             srcs = self.captured.analysis.sources
             grads = torch.autograd.grad(scores.sum(), [env[s] for s in srcs], allow_unused=True)
@@ -52,7 +54,8 @@ class Session:
     def source_scores(self, perturb: Callable) -> torch.Tensor:
         """[batch] target scores with the source replaced by ``perturb(source)`` (no gradients)."""
         with torch.no_grad():
-            _, outputs = forward(self.captured, self.model, self.kwargs, perturb=perturb)
+            _, outputs = forward(self.captured, self.model, self.kwargs, perturb=perturb,
+                                 discard=transient(self.captured))
             return promote(self.score_fn(outputs).detach())
 
     def target_scores(self, **replace) -> torch.Tensor:
@@ -67,7 +70,7 @@ class Session:
                 v = v.to(old.dtype)  # e.g. float32 masks applied to a half-precision model's pixels
             kwargs[k] = v
         with torch.no_grad():
-            _, outputs = forward(self.captured, self.model, kwargs)
+            _, outputs = forward(self.captured, self.model, kwargs, discard=transient(self.captured))
             return promote(self.score_fn(outputs).detach())
 
     def block_output_with_value_scaled(self, base_env: dict, block_index: int, scale: torch.Tensor) -> torch.Tensor:
