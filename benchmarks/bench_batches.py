@@ -14,7 +14,7 @@ the unit of the ratios), median of ``--repeats``. Printed per method:
   For a method that batches its samples this is at or below 1 (a batched pass costs less per row
   than a pass of batch 1).
 
-    python benchmarks/bench_batches.py [--threads 1] [--repeats 3] [--models vit,bert]
+    python benchmarks/bench_batches.py [--threads 1] [--repeats 3] [--models vit,bert,vitb16]
                                        [--methods a,b] [--skip a,b] [--device cpu|cuda]
 """
 from __future__ import annotations
@@ -155,6 +155,9 @@ def main():
             img_size=112, patch_size=16, embed_dim=384, depth=6, num_heads=6, num_classes=10).eval().to(args.device)
         bench("timm ViT (112 px, patch 16, 384 wide, 6 blocks)", vit, torch.randn(8, 3, 112, 112, device=args.device),
               names, args)
+    if "vitb16" in args.models.split(","):
+        vitb = timm.create_model("vit_base_patch16_224", pretrained=False).eval().to(args.device)
+        bench("timm ViT-B/16 (224 px)", vitb, torch.randn(8, 3, 224, 224, device=args.device), names, args)
     if "bert" in args.models.split(","):
         cfg = transformers.BertConfig(num_labels=2, num_hidden_layers=args.bert_layers)
         bert = transformers.BertForSequenceClassification(cfg).eval().to(args.device)

@@ -16,6 +16,7 @@ import relprop
 from relprop.errors import OptionError
 from relprop.engine import forward as engine_forward
 from relprop.engine import memory
+from relprop.graph.capture import capture
 from snapshot import assert_same, snapshot
 
 #: every method that uses the trace of the interpreter (records and/or relevance walk)
@@ -151,3 +152,25 @@ def test_clip_two_towers(wrt="input_ids"):
     for r, lo in zip(ref, low):
         _close(r.scores, lo.scores)
     _close(ref[0].conservation.input, low[0].conservation.input)
+
+
+def test_reruns_keep_only_sources_and_outputs():
+    """A re-run (SmoothGrad, IG, ViT-CX, target scores) frees every other value after its last use
+    (memory.transient): the env ends with the sources and the returned nodes, and the outputs and
+    the source gradient are the same bit for bit as with every value kept."""
+    model = models.timm_vit_tiny()
+    x = models.image_batch(model, batch=2)
+    cap = capture(model, {"x": x}, "x")
+    keep = memory.transient(cap)
+    assert keep and not (keep & set(cap.analysis.sources))
+    results = []
+    for discard in (None, keep):
+        with torch.enable_grad():
+            env, out = engine_forward.forward(cap, model, {"x": x}, discard=discard)
+            src = [env[s] for s in cap.analysis.sources]
+            g = torch.autograd.grad(out[:, 1].sum(), src)
+        live = {n for n in env if n.op == "call_function"}
+        results.append((out.detach(), g, live))
+    assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1][0], results[1][1][0])
+    assert len(results[1][2]) < len(results[0][2]) // 10
+    assert not (results[1][2] & keep)
