@@ -63,19 +63,18 @@ def run(request: Request) -> Trace:
         notes.append(WINDOWS_LOW_MEMORY)
         request = request.but(memory="default")
     out_nodes = live_outputs(captured.graph, a.live)
-    wrt = gradient_nodes(a, out_nodes)
     remat = rematerializable(captured)
     if request.stream:
         if a.windows or len(a.streams) > 1:
             raise RelpropError(STREAM_WINDOWS)
         streamer = Streamer(request)
-        result = run_low(request, out_nodes, wrt, remat, streamer)
+        result = run_low(request, out_nodes, gradient_nodes(a, out_nodes), remat, streamer)
         result.token_count = streamer.token_count
         return build_trace(request, result, notes)
     if request.memory == "low":
-        return build_trace(request, run_low(request, out_nodes, wrt, remat), notes)
-    if not request.input_gradient:  # no method reads Trace.input_gradient: stop at the blocks
-        wrt = gradient_nodes(a, out_nodes, sources=False)
+        return build_trace(request, run_low(request, out_nodes, gradient_nodes(a, out_nodes), remat), notes)
+    # without a method that reads Trace.input_gradient the gradient pass stops at the blocks
+    wrt = gradient_nodes(a, out_nodes, sources=request.input_gradient)
     with torch.enable_grad():
         env, outputs = forward(captured, request.model, request.kwargs, discard=remat)
         scores = request.target.score(outputs)

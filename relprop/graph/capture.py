@@ -59,7 +59,7 @@ class Captured:
     batch_dynamic: bool
     analysis: GraphAnalysis
     primary: str
-    #: memo of signed weight splits used by the linear rules under ``explain(..., memory="high")``
+    #: memo of the weights' |W| used by the linear rules under ``explain(..., memory="high")``
     #: (see relprop.rules.linear.weight_abs); one dict per model, shared by all its captures
     weight_cache: dict = dataclasses.field(default_factory=dict)
     #: memo of the engine's plans for this graph (last uses, rematerializable nodes, segments,

@@ -27,6 +27,13 @@ def relevance_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+def _zero_undefined(out: torch.Tensor, den: torch.Tensor) -> torch.Tensor:
+    """The quotient ``out`` with 0 where ``den`` is 0 and where it is NaN or ±inf: the shares that
+    :func:`safe_divide` and :func:`safe_divide_nonnegative` leave undefined."""
+    out = out.masked_fill(den == 0, 0.0)
+    return torch.nan_to_num_(out, nan=0.0, posinf=0.0, neginf=0.0) if out.is_floating_point() else out
+
+
 def safe_divide(num: torch.Tensor, den: torch.Tensor, eps: float = DEFAULT_EPS) -> torch.Tensor:
     """``num / den`` with ``den`` pushed ``eps`` away from 0; 0 where ``den`` is 0 or not finite.
 
@@ -37,17 +44,14 @@ def safe_divide(num: torch.Tensor, den: torch.Tensor, eps: float = DEFAULT_EPS) 
         out = num / (den + torch.copysign(torch.full((), eps, dtype=den.dtype, device=den.device), den))
     else:
         out = num / den
-    out = out.masked_fill(den == 0, 0.0)
-    return torch.nan_to_num_(out, nan=0.0, posinf=0.0, neginf=0.0) if out.is_floating_point() else out
+    return _zero_undefined(out, den)
 
 
 def safe_divide_nonnegative(num: torch.Tensor, den: torch.Tensor, eps: float = DEFAULT_EPS) -> torch.Tensor:
     """:func:`safe_divide` for a denominator known to be ≥ 0 (bit for bit the same there, one pass
     fewer: ε is added rather than copied in the sign's direction). Where ``den`` < 0 the result is
     not :func:`safe_divide`'s: the caller must discard it."""
-    out = num / (den + eps) if eps else num / den
-    out = out.masked_fill(den == 0, 0.0)
-    return torch.nan_to_num_(out, nan=0.0, posinf=0.0, neginf=0.0) if out.is_floating_point() else out
+    return _zero_undefined(num / (den + eps) if eps else num / den, den)
 
 
 #: rows (along the last dimension) at least this long are skipped by :func:`on_nonzero_rows` when
