@@ -122,6 +122,7 @@ class Walker:
         #: :mod:`relprop.engine.streaming`)
         self.reached: Dict[torch.fx.Node, Any] = {}
         self.keep_recomputed = True
+        self._memo: Optional[Dict[torch.fx.Node, Any]] = None
 
     def _zeros(self) -> torch.Tensor:
         return torch.zeros(self.batch, device=self.dev, dtype=self.dtype)
@@ -136,6 +137,9 @@ class Walker:
         env = self.env
         if n in env:
             return env[n]
+        if self._memo is not None and n in self._memo:  # computed for another operand of this node
+            env[n] = v = self._memo.pop(n)
+            return v
         self._check_remat(n)
         with torch.no_grad():
             v = evaluate(n, self.value if self.keep_recomputed else self._transient)
@@ -143,11 +147,20 @@ class Walker:
         return v
 
     def _transient(self, n):
-        """An argument's value, recomputed without keeping the intermediates it needs."""
+        """An argument's value, recomputed without keeping the intermediates it needs beyond the
+        current node's visit (:attr:`_memo`: while one node's operands are gathered, an intermediate
+        two of them share, e.g. the scores under a softmax and under its mask test, is computed
+        once; it is dropped before the node's rule runs)."""
         if n in self.env:
             return self.env[n]
+        memo = self._memo
+        if memo is not None and n in memo:
+            return memo[n]
         self._check_remat(n)
-        return evaluate(n, self._transient)
+        v = evaluate(n, self._transient)
+        if memo is not None:
+            memo[n] = v
+        return v
 
     def _check_remat(self, n) -> None:
         if n not in self.remat:
@@ -206,6 +219,7 @@ class Walker:
             slots = R.setdefault(src, {})
             slots[idx] = slots[idx] + r if idx in slots else r
             return
+        self._memo = {}
         out_val = self.value(node)
         if isinstance(out_val, (list, tuple)):
             r = [r.get(i, torch.zeros(v.shape, dtype=relevance_dtype(v.dtype), device=v.device)) if isinstance(r, dict)
@@ -214,11 +228,13 @@ class Walker:
         preset = self.preset
         fn = self.rule_of(node)
         if fn is None:
+            self._memo = None
             raise UnsupportedOperation(node.target, module_path(node), module_type(node), preset)
         # rules compute in float32 at least: half-precision activations are upcast, float64 kept
         value = self.value
         args, kw = torch.fx.node.map_arg((node.args, node.kwargs),
                                          lambda n: promote(value(n)) if n in a.live else value(n))
+        self._memo = None
         live = tuple(is_live(x, a.live) for x in node.args)
         ctx = RuleContext(node=node, args=tuple(args), kwargs=kw, out=pytree.tree_map(promote, out_val), live=live,
                           batch_dim=bdim.get(node), batch_size=batch, eps=self.eps, preset=preset,

@@ -16,7 +16,7 @@ import torch
 import torch.fx
 import torch.utils._pytree as pytree
 
-from .torch_fixes import safe_target
+from .torch_fixes import ELEMENTWISE, broadcast_fill, safe_target
 
 
 # ------------------------------------------------------------------------------------------ provenance
@@ -124,7 +124,23 @@ def evaluate(node: torch.fx.Node, value: Callable[[torch.fx.Node], Any], fn: Opt
     """The value of ``node`` computed from ``value(arg)`` of each argument node, by ``node.target``
     (or by ``fn``, a replacement that takes the same arguments)."""
     args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), value)
+    if fn is None and node.target is _FULL_LIKE and _fill_read_elementwise(node):
+        fn = broadcast_fill
     return (fn or safe_target(node.target))(*args, **kwargs)
+
+
+_FULL_LIKE = torch.ops.aten.full_like.default
+
+
+def _fill_read_elementwise(node: torch.fx.Node) -> bool:
+    """Whether every user of the ``full_like`` node ``node`` is an element-wise op of
+    :data:`~relprop.graph.torch_fixes.ELEMENTWISE` (memoized in ``node.meta``) and it is not an
+    output of the graph."""
+    flag = node.meta.get("relprop_broadcast_fill")
+    if flag is None:
+        flag = bool(node.users) and all(u.op == "call_function" and u.target in ELEMENTWISE for u in node.users)
+        node.meta["relprop_broadcast_fill"] = flag
+    return flag
 
 
 def is_live(x, live):

@@ -63,7 +63,50 @@ def _safe_softmax(x, dim, dtype=None):
     return aten._softmax.default(x if dtype is None else x.to(dtype), dim, False)
 
 
+#: ops whose output has the broadcast shape of their tensor operands and reads each element once:
+#: a constant fill feeding only these may be a broadcast scalar (:func:`broadcast_fill`)
+ELEMENTWISE = frozenset({
+    aten.where.self, aten.add.Tensor, aten.sub.Tensor, aten.mul.Tensor, aten.div.Tensor,
+    aten.masked_fill.Scalar, aten.masked_fill.Tensor, aten.maximum.default, aten.minimum.default,
+})
+
+
+def broadcast_fill(x, fill_value, dtype=None, layout=None, device=None, pin_memory=None, memory_format=None):
+    """``aten.full_like(x, fill_value)`` as one element expanded to ``x``'s shape (no tensor-sized
+    buffer), for a node whose every user is in :data:`ELEMENTWISE`: the values are the same, and an
+    element-wise op reads a broadcast operand like a materialized one. Falls back to the op itself
+    for options a broadcast cannot honour.
+
+    Why: the decomposed safe softmax of an exported SDPA (``where(all masked, full_like(A, 0), A)``)
+    makes one such tensor per attention block and evaluation; on long inputs each is fresh memory
+    that the kernel faults in page by page."""
+    if (layout in (None, torch.strided) and not pin_memory and memory_format in (None, torch.preserve_format)
+            and isinstance(fill_value, (int, float, bool)) and torch.is_tensor(x)):
+        one = torch.full((), fill_value, dtype=dtype or x.dtype, device=device or x.device)
+        return one.expand(x.shape)
+    return aten.full_like.default(x, fill_value, dtype=dtype, layout=layout, device=device, pin_memory=pin_memory,
+                                  memory_format=memory_format)
+
+
+def _where(cond, a, b):
+    """``aten.where(cond, a, b)``; without autograd, when ``cond`` selects one operand everywhere and
+    that operand already has the result's shape and dtype, that operand itself (the same values, no
+    new tensor). The safe softmax of an exported SDPA is ``where(row all masked, 0, softmax)``: in a
+    batch without such a row this is the softmax, and the attention-sized copy is saved."""
+    if torch.is_tensor(cond) and cond.dtype == torch.bool and torch.is_tensor(a) and torch.is_tensor(b) \
+            and not (torch.is_grad_enabled() and (a.requires_grad or b.requires_grad)):
+        shape = torch.broadcast_shapes(cond.shape, a.shape, b.shape)
+        dtype = torch.result_type(a, b)
+        if not bool(cond.any()):
+            if b.shape == shape and b.dtype == dtype:
+                return b
+        elif bool(cond.all()) and a.shape == shape and a.dtype == dtype:
+            return a
+    return aten.where.self(cond, a, b)
+
+
 _FIXED = {
+    aten.where.self: _where,
     aten._safe_softmax.default: _safe_softmax,
     aten._native_batch_norm_legit_no_training.default: _batch_norm_no_training,
     aten.native_batch_norm.default: _native_batch_norm,

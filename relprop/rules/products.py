@@ -14,7 +14,7 @@ import torch
 from .linear import constant_matrix_product
 from .normalization import is_statistic
 from .registry import rule
-from .stabilize import promote, safe_divide
+from .stabilize import promote, safe_divide, scratch, times_fresh
 
 aten = torch.ops.aten
 
@@ -26,9 +26,14 @@ def z_rule_matmul(a: torch.Tensor, b: torch.Tensor, z: torch.Tensor, relevance: 
     broadcast product, which the interpreter reduces onto the operands.
     """
     s = safe_divide(relevance, z, eps)
-    ra = a * (s @ b.transpose(-1, -2))
-    rb = b * (a.transpose(-1, -2) @ s)
+    ra = times_fresh(s @ b.transpose(-1, -2), a)
+    rb = times_fresh(a.transpose(-1, -2) @ s, b)
     return ra, rb
+
+
+def _halved(r: torch.Tensor) -> torch.Tensor:
+    """``r / 2`` for a share the rule made itself (in place where autograd does not record it)."""
+    return r.div_(2) if scratch(r) else r / 2
 
 
 @rule(aten.matmul.default, aten.bmm.default, aten.mm.default, preset=("chefer2021", "lrp"))
@@ -56,7 +61,7 @@ def matmul(ctx, relevance):
             rb = rb.squeeze(-1)
         return (ra / 2, rb / 2)
     ra, rb = z_rule_matmul(promote(a), promote(b), promote(ctx.out), relevance, ctx.eps)
-    return (ra / 2, rb / 2)
+    return (_halved(ra), _halved(rb))
 
 
 @rule(aten.mul.Tensor, preset=("chefer2021", "lrp"))

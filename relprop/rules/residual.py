@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from .registry import rule
-from .stabilize import finite, promote, safe_divide
+from .stabilize import finite, promote, safe_divide, scratch, times_fresh
 
 aten = torch.ops.aten
 
@@ -28,18 +28,24 @@ aten = torch.ops.aten
 def z_rule_sum(u, v, z, relevance, eps):
     """Z-rule shares of a sum ``z = u + v`` (Eq. 6), both shaped like ``z``."""
     s = safe_divide(relevance, z, eps)
-    return finite(u * s), finite(v * s)
+    if not (scratch(u, v, s) and s.shape == z.shape and s.dtype == torch.promote_types(s.dtype, v.dtype)):
+        return finite(u * s), finite(v * s)
+    # the same values with two tensor-sized allocations instead of four: S's buffer takes v ⊙ S
+    ru = torch.nan_to_num_(u * s, nan=0.0, posinf=0.0, neginf=0.0)
+    return ru, torch.nan_to_num_(s.mul_(v), nan=0.0, posinf=0.0, neginf=0.0)
 
 
-def normalize_shares(ctx, ru, rv, relevance, eps):
-    """Rescale two shares per sample so they conserve Σ R (CVPR 2021 after Eq. 9; Lemma 2)."""
+def normalize_shares(ctx, ru, rv, relevance, eps, fresh: bool = False):
+    """Rescale two shares per sample so they conserve Σ R (CVPR 2021 after Eq. 9; Lemma 2).
+    ``fresh``: ``ru`` and ``rv`` are the caller's own temporaries and are rescaled in place."""
     su, sv, total = ctx.sample_sum(ru), ctx.sample_sum(rv), ctx.sample_sum(relevance)
     den = su.abs() + sv.abs()
     fu = safe_divide(su.abs() * total, den, 0.0)
     fv = safe_divide(sv.abs() * total, den, 0.0)
-    ru = ru * ctx.per_sample(safe_divide(fu, su, eps), ru)
-    rv = rv * ctx.per_sample(safe_divide(fv, sv, eps), rv)
-    return ru, rv
+    gu, gv = ctx.per_sample(safe_divide(fu, su, eps), ru), ctx.per_sample(safe_divide(fv, sv, eps), rv)
+    if fresh:
+        return times_fresh(ru, gu), times_fresh(rv, gv)
+    return ru * gu, rv * gv
 
 
 def _sum_rule(ctx, relevance, sign: float, normalize: bool):
@@ -54,7 +60,7 @@ def _sum_rule(ctx, relevance, sign: float, normalize: bool):
     vv = (sign * alpha * promote(v)).expand_as(z)
     ru, rv = z_rule_sum(uu, vv, z, relevance, ctx.eps)
     if normalize:
-        ru, rv = normalize_shares(ctx, ru, rv, relevance, ctx.eps)
+        ru, rv = normalize_shares(ctx, ru, rv, relevance, ctx.eps, fresh=True)
     return (ru, rv) + (None,) * (len(ctx.args) - 2)
 
 

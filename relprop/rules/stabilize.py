@@ -28,18 +28,55 @@ def relevance_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def _zero_undefined(out: torch.Tensor, den: torch.Tensor) -> torch.Tensor:
-    """The quotient ``out`` with 0 where ``den`` is 0 and where it is NaN or ±inf: the shares that
-    :func:`safe_divide` and :func:`safe_divide_nonnegative` leave undefined."""
-    out = out.masked_fill(den == 0, 0.0)
+    """The quotient ``out`` (a fresh tensor, changed in place unless autograd records it) with 0
+    where ``den`` is 0 and where it is NaN or ±inf: the shares that :func:`safe_divide` and
+    :func:`safe_divide_nonnegative` leave undefined."""
+    if not scratch(out):
+        out = out.masked_fill(den == 0, 0.0)
+        return torch.nan_to_num(out, nan=0.0, posinf=0.0, neginf=0.0) if out.is_floating_point() else out
+    out = out.masked_fill_(den == 0, 0.0)
     return torch.nan_to_num_(out, nan=0.0, posinf=0.0, neginf=0.0) if out.is_floating_point() else out
+
+
+def scratch(*tensors: torch.Tensor) -> bool:
+    """Whether a rule may overwrite fresh temporaries computed from ``tensors`` in place: autograd
+    records none of them. (A rule never overwrites its inputs, the relevance or a forward value;
+    only tensors it made itself, to save attention-sized allocations on long inputs.)"""
+    return not (torch.is_grad_enabled() and any(torch.is_tensor(t) and t.requires_grad for t in tensors))
+
+
+def times_fresh(fresh: torch.Tensor, other) -> torch.Tensor:
+    """``fresh ⊙ other`` for a temporary ``fresh`` the rule made itself: into ``fresh``'s buffer where
+    it has the result's shape and dtype and autograd records neither (the same values: IEEE
+    multiplication commutes), else a new tensor."""
+    if torch.is_tensor(other) and scratch(fresh, other) and fresh.shape == torch.broadcast_shapes(
+            fresh.shape, other.shape) and fresh.dtype == torch.promote_types(fresh.dtype, other.dtype):
+        return fresh.mul_(other)
+    return fresh * other
+
+
+def _in_place_ok(num: torch.Tensor, den: torch.Tensor) -> bool:
+    """Whether ``num / den`` may be computed into a tensor shaped like ``den``: same dtype, ``num``
+    broadcasts to ``den``'s shape, and autograd records neither."""
+    if num.dtype != den.dtype or not den.is_floating_point() or not scratch(num, den):
+        return False
+    return torch.broadcast_shapes(num.shape, den.shape) == den.shape
 
 
 def safe_divide(num: torch.Tensor, den: torch.Tensor, eps: float = DEFAULT_EPS) -> torch.Tensor:
     """``num / den`` with ``den`` pushed ``eps`` away from 0; 0 where ``den`` is 0 or not finite.
 
     Never returns NaN or inf for finite ``num``; a quotient that
-    overflows is set to 0 as well.
+    overflows is set to 0 as well. The stabilized denominator, the quotient and the zeroing share one
+    buffer where the shapes allow (:func:`_in_place_ok`): one tensor-sized allocation instead of four,
+    the same values bit for bit (on attention-sized tensors each allocation is fresh memory the
+    kernel faults in page by page).
     """
+    if eps and torch.is_tensor(num) and _in_place_ok(num, den):
+        out = torch.copysign(torch.full((), eps, dtype=den.dtype, device=den.device), den)
+        out.add_(den)  # den + ε·sign(den): IEEE addition commutes, the same bits as den + copysign(...)
+        torch.div(num, out, out=out)
+        return _zero_undefined(out, den)
     if eps:
         out = num / (den + torch.copysign(torch.full((), eps, dtype=den.dtype, device=den.device), den))
     else:
