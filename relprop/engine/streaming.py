@@ -57,7 +57,6 @@ class Streamer:
                 walker.reached[node] = self._reached
                 walker.keep.discard(node)
             walker.needed_later = walker.needed_later - self.droppable
-            walker.keep_recomputed = False
 
     def _reached(self, node, relevance) -> None:
         self._hand_over(self.block_of[node], {node: relevance})

@@ -16,7 +16,7 @@ import torch
 import torch.fx
 import torch.utils._pytree as pytree
 
-from .torch_fixes import ELEMENTWISE, broadcast_fill, safe_target
+from .torch_fixes import ELEMENTWISE, broadcast_fill, safe_target, where_selecting
 
 
 # ------------------------------------------------------------------------------------------ provenance
@@ -124,23 +124,53 @@ def evaluate(node: torch.fx.Node, value: Callable[[torch.fx.Node], Any], fn: Opt
     """The value of ``node`` computed from ``value(arg)`` of each argument node, by ``node.target``
     (or by ``fn``, a replacement that takes the same arguments)."""
     args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), value)
-    if fn is None and node.target is _FULL_LIKE and _fill_read_elementwise(node):
-        fn = broadcast_fill
+    if fn is None and node.target in _BY_USE:
+        fn = _BY_USE[node.target](node)
     return (fn or safe_target(node.target))(*args, **kwargs)
 
 
-_FULL_LIKE = torch.ops.aten.full_like.default
+#: ops of the safe softmax that an exported SDPA decomposes into (``where(row all masked,
+#: full_like(A, 0), A)``) evaluated without their attention-sized copies when the graph around
+#: the node allows it (on long inputs each copy is fresh memory the kernel faults in page by page)
+_FULL_LIKE, _WHERE = torch.ops.aten.full_like.default, torch.ops.aten.where.self
+#: ops that only read their operand's shape and dtype
+_SHAPE_ONLY = frozenset({torch.ops.aten.full_like.default, torch.ops.aten.zeros_like.default,
+                         torch.ops.aten.ones_like.default, torch.ops.aten.empty_like.default})
+
+
+def _memo(node: torch.fx.Node, key: str, test: Callable[[torch.fx.Node], bool]) -> bool:
+    flag = node.meta.get(key)
+    if flag is None:
+        flag = node.meta[key] = bool(test(node))
+    return flag
 
 
 def _fill_read_elementwise(node: torch.fx.Node) -> bool:
-    """Whether every user of the ``full_like`` node ``node`` is an element-wise op of
-    :data:`~relprop.graph.torch_fixes.ELEMENTWISE` (memoized in ``node.meta``) and it is not an
-    output of the graph."""
-    flag = node.meta.get("relprop_broadcast_fill")
-    if flag is None:
-        flag = bool(node.users) and all(u.op == "call_function" and u.target in ELEMENTWISE for u in node.users)
-        node.meta["relprop_broadcast_fill"] = flag
-    return flag
+    """Every user of the ``full_like`` node is an element-wise op of
+    :data:`~relprop.graph.torch_fixes.ELEMENTWISE` (so a broadcast scalar reads the same)."""
+    return bool(node.users) and all(u.op == "call_function" and u.target in ELEMENTWISE for u in node.users)
+
+
+def _no_other_gradient(node: torch.fx.Node) -> bool:
+    """Each operand of the ``where`` node is computed by the graph and feeds no other op whose
+    output is differentiable (only shape readers and boolean tests): the ``where`` may then be the
+    operand it selects, also under autograd."""
+    for operand in node.args[1:3]:
+        if not isinstance(operand, torch.fx.Node) or operand.op != "call_function":
+            return False
+        for u in operand.users:
+            if u is node or u.target in _SHAPE_ONLY:
+                continue
+            v = u.meta.get("val")
+            if not (torch.is_tensor(v) and not v.is_floating_point() and not v.is_complex()):
+                return False
+    return True
+
+
+_BY_USE: Dict[Any, Callable[[torch.fx.Node], Optional[Callable]]] = {
+    _FULL_LIKE: lambda n: broadcast_fill if _memo(n, "relprop_broadcast_fill", _fill_read_elementwise) else None,
+    _WHERE: lambda n: where_selecting if _memo(n, "relprop_where_selects", _no_other_gradient) else None,
+}
 
 
 def is_live(x, live):

@@ -88,21 +88,39 @@ def broadcast_fill(x, fill_value, dtype=None, layout=None, device=None, pin_memo
                                   memory_format=memory_format)
 
 
+def _selected(cond, a, b):
+    """The operand of ``where(cond, a, b)`` that ``cond`` selects everywhere when it already has the
+    result's shape and dtype, else None."""
+    if not (torch.is_tensor(cond) and cond.dtype == torch.bool and torch.is_tensor(a) and torch.is_tensor(b)):
+        return None
+    shape = torch.broadcast_shapes(cond.shape, a.shape, b.shape)
+    dtype = torch.result_type(a, b)
+    if not bool(cond.any()):
+        return b if b.shape == shape and b.dtype == dtype else None
+    if bool(cond.all()):
+        return a if a.shape == shape and a.dtype == dtype else None
+    return None
+
+
 def _where(cond, a, b):
     """``aten.where(cond, a, b)``; without autograd, when ``cond`` selects one operand everywhere and
     that operand already has the result's shape and dtype, that operand itself (the same values, no
     new tensor). The safe softmax of an exported SDPA is ``where(row all masked, 0, softmax)``: in a
     batch without such a row this is the softmax, and the attention-sized copy is saved."""
-    if torch.is_tensor(cond) and cond.dtype == torch.bool and torch.is_tensor(a) and torch.is_tensor(b) \
-            and not (torch.is_grad_enabled() and (a.requires_grad or b.requires_grad)):
-        shape = torch.broadcast_shapes(cond.shape, a.shape, b.shape)
-        dtype = torch.result_type(a, b)
-        if not bool(cond.any()):
-            if b.shape == shape and b.dtype == dtype:
-                return b
-        elif bool(cond.all()) and a.shape == shape and a.dtype == dtype:
-            return a
+    if not (torch.is_grad_enabled() and any(torch.is_tensor(t) and t.requires_grad for t in (a, b))):
+        chosen = _selected(cond, a, b)
+        if chosen is not None:
+            return chosen
     return aten.where.self(cond, a, b)
+
+
+def where_selecting(cond, a, b):
+    """:func:`_where` also under autograd, for a ``where`` node whose operands feed no other
+    differentiable op (:func:`relprop.graph.nodes.evaluate` decides): the gradient reaching the
+    selected tensor is then the one that reaches the ``where``, as its backward would pass it on
+    (the other operand's would be 0), and the backward's copy is saved too."""
+    chosen = _selected(cond, a, b)
+    return chosen if chosen is not None else aten.where.self(cond, a, b)
 
 
 _FIXED = {

@@ -25,6 +25,7 @@ rounding (the products are associated differently); ``tests/test_streaming.py`` 
 """
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import types
 from typing import Any, Callable, Dict, Optional
@@ -77,6 +78,14 @@ def why_not(info, options: Dict[str, Any], analysis) -> Optional[str]:
     if analysis.unmapped:
         return "the blocks' attention cannot be read as token-to-token maps"
     return None
+
+
+def _own(maps: torch.Tensor, rec) -> bool:
+    """Whether ``maps`` is a tensor the method's map function made (not the record's A, ∇A or R_A,
+    nor a view of them), so the fold may overwrite it."""
+    ptr = maps.untyped_storage().data_ptr()
+    return not any(torch.is_tensor(t) and t.untyped_storage().data_ptr() == ptr
+                   for t in (rec.attention, rec.gradient, rec.relevance))
 
 
 class RowFold:
@@ -155,17 +164,22 @@ class RowFold:
         self.prev = types.SimpleNamespace(index=rec.index, name=rec.name,
                                           attention=torch.empty(rec.attention.shape, device="meta"))
         maps = self.head_maps(rec)
-        fused = fuse_heads(maps, rec.gradient, self.agg)
+        agg = self.agg
+        if agg.positive and agg.head_fusion != "gradient" and _own(maps, rec):
+            # the method's own product (Eq. 13's ∇A ⊙ R_A): its positive part in place, once, for
+            # the fused map and the head rows (one attention-sized tensor fewer per block)
+            maps, agg = maps.clamp_(min=0), dataclasses.replace(agg, positive=False)
+        fused = fuse_heads(maps, rec.gradient, agg)
         if self.row is None:  # the last block of the range: start from the query weights
             self.row = self.weights.to(fused.dtype)
-            self.heads = self._head_rows(rec, maps)
+            self.heads = self._head_rows(rec, maps, agg)
         a = with_identity(fused, self.agg.normalize_rows)
         self.row = torch.matmul(self.row, a)  # [batch, k, N] · [batch, N, N]: row ← row · (I + M_b)
 
-    def _head_rows(self, rec, maps: torch.Tensor) -> Optional[torch.Tensor]:
+    def _head_rows(self, rec, maps: torch.Tensor, agg: Aggregation) -> Optional[torch.Tensor]:
         """[batch, k, heads, N]: each head's map of the last block of the range at the query rows
         (as :func:`relprop.methods.aggregation._head_rows`)."""
-        maps = per_head_maps(rec, maps, self.agg)
+        maps = per_head_maps(rec, maps, agg)
         if maps is None:
             return None
         w = self.weights.to(maps.dtype)

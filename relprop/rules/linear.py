@@ -34,7 +34,7 @@ import torch
 from ..errors import UnsupportedOperation
 from ..graph.nodes import module_type
 from .registry import rule
-from .stabilize import promote, safe_divide, safe_divide_nonnegative
+from .stabilize import promote, safe_divide, safe_divide_nonnegative, scratch, times_fresh
 
 aten = torch.ops.aten
 
@@ -61,12 +61,13 @@ def weight_abs(w: torch.Tensor, cache: dict = None, key=None) -> torch.Tensor:
 
 
 def alpha1_beta0(x: torch.Tensor, w: torch.Tensor, relevance: torch.Tensor, eps: float, xw=None,
-                 abs_wt=None) -> torch.Tensor:
+                 abs_wt=None, xw_scratch: bool = False) -> torch.Tensor:
     """Relevance of ``x`` for ``z = x @ w`` under LRP-alpha1beta0 with a joint denominator (Eq. 5).
 
     ``w`` is [in, out] (or batched [..., in, out]); ``x`` is [..., in]; ``relevance`` is [..., out].
     ``xw`` may pass ``x @ w`` (a linear layer's own forward output less its bias) and ``abs_wt``
-    ``|wᵀ|`` (:func:`weight_abs` of the layer's weight).
+    ``|wᵀ|`` (:func:`weight_abs` of the layer's weight); ``xw_scratch``: ``xw`` is the caller's
+    own temporary (the rule may overwrite it).
 
     Both halves of the rule use x⁺W⁺ + x⁻W⁻ = ½(xW + |x||W|), so neither x nor W is split:
 
@@ -83,16 +84,19 @@ def alpha1_beta0(x: torch.Tensor, w: torch.Tensor, relevance: torch.Tensor, eps:
     if abs_wt is None:
         abs_wt = w.transpose(-1, -2).abs()  # [..., out, in]
     if xw is None:
-        xw = x @ w
+        xw, xw_scratch = x @ w, True
     abs_x = x.abs()
     den = abs_x @ abs_wt.transpose(-1, -2)  # Σ|x||W| >= z: the scale of the rounding error of z
-    z = (xw + den).mul_(0.5)
+    # the temporaries are overwritten where they are not read again (the same values: on long
+    # inputs each new [tokens, features] tensor is memory the kernel faults in)
+    z = (xw.add_(den) if xw_scratch and scratch(xw, den) and xw.shape == den.shape else xw + den).mul_(0.5)
     s = safe_divide_nonnegative(relevance, z, eps)  # z < 0 (rounding) is below SMALL_Z: recomputed
-    small = z < den * SMALL_Z
+    small = z < (den.mul_(SMALL_Z) if scratch(den) else den * SMALL_Z)
+    del den
     exact = None
     if bool(small.any()):  # cancellation: these outputs are recomputed from the split terms
         s, exact = _exact_columns(x, w, relevance, eps, s, small)
-    rx = x * (s @ w.transpose(-1, -2))
+    rx = times_fresh(s @ w.transpose(-1, -2), x)
     rx.addcmul_(abs_x, s @ abs_wt).mul_(0.5)
     if s.numel() and not bool(s.amin() < 0):  # Eq. 5's terms are >= 0 for S >= 0: drop rounding below 0
         rx.clamp_(min=0)
@@ -131,7 +135,7 @@ def _forward_product(ctx, x):
         return out
     if not torch.is_tensor(bias) or (len(ctx.live) > 2 and ctx.live[2] is True):
         return None
-    return out - promote(bias)
+    return out - promote(bias)  # a new tensor: alpha1_beta0 may overwrite it (xw_scratch)
 
 
 def lrp_baseline(x: torch.Tensor, w: torch.Tensor, relevance: torch.Tensor, eps: float, split=None) -> torch.Tensor:
@@ -171,7 +175,9 @@ def linear(ctx, relevance):
     require_constant_weight(ctx, 1)
     x, w = promote(ctx.args[0]), ctx.args[1]
     abs_w = weight_abs(w, ctx.options.get("weight_cache"), ctx.node.name)
-    rx = alpha1_beta0(x, promote(w).t(), relevance, ctx.eps, xw=_forward_product(ctx, x), abs_wt=abs_w)
+    xw = _forward_product(ctx, x)
+    rx = alpha1_beta0(x, promote(w).t(), relevance, ctx.eps, xw=xw, abs_wt=abs_w,
+                      xw_scratch=xw is not None and xw is not ctx.out)
     return (rx,) + (None,) * (len(ctx.args) - 1)
 
 

@@ -34,7 +34,8 @@ def _zero_undefined(out: torch.Tensor, den: torch.Tensor) -> torch.Tensor:
     if not scratch(out):
         out = out.masked_fill(den == 0, 0.0)
         return torch.nan_to_num(out, nan=0.0, posinf=0.0, neginf=0.0) if out.is_floating_point() else out
-    out = out.masked_fill_(den == 0, 0.0)
+    if not bool(den.all()):  # a reduction without a tensor-sized mask finds whether den has a zero
+        out = out.masked_fill_(den == 0, 0.0)
     return torch.nan_to_num_(out, nan=0.0, posinf=0.0, neginf=0.0) if out.is_floating_point() else out
 
 
@@ -88,6 +89,9 @@ def safe_divide_nonnegative(num: torch.Tensor, den: torch.Tensor, eps: float = D
     """:func:`safe_divide` for a denominator known to be ≥ 0 (bit for bit the same there, one pass
     fewer: ε is added rather than copied in the sign's direction). Where ``den`` < 0 the result is
     not :func:`safe_divide`'s: the caller must discard it."""
+    if eps and torch.is_tensor(num) and _in_place_ok(num, den):
+        out = den + eps
+        return _zero_undefined(torch.div(num, out, out=out), den)
     return _zero_undefined(num / (den + eps) if eps else num / den, den)
 
 
