@@ -121,8 +121,6 @@ class Walker:
         #: is complete, None when none reaches it) and before its rule runs (a streamed run,
         #: :mod:`relprop.engine.streaming`)
         self.reached: Dict[torch.fx.Node, Any] = {}
-        self.keep_recomputed = True
-        self._memo: Optional[Dict[torch.fx.Node, Any]] = None
 
     def _zeros(self) -> torch.Tensor:
         return torch.zeros(self.batch, device=self.dev, dtype=self.dtype)
@@ -131,35 +129,16 @@ class Walker:
         """The forward value of node ``n`` (recomputed, without autograd, if it was discarded).
 
         A recomputed value stays in ``env`` until the walk passes ``n``; so do the discarded
-        values it was computed from, unless ``keep_recomputed`` is False (a streamed run): then
-        they are computed again where a later rule reads them (a few more Q·Kᵀ products per block,
-        about 3 attention-sized tensors fewer at the peak; the values are the same bit for bit)."""
+        values it was computed from (each is read again at its own node, which the walk reaches
+        before leaving the attention block: the scores and the masked scores are computed once per
+        walk; the values are the same bit for bit)."""
         env = self.env
         if n in env:
             return env[n]
-        if self._memo is not None and n in self._memo:  # computed for another operand of this node
-            env[n] = v = self._memo.pop(n)
-            return v
         self._check_remat(n)
         with torch.no_grad():
-            v = evaluate(n, self.value if self.keep_recomputed else self._transient)
+            v = evaluate(n, self.value)
         env[n] = v  # freed when the walk passes n
-        return v
-
-    def _transient(self, n):
-        """An argument's value, recomputed without keeping the intermediates it needs beyond the
-        current node's visit (:attr:`_memo`: while one node's operands are gathered, an intermediate
-        two of them share, e.g. the scores under a softmax and under its mask test, is computed
-        once; it is dropped before the node's rule runs)."""
-        if n in self.env:
-            return self.env[n]
-        memo = self._memo
-        if memo is not None and n in memo:
-            return memo[n]
-        self._check_remat(n)
-        v = evaluate(n, self._transient)
-        if memo is not None:
-            memo[n] = v
         return v
 
     def _check_remat(self, n) -> None:
@@ -219,7 +198,6 @@ class Walker:
             slots = R.setdefault(src, {})
             slots[idx] = slots[idx] + r if idx in slots else r
             return
-        self._memo = {}
         out_val = self.value(node)
         if isinstance(out_val, (list, tuple)):
             r = [r.get(i, torch.zeros(v.shape, dtype=relevance_dtype(v.dtype), device=v.device)) if isinstance(r, dict)
@@ -228,13 +206,11 @@ class Walker:
         preset = self.preset
         fn = self.rule_of(node)
         if fn is None:
-            self._memo = None
             raise UnsupportedOperation(node.target, module_path(node), module_type(node), preset)
         # rules compute in float32 at least: half-precision activations are upcast, float64 kept
         value = self.value
         args, kw = torch.fx.node.map_arg((node.args, node.kwargs),
                                          lambda n: promote(value(n)) if n in a.live else value(n))
-        self._memo = None
         live = tuple(is_live(x, a.live) for x in node.args)
         ctx = RuleContext(node=node, args=tuple(args), kwargs=kw, out=pytree.tree_map(promote, out_val), live=live,
                           batch_dim=bdim.get(node), batch_size=batch, eps=self.eps, preset=preset,
