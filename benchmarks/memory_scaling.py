@@ -29,7 +29,10 @@ Memory on CPU is the peak resident set size of the process (VmHWM of /proc/self/
 minus the resident set at that moment; glibc is told to serve allocations over 128 KiB with mmap
 (``MALLOC_MMAP_THRESHOLD_``) so that freed tensors leave the resident set at once. On CUDA it is
 ``torch.cuda.max_memory_allocated`` minus what was allocated before. Time is the wall-clock time of
-the one measured call (the capture, cached per model and input shape, is done before it).
+the one measured call (the capture, cached per model and input shape, is done before it); on CPU it
+is taken in a second fresh process with glibc's default allocator (``--one-run``: from the memory
+run, where every tensor over 128 KiB is fresh memory the kernel faults in page by page, which
+penalizes the call that allocates more).
 
     OMP_NUM_THREADS=1 python benchmarks/memory_scaling.py                       # every configuration
     OMP_NUM_THREADS=1 python benchmarks/memory_scaling.py --model bert --tokens 512 1024 2048
@@ -107,8 +110,8 @@ def child(name: str, n: int, what: str, device: str) -> None:
                       "seconds": meter.seconds, "threads": torch.get_num_threads()}))
 
 
-def measure(name: str, n: int, what: str, device: str) -> dict:
-    result, _, stderr = run_child(__file__, [name, str(n), what, device])
+def measure(name: str, n: int, what: str, device: str, for_memory: bool = True) -> dict:
+    result, _, stderr = run_child(__file__, [name, str(n), what, device], for_memory=for_memory)
     return result if result is not None else {"error": stderr.strip().splitlines()[-1:] or ["no output"]}
 
 
@@ -118,6 +121,9 @@ def main(argv=None) -> int:
     parser.add_argument("--tokens", type=int, nargs="+", default=None, help="sequence lengths (default per model)")
     parser.add_argument("--what", nargs="+", choices=WHATS, default=None, help="subset of the measurements")
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
+    parser.add_argument("--one-run", action="store_true",
+                        help="CPU: take the time from the memory run (lowered mmap threshold) instead of a second "
+                             "process with glibc's default allocator")
     parser.add_argument("--child", nargs=4, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
@@ -131,14 +137,19 @@ def main(argv=None) -> int:
     if "fwdbwd" not in whats:
         whats = ["fwdbwd"] + whats
     memory = "peak RSS delta" if device == "cpu" else "max_memory_allocated delta"
-    print(f"| model ({device}, {_threads()} thread(s), {memory}) | tokens | measured | peak MiB | × fwd+bwd "
-          f"| seconds | time × fwd+bwd |")
+    second = device == "cpu" and not args.one_run
+    clock = "default allocator" if second else "the memory run"
+    print(f"| model ({device}, {_threads()} thread(s), {memory}; time: {clock}) | tokens | measured | peak MiB "
+          f"| × fwd+bwd | seconds | time × fwd+bwd |")
     print("|---|---:|---|---:|---:|---:|---:|")
     for name in names:
         for n in args.tokens or DEFAULT_TOKENS[name]:
             ref = None
             for w in whats:
                 r = measure(name, n, w, device)
+                if "error" not in r and second:  # the time of a second run under glibc's defaults
+                    t = measure(name, n, w, device, for_memory=False)
+                    r = dict(r, seconds=t["seconds"]) if "error" not in t else t
                 if "error" in r:
                     print(f"| {name} | {n} | {w} | failed: {r['error'][0][:120]} | | | |", flush=True)
                     continue

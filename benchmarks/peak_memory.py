@@ -59,10 +59,15 @@ class PeakMeter:
         self.seconds = time.perf_counter() - self._t0
 
 
-def run_child(script: str, args: List[str]) -> tuple[Optional[dict], List[str], str]:
-    """Run ``python script --child *args`` in a fresh process with the lowered mmap threshold;
-    returns (its last JSON line or None, the command, its stderr)."""
-    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_=MMAP_THRESHOLD, PYTHONWARNINGS="ignore")
+def run_child(script: str, args: List[str], for_memory: bool = True) -> tuple[Optional[dict], List[str], str]:
+    """Run ``python script --child *args`` in a fresh process, with the lowered mmap threshold
+    (``for_memory``: freed tensors leave the resident set at once) or with glibc's defaults (for a
+    time: the lowered threshold makes every tensor over 128 KiB fresh memory, faulted in page by
+    page, which slows the calls that allocate more); returns (its last JSON line or None, the
+    command, its stderr)."""
+    env = dict(os.environ, PYTHONWARNINGS="ignore")
+    if for_memory:
+        env["MALLOC_MMAP_THRESHOLD_"] = MMAP_THRESHOLD
     cmd = [sys.executable, os.path.abspath(script), "--child", *args]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
