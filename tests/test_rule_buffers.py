@@ -3,9 +3,10 @@
 On long inputs every attention-sized tensor is fresh memory the kernel faults in page by page, so
 the rules compute into buffers they made themselves, the decomposed safe softmax of an exported SDPA
 evaluates without its zero-filled tensor and without the where's copy (also under autograd, where
-the selected operand feeds nothing else differentiable), and a walk recomputes a discarded score once. Each of these must give the values of the plain formula bit for bit, never write into an
-input, and step aside under autograd. The last test bounds the number of attention-sized tensors
-a streamed Transformer Attribution creates per block.
+the selected operand feeds nothing else differentiable), and a walk recomputes a discarded score
+once. Each of these must give the values (and gradients) of the plain formula bit for bit, never
+write into an input, and step aside under autograd where that would change a gradient. One test
+bounds the number of attention-sized tensors a streamed Transformer Attribution creates per block.
 """
 import collections
 
@@ -189,3 +190,46 @@ def test_streamed_transformer_attribution_makes_few_attention_sized_tensors_per_
     # Eq. 13's map 1 (its positive part in place): 15, and one head map of the last block. Before
     # the rules reused their buffers it was 47 (BERT-base at 512 tokens, counted the same way).
     assert per_block <= 15.5, dict(mode.count)
+
+
+def _safe_softmax_graph(extra_use: bool):
+    """x -> s = softmax(x); a = where(cond, full_like(s, 0), s); y = a @ v (+ s·2 when
+    ``extra_use``: s then feeds another differentiable op)."""
+    g = torch.fx.Graph()
+    x, cond, v = g.placeholder("x"), g.placeholder("cond"), g.placeholder("v")
+    s = g.call_function(aten._softmax.default, (x, -1, False))
+    zero = g.call_function(aten.full_like.default, (s, 0))
+    a = g.call_function(aten.where.self, (cond, zero, s))
+    y = g.call_function(aten.matmul.default, (a, v))
+    if extra_use:
+        y = g.call_function(aten.add.Tensor, (y, g.call_function(aten.mul.Tensor, (s, 2.0))))
+    g.output(y)
+    return g, a, y
+
+
+def _grads(graph, a_node, y_node, cond, plain: bool):
+    x = torch.randn(2, 5, 5, generator=torch.Generator().manual_seed(1)).requires_grad_(True)
+    v = torch.randn(2, 5, 5, generator=torch.Generator().manual_seed(2))
+    env = {}
+    for node in graph.nodes:
+        if node.op == "placeholder":
+            env[node] = {"x": x, "cond": cond, "v": v}[node.target]
+        elif node.op == "call_function":
+            env[node] = evaluate(node, env.__getitem__, node.target if plain else None)
+    ga, gx = torch.autograd.grad(env[y_node].sum(), [env[a_node], x])
+    aliased = env[a_node] is env[a_node.args[2]]
+    return (env[y_node].detach(), ga, gx), aliased
+
+
+@pytest.mark.parametrize("extra_use", [False, True])
+@pytest.mark.parametrize("masked_row", [False, True])
+def test_where_of_the_safe_softmax_has_the_plain_gradients(extra_use, masked_row):
+    graph, a, y = _safe_softmax_graph(extra_use)
+    cond = torch.zeros(2, 5, 1, dtype=torch.bool)
+    cond[1, 3] = masked_row
+    want, _ = _grads(graph, a, y, cond, plain=True)
+    got, aliased = _grads(graph, a, y, cond, plain=False)
+    for g_, w_ in zip(got, want):
+        assert torch.equal(g_, w_)
+    # the where is the softmax itself only where that is exact: no masked row, no other use of s
+    assert aliased == (not extra_use and not masked_row)
