@@ -23,7 +23,7 @@ from relprop.graph.nodes import evaluate
 from relprop.graph.torch_fixes import safe_target
 from relprop.rules.context import RuleContext
 from relprop.rules.passthrough import where_route
-from relprop.rules.stabilize import safe_divide, times_fresh
+from relprop.rules.stabilize import safe_divide, safe_divide_nonnegative, times_fresh
 
 from models import VOCAB, hf_bert
 
@@ -61,6 +61,19 @@ def test_safe_divide_equals_its_formula_bit_for_bit_and_leaves_inputs(rows, cols
     assert torch.equal(got, want)
     assert torch.equal(num.nan_to_num(1.5), num0.nan_to_num(1.5)) and torch.equal(den.nan_to_num(1.5),
                                                                                    den0.nan_to_num(1.5))
+
+
+@settings(max_examples=30, deadline=None)
+@given(rows=st.integers(1, 5), cols=st.integers(1, 7), seed=st.integers(0, 10_000),
+       eps=st.sampled_from([1e-9, 1e-6, 0.0]))
+def test_safe_divide_nonnegative_equals_its_formula_where_den_is_nonnegative(rows, cols, seed, eps):
+    den = _special((rows, cols), seed, torch.float32).abs()
+    den[den.isnan()] = 0.0
+    num = _special((rows, cols), seed + 1, torch.float32)
+    want = num / (den + eps)
+    want = torch.where(den == 0, torch.zeros(()), want)
+    want = torch.where(torch.isfinite(want), want, torch.zeros(()))
+    assert torch.equal(safe_divide_nonnegative(num, den, eps), want)
 
 
 def test_safe_divide_under_autograd_keeps_the_graph():

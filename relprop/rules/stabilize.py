@@ -34,8 +34,7 @@ def _zero_undefined(out: torch.Tensor, den: torch.Tensor) -> torch.Tensor:
     if not scratch(out):
         out = out.masked_fill(den == 0, 0.0)
         return torch.nan_to_num(out, nan=0.0, posinf=0.0, neginf=0.0) if out.is_floating_point() else out
-    if not bool(den.all()):  # a reduction without a tensor-sized mask finds whether den has a zero
-        out = out.masked_fill_(den == 0, 0.0)
+    out = out.masked_fill_(den == 0, 0.0)
     return torch.nan_to_num_(out, nan=0.0, posinf=0.0, neginf=0.0) if out.is_floating_point() else out
 
 
@@ -64,20 +63,28 @@ def _in_place_ok(num: torch.Tensor, den: torch.Tensor) -> bool:
     return torch.broadcast_shapes(num.shape, den.shape) == den.shape
 
 
+def _stabilized_quotient(num: torch.Tensor, den: torch.Tensor, eps: float) -> torch.Tensor:
+    """num / (den + ε·sign den) in one new tensor shaped like ``den``, 0 where ``den`` is 0 or not
+    finite and where the quotient overflows. sign 0 = 0 leaves a zero ``den`` at 0, and the quotient
+    by 0 (±inf, or NaN for 0/0) is then zeroed with the other non-finite ones: no mask of the zeros
+    is needed. Elsewhere ε·sign den = copysign(ε, den), so the values are :func:`safe_divide`'s bit
+    for bit (IEEE addition and multiplication commute)."""
+    out = torch.sign(den).mul_(eps).add_(den)
+    torch.div(num, out, out=out)
+    return torch.nan_to_num_(out, nan=0.0, posinf=0.0, neginf=0.0)
+
+
 def safe_divide(num: torch.Tensor, den: torch.Tensor, eps: float = DEFAULT_EPS) -> torch.Tensor:
     """``num / den`` with ``den`` pushed ``eps`` away from 0; 0 where ``den`` is 0 or not finite.
 
     Never returns NaN or inf for finite ``num``; a quotient that
     overflows is set to 0 as well. The stabilized denominator, the quotient and the zeroing share one
-    buffer where the shapes allow (:func:`_in_place_ok`): one tensor-sized allocation instead of four,
-    the same values bit for bit (on attention-sized tensors each allocation is fresh memory the
-    kernel faults in page by page).
+    buffer where the shapes allow (:func:`_in_place_ok`, :func:`_stabilized_quotient`): one
+    tensor-sized allocation instead of four and no mask of the zeros, the same values bit for bit
+    (on attention-sized tensors each allocation is fresh memory the kernel faults in page by page).
     """
     if eps and torch.is_tensor(num) and _in_place_ok(num, den):
-        out = torch.copysign(torch.full((), eps, dtype=den.dtype, device=den.device), den)
-        out.add_(den)  # den + ε·sign(den): IEEE addition commutes, the same bits as den + copysign(...)
-        torch.div(num, out, out=out)
-        return _zero_undefined(out, den)
+        return _stabilized_quotient(num, den, eps)
     if eps:
         out = num / (den + torch.copysign(torch.full((), eps, dtype=den.dtype, device=den.device), den))
     else:
@@ -90,8 +97,7 @@ def safe_divide_nonnegative(num: torch.Tensor, den: torch.Tensor, eps: float = D
     fewer: ε is added rather than copied in the sign's direction). Where ``den`` < 0 the result is
     not :func:`safe_divide`'s: the caller must discard it."""
     if eps and torch.is_tensor(num) and _in_place_ok(num, den):
-        out = den + eps
-        return _zero_undefined(torch.div(num, out, out=out), den)
+        return _stabilized_quotient(num, den, eps)  # den + ε where den > 0, as below
     return _zero_undefined(num / (den + eps) if eps else num / den, den)
 
 
