@@ -37,12 +37,14 @@ penalizes the call that allocates more).
     OMP_NUM_THREADS=1 python benchmarks/memory_scaling.py                       # every configuration
     OMP_NUM_THREADS=1 python benchmarks/memory_scaling.py --model bert --tokens 512 1024 2048
     OMP_NUM_THREADS=1 python benchmarks/memory_scaling.py --model llama --tokens 4096 --what fwdbwd ta-stream
+    OMP_NUM_THREADS=1 python benchmarks/memory_scaling.py --model bert --tokens 2048 --repeats 3
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import statistics
 import sys
 
 from peak_memory import PeakMeter, run_child
@@ -124,6 +126,8 @@ def main(argv=None) -> int:
     parser.add_argument("--one-run", action="store_true",
                         help="CPU: take the time from the memory run (lowered mmap threshold) instead of a second "
                              "process with glibc's default allocator")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="CPU: time runs per configuration (fresh processes, default allocator); the median")
     parser.add_argument("--child", nargs=4, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
@@ -147,9 +151,11 @@ def main(argv=None) -> int:
             ref = None
             for w in whats:
                 r = measure(name, n, w, device)
-                if "error" not in r and second:  # the time of a second run under glibc's defaults
-                    t = measure(name, n, w, device, for_memory=False)
-                    r = dict(r, seconds=t["seconds"]) if "error" not in t else t
+                if "error" not in r and second:  # the time of runs under glibc's defaults: the median
+                    times = [measure(name, n, w, device, for_memory=False) for _ in range(max(1, args.repeats))]
+                    bad = [t for t in times if "error" in t]
+                    r = bad[0] if bad else dict(r, seconds=statistics.median(t["seconds"] for t in times),
+                                                 runs=[round(t["seconds"], 2) for t in times])
                 if "error" in r:
                     print(f"| {name} | {n} | {w} | failed: {r['error'][0][:120]} | | | |", flush=True)
                     continue
@@ -157,7 +163,8 @@ def main(argv=None) -> int:
                 mib = r["peak_bytes"] / 2**20
                 ratio = f"{r['peak_bytes'] / ref['peak_bytes']:.2f}" if ref else "-"
                 tratio = f"{r['seconds'] / ref['seconds']:.2f}" if ref else "-"
-                print(f"| {name} | {n} | {w} | {mib:.0f} | {ratio} | {r['seconds']:.2f} | {tratio} |", flush=True)
+                runs = f" ({', '.join(map(str, r['runs']))})" if len(r.get("runs", [])) > 1 else ""
+                print(f"| {name} | {n} | {w} | {mib:.0f} | {ratio} | {r['seconds']:.2f}{runs} | {tratio} |", flush=True)
     return 0
 
 

@@ -201,7 +201,7 @@ def test_streamed_transformer_attribution_makes_few_attention_sized_tensors_per_
     # scores and masked scores 2 (the softmax is kept from the recomputed block: it is A), the rules
     # 4 (S·Vᵀ of A·V, the quotients R / z of the masked sum and of Q·Kᵀ, one share of the sum),
     # Eq. 13's map 1 (its positive part in place): 15, and one head map of the last block. Before
-    # the rules reused their buffers it was 47 (BERT-base at 512 tokens, counted the same way).
+    # the rules reused their buffers it was 46 (BERT-base at 512 tokens, counted the same way).
     assert per_block <= 15.5, dict(mode.count)
 
 
