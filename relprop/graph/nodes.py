@@ -122,7 +122,9 @@ def relevance_path(graph: torch.fx.Graph, live, sources, rule_of: Callable[[torc
 
 def evaluate(node: torch.fx.Node, value: Callable[[torch.fx.Node], Any], fn: Optional[Callable] = None) -> Any:
     """The value of ``node`` computed from ``value(arg)`` of each argument node, by ``node.target``
-    (or by ``fn``, a replacement that takes the same arguments)."""
+    (or by ``fn``, a replacement that takes the same arguments). The op runs through
+    :func:`~relprop.graph.torch_fixes.safe_target`; a ``full_like`` or ``where`` of the decomposed
+    safe softmax runs without its copy where the node's users allow it (:data:`_BY_USE`)."""
     args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), value)
     if fn is None and node.target in _BY_USE:
         fn = _BY_USE[node.target](node)

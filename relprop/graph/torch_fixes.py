@@ -14,6 +14,14 @@ scores to find them (``eq``, ``all``, ``where``: 4× the time of the softmax on 
 softmax when there is none; the values and the gradient are the same bit for bit (the backward of
 both is the softmax's own), and where there is such a row it runs ``_safe_softmax`` itself.
 
+**Decomposed safe softmax.** An exported SDPA of HuggingFace models computes the same thing as
+``where(row all masked, full_like(A, 0), A)``: two more tensors of heads × tokens² per block and
+evaluation, which on long inputs are fresh memory the kernel faults in page by page.
+:func:`broadcast_fill` evaluates a ``full_like`` that only element-wise ops read as one broadcast
+element, and :func:`_where` / :func:`where_selecting` return the operand a ``where`` selects
+everywhere (A, in a batch without a fully masked row) instead of a copy; the graph evaluator picks
+them per node (:func:`relprop.graph.nodes.evaluate`). The values are the same bit for bit.
+
 :func:`safe_target` returns, for an op of the graph, the callable relprop evaluates it with: the op
 itself, or the op with such a fix. Every evaluation of a graph node goes through it
 (:func:`relprop.graph.nodes.evaluate`, the rules' gradient forms).
