@@ -25,19 +25,11 @@ import torch.fx
 
 from . import streams, windows
 from .blocks import BlockInfo, find_blocks, fold_counter, token_mixing
-from .nodes import module_paths, output_node
+from .nodes import CONSTANT_PRODUCING, module_paths, output_node
 from .tokens import TokenPlan, plan_tokens
 
 aten = torch.ops.aten
 
-#: ops that produce a constant even from live inputs (they only read the input's shape/dtype)
-CONSTANT_PRODUCING = {
-    aten.full_like.default, aten.zeros_like.default, aten.ones_like.default, aten.empty_like.default,
-    aten.new_zeros.default, aten.new_ones.default, aten.new_full.default, aten.new_empty.default,
-    aten.rand_like.default, aten.randn_like.default, aten.scalar_tensor.default, aten.full.default,
-    aten.zeros.default, aten.ones.default, aten.arange.default, aten.arange.start,
-    aten.arange.start_step, aten.empty.memory_format, aten.sym_size.int,
-}
 #: ops that follow a token-id input to its embedding lookup
 INDEX_ROUTING = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.expand.default,
                  aten.unsqueeze.default, aten.clone.default, aten._to_copy.default, aten.contiguous.default,

@@ -19,6 +19,17 @@ import torch.utils._pytree as pytree
 from .torch_fixes import ELEMENTWISE, broadcast_fill, safe_target, where_selecting
 
 
+_aten = torch.ops.aten
+#: ops that produce a constant even from live inputs (they only read the input's shape/dtype)
+CONSTANT_PRODUCING = frozenset({
+    _aten.full_like.default, _aten.zeros_like.default, _aten.ones_like.default, _aten.empty_like.default,
+    _aten.new_zeros.default, _aten.new_ones.default, _aten.new_full.default, _aten.new_empty.default,
+    _aten.rand_like.default, _aten.randn_like.default, _aten.scalar_tensor.default, _aten.full.default,
+    _aten.zeros.default, _aten.ones.default, _aten.arange.default, _aten.arange.start,
+    _aten.arange.start_step, _aten.empty.memory_format, _aten.sym_size.int,
+})
+
+
 # ------------------------------------------------------------------------------------------ provenance
 
 def module_path(node: torch.fx.Node) -> str:
@@ -135,9 +146,6 @@ def evaluate(node: torch.fx.Node, value: Callable[[torch.fx.Node], Any], fn: Opt
 #: full_like(A, 0), A)``) evaluated without their attention-sized copies when the graph around
 #: the node allows it (on long inputs each copy is fresh memory the kernel faults in page by page)
 _FULL_LIKE, _WHERE = torch.ops.aten.full_like.default, torch.ops.aten.where.self
-#: ops that only read their operand's shape and dtype
-_SHAPE_ONLY = frozenset({torch.ops.aten.full_like.default, torch.ops.aten.zeros_like.default,
-                         torch.ops.aten.ones_like.default, torch.ops.aten.empty_like.default})
 
 
 def _memo(node: torch.fx.Node, key: str, test: Callable[[torch.fx.Node], bool]) -> bool:
@@ -155,13 +163,13 @@ def _fill_read_elementwise(node: torch.fx.Node) -> bool:
 
 def _no_other_gradient(node: torch.fx.Node) -> bool:
     """Each operand of the ``where`` node is computed by the graph and feeds no other op whose
-    output is differentiable (only shape readers and boolean tests): the ``where`` may then be the
+    output is differentiable (only constant producers and boolean tests): the ``where`` may then be the
     operand it selects, also under autograd."""
     for operand in node.args[1:3]:
         if not isinstance(operand, torch.fx.Node) or operand.op != "call_function":
             return False
         for u in operand.users:
-            if u is node or u.target in _SHAPE_ONLY:
+            if u is node or u.target in CONSTANT_PRODUCING:
                 continue
             v = u.meta.get("val")
             if not (torch.is_tensor(v) and not v.is_floating_point() and not v.is_complex()):

@@ -28,7 +28,7 @@ itself, or the op with such a fix. Every evaluation of a graph node goes through
 """
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 from torch.autograd import Function
@@ -96,18 +96,27 @@ def broadcast_fill(x, fill_value, dtype=None, layout=None, device=None, pin_memo
                                   memory_format=memory_format)
 
 
+def selects_everywhere(cond) -> Optional[int]:
+    """For ``where(cond, a, b)``: 1 when the boolean ``cond`` is True everywhere (every element comes
+    from ``a``, argument 1), 2 when it is False everywhere (from ``b``), else None."""
+    if not (torch.is_tensor(cond) and cond.dtype == torch.bool):
+        return None
+    if not bool(cond.any()):
+        return 2
+    return 1 if bool(cond.all()) else None
+
+
 def _selected(cond, a, b):
     """The operand of ``where(cond, a, b)`` that ``cond`` selects everywhere when it already has the
     result's shape and dtype, else None."""
-    if not (torch.is_tensor(cond) and cond.dtype == torch.bool and torch.is_tensor(a) and torch.is_tensor(b)):
+    if not (torch.is_tensor(a) and torch.is_tensor(b)):
         return None
+    pick = selects_everywhere(cond)
+    if pick is None:
+        return None
+    chosen = a if pick == 1 else b
     shape = torch.broadcast_shapes(cond.shape, a.shape, b.shape)
-    dtype = torch.result_type(a, b)
-    if not bool(cond.any()):
-        return b if b.shape == shape and b.dtype == dtype else None
-    if bool(cond.all()):
-        return a if a.shape == shape and a.dtype == dtype else None
-    return None
+    return chosen if chosen.shape == shape and chosen.dtype == torch.result_type(a, b) else None
 
 
 def _where(cond, a, b):

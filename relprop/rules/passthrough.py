@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from ..graph.torch_fixes import selects_everywhere
 from .registry import rule
 
 aten = torch.ops.aten
@@ -62,17 +63,16 @@ def where_route(ctx, relevance):
     in fully masked rows) absorbs what lands on it.
     """
     cond, a, b = ctx.args[:3]
-    if torch.is_tensor(cond) and cond.dtype == torch.bool and torch.broadcast_shapes(
-            cond.shape, relevance.shape) == relevance.shape:
-        any_a = bool(cond.any())
-        if not any_a or bool(cond.all()):
-            # one operand gives every element (SDPA's zeros for fully masked rows, in a batch with
-            # no such row): it gets R as it is, and the other, a constant, would absorb zeros
-            gets, other = (2, 1) if not any_a else (1, 2)
-            if torch.is_tensor(ctx.args[gets]) and not (torch.is_tensor(ctx.args[other]) and ctx.live[other] is True):
-                shares = [None, None, None]
-                shares[gets] = relevance
-                return tuple(shares)
+    gets = selects_everywhere(cond) if torch.is_tensor(cond) and torch.broadcast_shapes(
+        cond.shape, relevance.shape) == relevance.shape else None
+    if gets is not None:
+        # one operand gives every element (SDPA's zeros for fully masked rows, in a batch with no
+        # such row): it gets R as it is, and the other, a constant, would absorb zeros
+        other = 3 - gets
+        if torch.is_tensor(ctx.args[gets]) and not (torch.is_tensor(ctx.args[other]) and ctx.live[other] is True):
+            shares = [None, None, None]
+            shares[gets] = relevance
+            return tuple(shares)
     zero = torch.zeros((), dtype=relevance.dtype, device=relevance.device)
     ra = torch.where(cond, relevance, zero) if torch.is_tensor(a) else None
     rb = torch.where(cond, zero, relevance) if torch.is_tensor(b) else None

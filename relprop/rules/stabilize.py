@@ -28,12 +28,9 @@ def relevance_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def _zero_undefined(out: torch.Tensor, den: torch.Tensor) -> torch.Tensor:
-    """The quotient ``out`` (a fresh tensor, changed in place unless autograd records it) with 0
-    where ``den`` is 0 and where it is NaN or ±inf: the shares that :func:`safe_divide` and
-    :func:`safe_divide_nonnegative` leave undefined."""
-    if not scratch(out):
-        out = out.masked_fill(den == 0, 0.0)
-        return torch.nan_to_num(out, nan=0.0, posinf=0.0, neginf=0.0) if out.is_floating_point() else out
+    """The quotient ``out`` with 0 where ``den`` is 0 and where it is NaN or ±inf: the shares that
+    :func:`safe_divide` and :func:`safe_divide_nonnegative` leave undefined. ``out`` is the new
+    result of the division, which no backward saves, so it is changed in place also under autograd."""
     out = out.masked_fill_(den == 0, 0.0)
     return torch.nan_to_num_(out, nan=0.0, posinf=0.0, neginf=0.0) if out.is_floating_point() else out
 
