@@ -246,3 +246,69 @@ def test_where_of_the_safe_softmax_has_the_plain_gradients(extra_use, masked_row
         assert torch.equal(g_, w_)
     # the where is the softmax itself only where that is exact: no masked row, no other use of s
     assert aliased == (not extra_use and not masked_row)
+
+
+def _row_test_graph(c, dim, keepdim, other_reader: bool):
+    """x -> any(logical_not(eq(x, c)), dim, keepdim) (the safe softmax's "row not all masked" test),
+    and eq's value returned as well when ``other_reader``."""
+    g = torch.fx.Graph()
+    x = g.placeholder("x")
+    eq = g.call_function(aten.eq.Scalar, (x, c))
+    ne = g.call_function(aten.logical_not.default, (eq,))
+    out = g.call_function(aten.any.dim, (ne, dim, keepdim))
+    g.output((out, eq) if other_reader else out)
+    return g, eq, ne, out
+
+
+_MIN32 = float(torch.finfo(torch.float32).min)
+
+
+@settings(max_examples=60, deadline=None)
+@given(rows=st.integers(1, 6), cols=st.integers(1, 7), seed=st.integers(0, 2**16),
+       c=st.sampled_from([_MIN32, float("-inf"), 0.0, 1.5]), dim=st.sampled_from([-1, 0, 1]),
+       keepdim=st.booleans(), other_reader=st.booleans())
+def test_row_test_of_the_safe_softmax_equals_the_plain_ops(rows, cols, seed, c, dim, keepdim, other_reader):
+    gen = torch.Generator().manual_seed(seed)
+    pool = torch.tensor([c, c, c, float("-inf"), float("nan"), -0.0, 0.0, _MIN32, 1.5, 2.0])
+    x = pool[torch.randint(0, len(pool), (rows, cols), generator=gen)]
+    x[torch.rand(rows, cols, generator=gen) < 0.3] = c  # rows entirely c occur often
+    if seed % 3 == 0:
+        x[0] = c
+    graph, eq, ne, out = _row_test_graph(c, dim, keepdim, other_reader)
+    env, plain = {}, {}
+    for node in graph.nodes:
+        if node.op == "placeholder":
+            env[node] = plain[node] = x
+        elif node.op == "call_function":
+            env[node] = evaluate(node, env.__getitem__)
+            plain[node] = node.target(*torch.fx.node.map_arg(node.args, plain.__getitem__))
+    assert torch.equal(env[out], plain[out]) and env[out].dtype == torch.bool
+    # deferred only where nothing else reads the comparison
+    assert torch.is_tensor(env[eq]) == other_reader and torch.is_tensor(env[ne]) == other_reader
+    if other_reader:
+        assert torch.equal(env[eq], plain[eq]) and torch.equal(env[ne], plain[ne])
+
+
+def test_streamed_transformer_attribution_makes_no_attention_sized_boolean_tensor():
+    tokens = 40
+    model, inputs, _ = _captured_bert_sdpa(tokens)
+
+    class _Booleans(TorchDispatchMode):
+        count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in out if isinstance(out, (tuple, list)) else [out]:
+                if torch.is_tensor(t) and t.dtype == torch.bool and t.numel() == 4 * tokens * tokens:
+                    type(self).count += 1
+            return out
+
+    with _Booleans():
+        exp = relprop.explain(model, inputs, target=1, method="transformer_attribution", keep_blocks=False)
+    full = relprop.explain(model, inputs, target=1, method="transformer_attribution")
+    torch.testing.assert_close(exp.scores, full.scores, rtol=1e-5, atol=1e-7)
+    # the safe softmax's row test (eq, logical_not: two per evaluation, three evaluations per
+    # block: 12 for this 2-block model) runs as one min-max reduction over the masked scores; what
+    # is left is made once per call, whatever the depth: the support of the query rows
+    # (relprop.methods.query.support_of) when the first block is handed to the fold
+    assert _Booleans.count <= 1

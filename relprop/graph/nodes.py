@@ -16,7 +16,7 @@ import torch
 import torch.fx
 import torch.utils._pytree as pytree
 
-from .torch_fixes import ELEMENTWISE, broadcast_fill, safe_target, where_selecting
+from .torch_fixes import ELEMENTWISE, any_pending, broadcast_fill, pending_eq, pending_not, safe_target, where_selecting
 
 
 _aten = torch.ops.aten
@@ -135,7 +135,8 @@ def evaluate(node: torch.fx.Node, value: Callable[[torch.fx.Node], Any], fn: Opt
     """The value of ``node`` computed from ``value(arg)`` of each argument node, by ``node.target``
     (or by ``fn``, a replacement that takes the same arguments). The op runs through
     :func:`~relprop.graph.torch_fixes.safe_target`; a ``full_like`` or ``where`` of the decomposed
-    safe softmax runs without its copy where the node's users allow it (:data:`_BY_USE`)."""
+    safe softmax runs without its copy, and its row test without boolean copies, where the node's
+    users allow it (:data:`_BY_USE`)."""
     args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), value)
     if fn is None and node.target in _BY_USE:
         fn = _BY_USE[node.target](node)
@@ -143,8 +144,9 @@ def evaluate(node: torch.fx.Node, value: Callable[[torch.fx.Node], Any], fn: Opt
 
 
 #: ops of the safe softmax that an exported SDPA decomposes into (``where(row all masked,
-#: full_like(A, 0), A)``) evaluated without their attention-sized copies when the graph around
-#: the node allows it (on long inputs each copy is fresh memory the kernel faults in page by page)
+#: full_like(A, 0), A)``, the rows tested by ``any(logical_not(eq(scores, c)), -1)``) evaluated
+#: without their attention-sized copies when the graph around the node allows it (on long inputs
+#: each copy is fresh memory the kernel faults in page by page)
 _FULL_LIKE, _WHERE = torch.ops.aten.full_like.default, torch.ops.aten.where.self
 
 
@@ -177,9 +179,29 @@ def _no_other_gradient(node: torch.fx.Node) -> bool:
     return True
 
 
+_EQ, _NOT, _ANY = torch.ops.aten.eq.Scalar, torch.ops.aten.logical_not.default, torch.ops.aten.any.dim
+
+
+def _only_user(node: torch.fx.Node, target) -> Optional[torch.fx.Node]:
+    users = list(node.users)
+    return users[0] if len(users) == 1 and users[0].op == "call_function" and users[0].target is target else None
+
+
+def _row_test(node: torch.fx.Node) -> bool:
+    """``node`` is the ``eq`` of the safe softmax's row test ``any(logical_not(eq(x, c)), dim)``,
+    read by nothing else: its value and the ``logical_not``'s may be deferred to the ``any``
+    (:func:`~relprop.graph.torch_fixes.any_pending`)."""
+    negated = _only_user(node, _NOT)
+    return negated is not None and _only_user(negated, _ANY) is not None
+
+
 _BY_USE: Dict[Any, Callable[[torch.fx.Node], Optional[Callable]]] = {
     _FULL_LIKE: lambda n: broadcast_fill if _memo(n, "relprop_broadcast_fill", _fill_read_elementwise) else None,
     _WHERE: lambda n: where_selecting if _memo(n, "relprop_where_selects", _no_other_gradient) else None,
+    _EQ: lambda n: pending_eq if _memo(n, "relprop_row_test", _row_test) else None,
+    # a deferred value reaches these two only through the pattern above; any other value runs the op
+    _NOT: lambda n: pending_not,
+    _ANY: lambda n: any_pending,
 }
 
 

@@ -140,6 +140,51 @@ def where_selecting(cond, a, b):
     return chosen if chosen is not None else aten.where.self(cond, a, b)
 
 
+class PendingEqual:
+    """``eq(x, c)`` (or its ``logical_not`` when ``negated``) not computed yet: the value of a node
+    whose only reader is the row test :func:`any_pending`. The safe softmax of an exported SDPA
+    tests each row for being entirely masked as ``any(logical_not(eq(scores, c)), -1)``, two
+    boolean tensors as large as the attention map before the reduction; deferred, the test is one
+    min-max reduction and no attention-sized tensor."""
+
+    __slots__ = ("x", "c", "negated")
+
+    def __init__(self, x: torch.Tensor, c, negated: bool = False):
+        self.x, self.c, self.negated = x, c, negated
+
+    def tensor(self) -> torch.Tensor:
+        """The boolean tensor itself (for a reader other than the row test)."""
+        eq = aten.eq.Scalar(self.x, self.c)
+        return aten.logical_not.default(eq) if self.negated else eq
+
+
+def pending_eq(x, c):
+    """``aten.eq.Scalar(x, c)`` deferred (:class:`PendingEqual`) for a floating ``x``."""
+    if torch.is_tensor(x) and x.is_floating_point() and isinstance(c, (int, float)):
+        return PendingEqual(x, c)
+    return aten.eq.Scalar(x, c)
+
+
+def pending_not(b):
+    """``aten.logical_not(b)``, deferred when ``b`` is a deferred comparison."""
+    if isinstance(b, PendingEqual):
+        return PendingEqual(b.x, b.c, not b.negated)
+    return aten.logical_not.default(b)
+
+
+def any_pending(b, dim, keepdim=False):
+    """``aten.any.dim(b, dim, keepdim)``; for ``b`` = ``logical_not(eq(x, c))`` deferred, computed as
+    "not every element of the row equals c" = not (min = c and max = c), one reduction over x.
+    The same booleans: a NaN makes min or max NaN, which equals nothing (as eq gives False there),
+    and −0 = +0 in both. A row that is empty along ``dim`` takes the explicit path."""
+    if not isinstance(b, PendingEqual):
+        return aten.any.dim(b, dim, keepdim)
+    if not b.negated or not isinstance(dim, int) or b.x.dim() == 0 or b.x.shape[dim] == 0:
+        return aten.any.dim(b.tensor(), dim, keepdim)
+    lo, hi = torch.aminmax(b.x, dim=dim, keepdim=keepdim)
+    return torch.logical_not((lo == b.c) & (hi == b.c))
+
+
 _FIXED = {
     aten.where.self: _where,
     aten._safe_softmax.default: _safe_softmax,

@@ -27,11 +27,15 @@ def relevance_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _zero_undefined(out: torch.Tensor, den: torch.Tensor) -> torch.Tensor:
+def _zero_undefined(out: torch.Tensor, den: torch.Tensor, pushed: bool = True) -> torch.Tensor:
     """The quotient ``out`` with 0 where ``den`` is 0 and where it is NaN or ±inf: the shares that
     :func:`safe_divide` and :func:`safe_divide_nonnegative` leave undefined. ``out`` is the new
-    result of the division, which no backward saves, so it is changed in place also under autograd."""
-    out = out.masked_fill_(den == 0, 0.0)
+    result of the division, which no backward saves, so it is changed in place also under autograd.
+    ``pushed``: the division was by ``den`` moved ε away from 0, so a zero ``den`` gave a finite
+    quotient that must be masked; without ε (``pushed=False``) the quotient by ±0 is ±inf or NaN
+    whatever the numerator, and zeroing the non-finite values zeroes it (no mask is needed)."""
+    if pushed or not out.is_floating_point():
+        out = out.masked_fill_(den == 0, 0.0)
     return torch.nan_to_num_(out, nan=0.0, posinf=0.0, neginf=0.0) if out.is_floating_point() else out
 
 
@@ -86,7 +90,7 @@ def safe_divide(num: torch.Tensor, den: torch.Tensor, eps: float = DEFAULT_EPS) 
         out = num / (den + torch.copysign(torch.full((), eps, dtype=den.dtype, device=den.device), den))
     else:
         out = num / den
-    return _zero_undefined(out, den)
+    return _zero_undefined(out, den, pushed=bool(eps))
 
 
 def safe_divide_nonnegative(num: torch.Tensor, den: torch.Tensor, eps: float = DEFAULT_EPS) -> torch.Tensor:
@@ -95,7 +99,7 @@ def safe_divide_nonnegative(num: torch.Tensor, den: torch.Tensor, eps: float = D
     not :func:`safe_divide`'s: the caller must discard it."""
     if eps and torch.is_tensor(num) and _in_place_ok(num, den):
         return _stabilized_quotient(num, den, eps)  # den + ε where den > 0, as below
-    return _zero_undefined(num / (den + eps) if eps else num / den, den)
+    return _zero_undefined(num / (den + eps) if eps else num / den, den, pushed=bool(eps))
 
 
 #: rows (along the last dimension) at least this long are skipped by :func:`on_nonzero_rows` when
