@@ -23,7 +23,7 @@ from ..graph.analysis import INDEX_ROUTING
 from ..graph.capture import Captured
 from ..graph.nodes import evaluate, is_live, module_path, module_paths, module_type, relevance_path
 from ..rules import registry
-from ..rules.context import RuleContext
+from ..rules.context import WRITES_OUT, RuleContext
 from ..rules.generic import gradient_times_input
 from ..rules.stabilize import promote, relevance_dtype
 from .memory import read_after_walk
@@ -212,11 +212,12 @@ class Walker:
         args, kw = torch.fx.node.map_arg((node.args, node.kwargs),
                                          lambda n: promote(value(n)) if n in a.live else value(n))
         live = tuple(is_live(x, a.live) for x in node.args)
+        lost = getattr(getattr(fn, "gradient_form", None), "lost", None)
         ctx = RuleContext(node=node, args=tuple(args), kwargs=kw, out=pytree.tree_map(promote, out_val), live=live,
                           batch_dim=bdim.get(node), batch_size=batch, eps=self.eps, preset=preset,
-                          options=self.options)
+                          options=self.options,
+                          out_writable=lost is None and getattr(fn, WRITES_OUT, False) and self._dead_after(node))
         shares = fn(ctx, r)
-        lost = getattr(getattr(fn, "gradient_form", None), "lost", None)
         if lost is not None and shares is not None:  # an ε-rule: book what its stabilizer keeps
             kept = lost(node, ctx.args, ctx.out, r, self.eps)
             if kept is not None:
@@ -235,6 +236,24 @@ class Walker:
                         self.deliver(el, sh, node)
             else:
                 self.deliver(arg, share, node)
+
+    def _dead_after(self, node) -> bool:
+        """Whether the value of ``node`` is dead once its rule has run (``RuleContext.out_writable``):
+        a floating tensor in the relevance precision that autograd does not record, not read
+        after the walk, sharing its memory with none of its arguments and none of the values read
+        after the walk. Its users were visited before it and their values freed (a user read
+        after the walk is among the values compared)."""
+        v = self.env.get(node)
+        if not (torch.is_tensor(v) and v.is_floating_point() and not v.requires_grad and promote(v) is v):
+            return False
+        if node in self.needed_later:
+            return False
+        ptr = v.untyped_storage().data_ptr()
+        for m in list(node.all_input_nodes) + list(self.needed_later):
+            w = self.env.get(m)
+            if torch.is_tensor(w) and w.untyped_storage().data_ptr() == ptr:
+                return False
+        return True
 
     def deliver(self, arg, share, consumer):
         if isinstance(arg, torch.fx.Node) and arg in self.a.live:

@@ -127,11 +127,17 @@ def query_rows(trace, matrix: torch.Tensor) -> torch.Tensor:
 
 
 def weighted_rows(w: torch.Tensor, matrix: torch.Tensor) -> torch.Tensor:
-    """Σ_i w[b, i] · matrix[b, ..., i, :] for [batch, rows] weights."""
+    """Σ_i w[b, i] · matrix[b, ..., i, :] for [batch, rows] weights. Per-head maps
+    ([batch, heads, rows, cols]) are weighted one head at a time: the product w ⊙ matrix is then
+    one head's size, not an attention-sized tensor (each output element is the same sum, in the
+    same order)."""
     if w.shape[-1] != matrix.shape[-2]:
         raise MethodError(f"the query is defined on the {w.shape[-1]} token states the target reads at the last "
                           f"attention block, and this map has {matrix.shape[-2]} rows (another token space); read "
                           "the block next to the output instead (block=-1)")
+    if matrix.dim() == 4 and matrix.shape[1] > 1:
+        col = w.reshape(w.shape[0], w.shape[1], 1)
+        return torch.stack([(col * matrix[:, h]).sum(-2) for h in range(matrix.shape[1])], 1)
     w = w.reshape((w.shape[0],) + (1,) * (matrix.dim() - 3) + (w.shape[1],))
     return (w[..., :, None] * matrix).sum(-2)
 

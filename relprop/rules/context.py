@@ -12,6 +12,11 @@ from ..graph.nodes import module_path
 from .registry import lookup
 
 
+#: the attribute a rule function sets to True to be told when it may write into its node's output
+#: (:attr:`RuleContext.out_writable`)
+WRITES_OUT = "writes_out"
+
+
 @dataclasses.dataclass
 class RuleContext:
     """Everything a relevance rule may read about one graph node.
@@ -32,6 +37,11 @@ class RuleContext:
     options : what the engine knows of this call beyond the node: ``reads_pixels`` (node name ->
         whether the convolution reads the pixel input, for the z^B rule) and ``weight_cache`` (the
         memo of the weights' |W| under ``explain(..., memory="high")``, else None).
+    out_writable : the engine's word that :attr:`out` is dead once the rule has run: nothing reads
+        it after the rule, autograd saved none of it, and it shares its memory with no other value
+        (an argument, a value read after the walk). A rule may then compute into its buffer after
+        its last read of it (one attention-sized allocation fewer on long inputs). Given only to
+        rules that declare :data:`WRITES_OUT`; False otherwise.
     """
 
     node: torch.fx.Node
@@ -44,6 +54,7 @@ class RuleContext:
     eps: float = 1e-9
     preset: str = "chefer2021"
     options: dict = dataclasses.field(default_factory=dict)
+    out_writable: bool = False
 
     @property
     def module_path(self) -> str:

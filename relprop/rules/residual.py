@@ -19,20 +19,34 @@ from __future__ import annotations
 
 import torch
 
+from .context import WRITES_OUT
 from .registry import rule
 from .stabilize import finite, promote, safe_divide, scratch, times_fresh
 
 aten = torch.ops.aten
 
 
-def z_rule_sum(u, v, z, relevance, eps):
-    """Z-rule shares of a sum ``z = u + v`` (Eq. 6), both shaped like ``z``."""
+def z_rule_sum(u, v, z, relevance, eps, z_writable: bool = False):
+    """Z-rule shares of a sum ``z = u + v`` (Eq. 6), both shaped like ``z``. ``z_writable``: ``z``
+    is dead after this rule (:attr:`relprop.rules.context.RuleContext.out_writable`), and u ⊙ S
+    goes into its buffer once S = R / z is computed."""
     s = safe_divide(relevance, z, eps)
     if not (scratch(u, v, s) and s.shape == z.shape and s.dtype == torch.promote_types(s.dtype, v.dtype)):
         return finite(u * s), finite(v * s)
-    # the same values with two tensor-sized allocations instead of four: S's buffer takes v ⊙ S
-    ru = torch.nan_to_num_(u * s, nan=0.0, posinf=0.0, neginf=0.0)
+    # the same values with two tensor-sized allocations instead of four (one, when z is writable):
+    # S's buffer takes v ⊙ S, z's takes u ⊙ S
+    if z_writable and z.dtype == torch.promote_types(u.dtype, s.dtype) and z.is_contiguous() \
+            and not _overlaps(z, u, v):
+        ru = torch.mul(u, s, out=z)
+    else:
+        ru = u * s
+    ru = torch.nan_to_num_(ru, nan=0.0, posinf=0.0, neginf=0.0)
     return ru, torch.nan_to_num_(s.mul_(v), nan=0.0, posinf=0.0, neginf=0.0)
+
+
+def _overlaps(t, *others) -> bool:
+    ptr = t.untyped_storage().data_ptr()
+    return any(torch.is_tensor(o) and o.untyped_storage().data_ptr() == ptr for o in others)
 
 
 def normalize_shares(ctx, ru, rv, relevance, eps, fresh: bool = False):
@@ -58,7 +72,7 @@ def _sum_rule(ctx, relevance, sign: float, normalize: bool):
     z = promote(ctx.out)
     uu = promote(u).expand_as(z)
     vv = (sign * alpha * promote(v)).expand_as(z)
-    ru, rv = z_rule_sum(uu, vv, z, relevance, ctx.eps)
+    ru, rv = z_rule_sum(uu, vv, z, relevance, ctx.eps, z_writable=ctx.out_writable and z is ctx.out)
     if normalize:
         ru, rv = normalize_shares(ctx, ru, rv, relevance, ctx.eps, fresh=True)
     return (ru, rv) + (None,) * (len(ctx.args) - 2)
@@ -94,3 +108,7 @@ def add_number(ctx, relevance):
     """x + c for a Python number c: R passes to x unchanged (the authors' code adds such numbers
     outside its modules, e.g. LayerNorm's ε, so they have no rule there)."""
     return (relevance, None, None)[: len(ctx.args)]
+
+
+for _rule in (residual_add, residual_sub, add_z_rule, sub_z_rule):
+    setattr(_rule, WRITES_OUT, True)  # _sum_rule computes u ⊙ S into z when the engine allows it
