@@ -79,6 +79,28 @@ def test_low_equals_default(name):
         _close(rbc.absorbed, lbc.absorbed)
 
 
+def test_hidden_states_the_program_also_returns():
+    """HF ViT with ``output_hidden_states=True`` returns residual sums that are also blocks' hidden
+    states: memory="low" records their gradient (the total one, as the default path does), and no
+    path writes into a value the explanation returns (the rules may compute into a dead output)."""
+    model = models.hf_vit()
+    x = models.image_batch(model, batch=1)
+    inputs = {"pixel_values": x, "output_hidden_states": True}
+    with torch.no_grad():
+        own = model(**inputs).hidden_states
+    ref = relprop.explain(model, inputs, target=1, method="transformer_attribution", fast_path=False)
+    for kw in ({}, {"memory": "low"}, {"keep_blocks": False}):
+        exp = relprop.explain(model, inputs, target=1, method="transformer_attribution", fast_path=False, **kw)
+        for mine, theirs in zip(exp.outputs.hidden_states, own):
+            assert torch.allclose(mine, theirs, atol=1e-5), kw
+        _close(exp.scores, ref.scores)
+        _close(exp.input_relevance, ref.input_relevance)
+        if kw.get("keep_blocks", True):
+            for rb, lb in zip(ref.blocks, exp.blocks):
+                _close(rb.hidden_gradient, lb.hidden_gradient)
+                _close(rb.gradient, lb.gradient)
+
+
 def test_low_conserves_on_bias_free_model():
     model = models.zero_biases(models.hf_bert("eager"))
     exp = relprop.explain(model, models.text_batch(), memory="low")

@@ -59,7 +59,11 @@ def run_low(request: Request, out_nodes: List[torch.fx.Node], wrt: List[torch.fx
         target = request.target.classes(outputs)
         tokens = token_positions(a.tokens, env, scores.shape[0])
     batch = scores.shape[0]
-    grad_nodes = set(wrt) - set(out_nodes)
+    # the gradients to record; outputs only where a block record reads them (hidden states that
+    # the program also returns, e.g. output_hidden_states=True): their total gradient, the seed
+    # and what the nodes reading them add
+    records = {n for b in a.blocks for n in (b.attention, b.hidden, b.features) if n is not None}
+    grad_nodes = set(wrt) - (set(out_nodes) - records)
     gbuf: Dict[torch.fx.Node, torch.Tensor] = dict(seed)  # gradient arriving at each crossing value
     grad: Dict[torch.fx.Node, torch.Tensor] = {}
     walker = None

@@ -21,7 +21,8 @@ import torch.utils._pytree as pytree
 from ..errors import RelpropError, UnsupportedOperation
 from ..graph.analysis import INDEX_ROUTING
 from ..graph.capture import Captured
-from ..graph.nodes import evaluate, is_live, module_path, module_paths, module_type, relevance_path
+from ..graph.nodes import (evaluate, is_live, module_path, module_paths, module_type, output_leaves,
+                          relevance_path)
 from ..rules import registry
 from ..rules.context import WRITES_OUT, RuleContext
 from ..rules.generic import gradient_times_input
@@ -116,6 +117,10 @@ class Walker:
             self.injected = self.injected + _sample_sum(self.R[n], self.bdim.get(n), batch)
         self.input_parts = []
         self.needed_later = read_after_walk(a)
+        #: values a rule must never overwrite: those read after the walk and the program's outputs
+        #: (the explanation returns them)
+        outputs = {n for n in output_leaves(captured.graph) if isinstance(n, torch.fx.Node)}
+        self.untouchable = self.needed_later | outputs
         self.done = None
         #: node -> callback(node, relevance), called when the walk reaches the node (its relevance
         #: is complete, None when none reaches it) and before its rule runs (a streamed run,
@@ -239,17 +244,17 @@ class Walker:
 
     def _dead_after(self, node) -> bool:
         """Whether the value of ``node`` is dead once its rule has run (``RuleContext.out_writable``):
-        a floating tensor in the relevance precision that autograd does not record, not read
-        after the walk, sharing its memory with none of its arguments and none of the values read
-        after the walk. Its users were visited before it and their values freed (a user read
-        after the walk is among the values compared)."""
+        a floating tensor in the relevance precision that autograd does not record, neither read
+        after the walk nor returned by the program, sharing its memory with none of its arguments
+        and none of those values. Its users were visited before it and their values freed (a user
+        read after the walk or returned is among the values compared)."""
         v = self.env.get(node)
         if not (torch.is_tensor(v) and v.is_floating_point() and not v.requires_grad and promote(v) is v):
             return False
-        if node in self.needed_later:
+        if node in self.untouchable:
             return False
         ptr = v.untyped_storage().data_ptr()
-        for m in list(node.all_input_nodes) + list(self.needed_later):
+        for m in list(node.all_input_nodes) + list(self.untouchable):
             w = self.env.get(m)
             if torch.is_tensor(w) and w.untyped_storage().data_ptr() == ptr:
                 return False
