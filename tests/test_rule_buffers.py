@@ -334,3 +334,36 @@ def test_weighted_rows_of_per_head_maps_equal_the_weighted_sum_bit_for_bit(batch
     assert got.shape == (batch, heads, n) and torch.equal(got, want)
     # a fused map [batch, rows, cols] as before
     assert torch.equal(weighted_rows(w, m[:, 0]), (w[:, :, None] * m[:, 0]).sum(-2))
+
+
+@pytest.mark.parametrize("memory", ["default", "low"])
+def test_a_sum_writes_into_its_output_only_when_the_walk_says_it_is_dead(monkeypatch, memory):
+    import models
+    import relprop.rules.residual as residual
+    calls = []
+    plain = residual.z_rule_sum
+
+    def spy(u, v, z, relevance, eps, z_writable=False):
+        before = z.clone()
+        out = plain(u, v, z, relevance, eps, z_writable)
+        calls.append((z_writable, z_writable or torch.equal(before, z)))  # z changed only if writable
+        return out
+
+    monkeypatch.setattr(residual, "z_rule_sum", spy)
+    model, inputs, _ = _captured_bert_sdpa()
+    relprop.explain(model, inputs, target=1, method="transformer_attribution", keep_blocks=False)
+    assert calls and all(ok for _, ok in calls) and any(w for w, _ in calls)
+    # HF ViT returning its hidden states: the residual sums it returns are never written into
+    calls.clear()
+    vit = models.hf_vit()
+    x = models.image_batch(vit, batch=1)
+    with torch.no_grad():
+        own = vit(pixel_values=x, output_hidden_states=True).hidden_states
+    exp = relprop.explain(vit, {"pixel_values": x, "output_hidden_states": True}, target=1,
+                          method="transformer_attribution", memory=memory)
+    returned = [n for n in CACHE.get(vit, bind_inputs(vit, {"pixel_values": x, "output_hidden_states": True}))
+                .graph.nodes if n.target is aten.add.Tensor and n.users and any(u.op == "output" for u in n.users)]
+    assert returned, "HF ViT returns residual sums as hidden states"
+    for mine, theirs in zip(exp.outputs.hidden_states, own):
+        torch.testing.assert_close(mine, theirs, rtol=1e-5, atol=1e-5)
+    assert any(not w for w, _ in calls) and any(w for w, _ in calls)
