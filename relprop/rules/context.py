@@ -39,9 +39,9 @@ class RuleContext:
         memo of the weights' |W| under ``explain(..., memory="high")``, else None).
     out_writable : the engine's word that :attr:`out` is dead once the rule has run: nothing reads
         it after the rule, autograd saved none of it, and it shares its memory with no other value
-        (an argument, a value read after the walk). A rule may then compute into its buffer after
-        its last read of it (one attention-sized allocation fewer on long inputs). Given only to
-        rules that declare :data:`WRITES_OUT`; False otherwise.
+        (an argument, a value read after the walk or returned by the program). A rule may then
+        compute into its buffer after its last read of it (one attention-sized allocation fewer on
+        long inputs). Given only to rules that declare :data:`WRITES_OUT`; False otherwise.
     """
 
     node: torch.fx.Node
