@@ -367,3 +367,12 @@ def test_a_sum_writes_into_its_output_only_when_the_walk_says_it_is_dead(monkeyp
     for mine, theirs in zip(exp.outputs.hidden_states, own):
         torch.testing.assert_close(mine, theirs, rtol=1e-5, atol=1e-5)
     assert any(not w for w, _ in calls) and any(w for w, _ in calls)
+
+
+def test_shares_memory_sees_views_and_nothing_else():
+    from relprop.graph.aliasing import shares_memory
+    t = torch.randn(3, 4)
+    assert shares_memory(t, t) and shares_memory(t, t[1:]) and shares_memory(t[1:], t.t())
+    assert shares_memory(t, None, 2.0, torch.randn(2), t.view(-1))
+    assert not shares_memory(t, t.clone(), torch.randn(3, 4), None)
+    assert not shares_memory(None, t) and not shares_memory(t)

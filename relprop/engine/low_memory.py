@@ -13,6 +13,7 @@ from typing import Any, Dict, List, Optional
 import torch
 import torch.fx
 
+from ..graph.aliasing import shares_memory
 from ..graph.nodes import evaluate
 from ..graph.tokens import token_positions
 from .forward import forward, output_seed
@@ -101,14 +102,6 @@ def _token_trace_reads(a) -> set:
     return {a.tokens.start} | set(a.tokens.reads)
 
 
-def _same_storage(a, b) -> bool:
-    """Whether tensors ``a`` and ``b`` share their memory (a node whose value is its operand, e.g. a
-    ``where`` that selects one operand everywhere: freeing the operand would free nothing)."""
-    if not (torch.is_tensor(a) and torch.is_tensor(b)):
-        return False
-    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
-
-
 def _backward_segment(captured, env, seg, gbuf, grad, grad_nodes, kept):
     """Recompute one segment with autograd from its inputs in ``env``, propagate the gradients in
     ``gbuf`` (at its outgoing values) back to its incoming values (added to ``gbuf``) and to the
@@ -138,7 +131,8 @@ def _backward_segment(captured, env, seg, gbuf, grad, grad_nodes, kept):
                 out = out.detach().requires_grad_(True)
             senv[node] = out
             for m in last.get(node, ()):
-                if m in inside and m in remat and m not in kept and not _same_storage(senv.get(m), out):
+                # (a value that is its operand, e.g. a where selecting one operand everywhere, keeps it)
+                if m in inside and m in remat and m not in kept and not shares_memory(senv.get(m), out):
                     senv.pop(m, None)  # the walk computes it again (autograd keeps what it saved)
         roots = [n for n in fn_nodes if n in gbuf and torch.is_tensor(senv.get(n)) and senv[n].requires_grad]
         targets = list(leaves) + [n for n in fn_nodes if n in grad_nodes and n in senv and senv[n].requires_grad]

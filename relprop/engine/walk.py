@@ -20,6 +20,7 @@ import torch.utils._pytree as pytree
 
 from ..errors import RelpropError, UnsupportedOperation
 from ..graph.analysis import INDEX_ROUTING
+from ..graph.aliasing import shares_memory
 from ..graph.capture import Captured
 from ..graph.nodes import (evaluate, is_live, module_path, module_paths, module_type, output_leaves,
                           relevance_path)
@@ -253,12 +254,7 @@ class Walker:
             return False
         if node in self.untouchable:
             return False
-        ptr = v.untyped_storage().data_ptr()
-        for m in list(node.all_input_nodes) + list(self.untouchable):
-            w = self.env.get(m)
-            if torch.is_tensor(w) and w.untyped_storage().data_ptr() == ptr:
-                return False
-        return True
+        return not shares_memory(v, *(self.env.get(m) for m in (*node.all_input_nodes, *self.untouchable)))
 
     def deliver(self, arg, share, consumer):
         if isinstance(arg, torch.fx.Node) and arg in self.a.live:

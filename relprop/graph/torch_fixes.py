@@ -19,8 +19,10 @@ both is the softmax's own), and where there is such a row it runs ``_safe_softma
 evaluation, which on long inputs are fresh memory the kernel faults in page by page.
 :func:`broadcast_fill` evaluates a ``full_like`` that only element-wise ops read as one broadcast
 element, and :func:`_where` / :func:`where_selecting` return the operand a ``where`` selects
-everywhere (A, in a batch without a fully masked row) instead of a copy; the graph evaluator picks
-them per node (:func:`relprop.graph.nodes.evaluate`). The values are the same bit for bit.
+everywhere (A, in a batch without a fully masked row) instead of a copy; the rows are found by
+``any(logical_not(eq(scores, c)), -1)``, which :class:`PendingEqual` and :func:`any_pending` run as
+one min-max reduction without the two boolean tensors. The graph evaluator picks these per node
+(:func:`relprop.graph.nodes.evaluate`). The values are the same bit for bit.
 
 :func:`safe_target` returns, for an op of the graph, the callable relprop evaluates it with: the op
 itself, or the op with such a fix. Every evaluation of a graph node goes through it

@@ -34,6 +34,7 @@ import torch
 
 from ..engine.trace import NotKept
 from ..errors import MethodError
+from ..graph.aliasing import shares_memory
 from .aggregation import Aggregation, block_range, fuse_heads, per_head_maps
 from .apply import no_relevance
 from .query import causal_block, row_zero_only, support_of, weighted_rows, weights_of
@@ -78,14 +79,6 @@ def why_not(info, options: Dict[str, Any], analysis) -> Optional[str]:
     if analysis.unmapped:
         return "the blocks' attention cannot be read as token-to-token maps"
     return None
-
-
-def _own(maps: torch.Tensor, rec) -> bool:
-    """Whether ``maps`` is a tensor the method's map function made (not the record's A, ∇A or R_A,
-    nor a view of them), so the fold may overwrite it."""
-    ptr = maps.untyped_storage().data_ptr()
-    return not any(torch.is_tensor(t) and t.untyped_storage().data_ptr() == ptr
-                   for t in (rec.attention, rec.gradient, rec.relevance))
 
 
 class RowFold:
@@ -165,9 +158,11 @@ class RowFold:
                                           attention=torch.empty(rec.attention.shape, device="meta"))
         maps = self.head_maps(rec)
         agg = self.agg
-        if agg.positive and agg.head_fusion != "gradient" and _own(maps, rec):
-            # the method's own product (Eq. 13's ∇A ⊙ R_A): its positive part in place, once, for
-            # the fused map and the head rows (one attention-sized tensor fewer per block)
+        if agg.positive and agg.head_fusion != "gradient" and not shares_memory(
+                maps, rec.attention, rec.gradient, rec.relevance):
+            # the method's own product (Eq. 13's ∇A ⊙ R_A, not a record nor a view of one): its
+            # positive part in place, once, for the fused map and the head rows (one
+            # attention-sized tensor fewer per block)
             maps, agg = maps.clamp_(min=0), dataclasses.replace(agg, positive=False)
         fused = fuse_heads(maps, rec.gradient, agg)
         if self.row is None:  # the last block of the range: start from the query weights

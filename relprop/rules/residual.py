@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import torch
 
+from ..graph.aliasing import shares_memory
 from .context import WRITES_OUT
 from .registry import rule
 from .stabilize import finite, promote, safe_divide, scratch, times_fresh
@@ -36,17 +37,12 @@ def z_rule_sum(u, v, z, relevance, eps, z_writable: bool = False):
     # the same values with two tensor-sized allocations instead of four (one, when z is writable):
     # S's buffer takes v ⊙ S, z's takes u ⊙ S
     if z_writable and z.dtype == torch.promote_types(u.dtype, s.dtype) and z.is_contiguous() \
-            and not _overlaps(z, u, v):
+            and not shares_memory(z, u, v):
         ru = torch.mul(u, s, out=z)
     else:
         ru = u * s
     ru = torch.nan_to_num_(ru, nan=0.0, posinf=0.0, neginf=0.0)
     return ru, torch.nan_to_num_(s.mul_(v), nan=0.0, posinf=0.0, neginf=0.0)
-
-
-def _overlaps(t, *others) -> bool:
-    ptr = t.untyped_storage().data_ptr()
-    return any(torch.is_tensor(o) and o.untyped_storage().data_ptr() == ptr for o in others)
 
 
 def normalize_shares(ctx, ru, rv, relevance, eps, fresh: bool = False):

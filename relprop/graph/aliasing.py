@@ -1,0 +1,18 @@
+"""Whether tensors share memory.
+
+The engine, the rules and the methods overwrite a buffer in place only where no other value reads
+it (on long inputs each new attention-sized tensor is memory the kernel faults in page by page);
+this is the one test they use for "is this the same memory as that".
+"""
+from __future__ import annotations
+
+import torch
+
+
+def shares_memory(t, *others) -> bool:
+    """Whether the tensor ``t`` has the same storage as any tensor among ``others`` (a view of it,
+    the tensor itself, or a tensor it is a view of); anything that is not a tensor shares nothing."""
+    if not torch.is_tensor(t):
+        return False
+    ptr = t.untyped_storage().data_ptr()
+    return any(torch.is_tensor(o) and o.untyped_storage().data_ptr() == ptr for o in others)
