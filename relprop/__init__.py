@@ -31,6 +31,7 @@ if TYPE_CHECKING:  # what type checkers and editors see; at run time, __getattr_
     from .explanation import Explanation
     from .generation import GenerationExplanation, explain_generation
     from .graph.capture import CACHE_SIZE, clear_cache
+    from .graph.disk_cache import set_cache_dir
     from .rules import Preset, RuleContext, get_preset, presets, rule
     from .targets import contrast
 
@@ -46,6 +47,7 @@ LAZY_IMPORTS = {
     "Preset": "relprop.rules", "RuleContext": "relprop.rules", "get_preset": "relprop.rules",
     "presets": "relprop.rules", "rule": "relprop.rules",
     "CACHE_SIZE": "relprop.graph.capture", "clear_cache": "relprop.graph.capture",
+    "set_cache_dir": "relprop.graph.disk_cache",
 }
 
 __all__ = [
@@ -54,8 +56,8 @@ __all__ = [
     "Coverage", "Trace", "explain_generation", "GenerationExplanation",
     # rules and presets
     "Preset", "RuleContext", "get_preset", "presets", "rule",
-    # the capture cache
-    "CACHE_SIZE", "clear_cache",
+    # the capture cache (in memory and on disk)
+    "CACHE_SIZE", "clear_cache", "set_cache_dir",
     # errors and warnings
     "RelpropError", "CaptureError", "InputError", "MethodError", "OptionError", "PresetError", "TargetError",
     "UnsupportedOperation", "RelpropWarning",

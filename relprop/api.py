@@ -20,7 +20,7 @@ from .engine import FastPathUnavailable, Request, Trace, report, run, run_fast
 from .engine.coverage import Coverage
 from .errors import MethodError, OptionError, RelpropError, RelpropWarning
 from .explanation import build, mask_from_tokenizer, split_tokenizer_keys
-from .graph.capture import CACHE, Captured
+from .graph.capture import CACHE, Captured, CaptureEvent, capture_notes
 from .graph.inputs import bind_inputs, primary_input
 from .methods import MethodInfo, apply, streaming
 from .rules import get_preset
@@ -37,6 +37,8 @@ class Prepared:
 
     kwargs: Dict[str, Any]
     captured: Captured
+    #: what getting the graph took (cached, a new input size, read from disk, exported)
+    event: Optional[CaptureEvent] = None
 
     @property
     def batch(self) -> int:
@@ -50,7 +52,9 @@ def prepare(model: torch.nn.Module, inputs: Any, wrt: Optional[str]) -> Prepared
     kwargs = bind_inputs(model, inputs)
     primary = primary_input(kwargs, wrt)
     validation.check_inputs(model, kwargs, primary)
-    return Prepared(kwargs, validation.capture_checked(CACHE, model, kwargs, primary))
+    events: List[CaptureEvent] = []
+    captured = validation.capture_checked(CACHE, model, kwargs, primary, events)
+    return Prepared(kwargs, captured, events[0] if events else None)
 
 
 def explain(model: torch.nn.Module, inputs: Any, target: Any = None, method: Any = "transformer_attribution",
@@ -223,19 +227,20 @@ def _explain(model, prepared: "Prepared", target, jobs, many, preset, engine_opt
     why = None if keep_blocks else _why_not_streamed(jobs, prepared.captured.analysis)
     if not keep_blocks and why is None:
         results = _explain_streamed(request, jobs, preset, special)
-        validation.check_result(results)
-        return results if many else results[0]
-    traces = _run_engine([i for i, _ in jobs], request, preset, fast_path)
-    results = []
-    for info, options in jobs:
-        key = _preset_of(info, preset) if info.needs_relevance else next(iter(traces))
-        trace = traces[key]
-        out = apply(info, trace, options, key, type(model).__name__)
-        results.append(build(info, key or preset, out, trace, special_tokens_mask, mask_source))
-        if why is not None:
-            results[-1].notes.append(f"keep_blocks=False: not folded block by block ({why}); the full-record path ran "
-                                     "and exp.blocks holds every block's records")
+    else:
+        traces = _run_engine([i for i, _ in jobs], request, preset, fast_path)
+        results = []
+        for info, options in jobs:
+            key = _preset_of(info, preset) if info.needs_relevance else next(iter(traces))
+            trace = traces[key]
+            out = apply(info, trace, options, key, type(model).__name__)
+            results.append(build(info, key or preset, out, trace, special_tokens_mask, mask_source))
+            if why is not None:
+                results[-1].notes.append(f"keep_blocks=False: not folded block by block ({why}); the full-record path "
+                                         "ran and exp.blocks holds every block's records")
     validation.check_result(results)
+    for r in results:
+        r.notes.extend(capture_notes(prepared.event, prepared.captured, type(model).__name__))
     return results if many else results[0]
 
 

@@ -24,6 +24,7 @@ import torch
 
 from .api import explain
 from .errors import InputError, TargetError
+from .graph.capture import CACHE
 from .graph.state import eval_mode
 from .viz import generation as viz_generation
 
@@ -49,6 +50,8 @@ class GenerationExplanation:
     row_labels: Optional[List[str]] = None
     contrast: Optional[torch.Tensor] = None
     explanation: Any = None  # the batched Explanation of the G teacher-forced steps
+    #: what the call did that a user may want to know (e.g. how many graph captures it needed)
+    notes: List[str] = dataclasses.field(default_factory=list)
 
     def html(self) -> str:
         """An HTML heatmap of the matrix (rows: generated tokens; columns: the tokens they read)."""
@@ -181,9 +184,21 @@ def explain_generation(model, tokenizer=None, prompt: Union[str, torch.Tensor, S
     -------
     GenerationExplanation (a list of them for a list of prompts)
     """
-    if isinstance(prompt, (list, tuple)) and not torch.is_tensor(prompt):
-        return [explain_generation(model, tokenizer, p, max_new_tokens=max_new_tokens, method=method,
-                                   preset=preset, target=target, contrast=contrast, **options) for p in prompt]
+    before = CACHE.traces + CACHE.loads
+    many = isinstance(prompt, (list, tuple)) and not torch.is_tensor(prompt)
+    results = [_explain_one(model, tokenizer, p, max_new_tokens, method, preset, target, contrast, options)
+               for p in (prompt if many else [prompt])]
+    captures = CACHE.traces + CACHE.loads - before
+    lengths = {int(r.columns.numel()) for r in results}
+    for r in results:
+        r.notes.append(f"{captures} graph capture(s) (torch.export or the disk cache) for {len(results)} prompt(s) "
+                       f"explained at {len(lengths)} distinct sequence length(s)")
+    return results if many else results[0]
+
+
+def _explain_one(model, tokenizer, prompt, max_new_tokens, method, preset, target, contrast, options
+                 ) -> GenerationExplanation:
+    """:func:`explain_generation` of one prompt."""
     if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise InputError(f"max_new_tokens must be a positive int, not {max_new_tokens!r}")
     ids = _ids(tokenizer, prompt)

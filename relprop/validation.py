@@ -128,12 +128,12 @@ def _check_finite(name: str, v: torch.Tensor) -> None:
                          "computed from non-finite inputs: clean or drop those samples")
 
 
-def capture_checked(cache, model: torch.nn.Module, kwargs: Dict[str, Any], primary: str):
-    """``cache.get(model, kwargs, primary)``; when the capture fails, tell a model that rejects its
-    inputs (an :class:`InputError` with the model's own message) from a model torch.export cannot
+def capture_checked(cache, model: torch.nn.Module, kwargs: Dict[str, Any], primary: str, events=None):
+    """``cache.get(model, kwargs, primary, events)``; when the capture fails, tell a model that rejects
+    its inputs (an :class:`InputError` with the model's own message) from a model torch.export cannot
     trace (the :class:`CaptureError` as raised)."""
     try:
-        return cache.get(model, kwargs, primary)
+        return cache.get(model, kwargs, primary, events)
     except CaptureError:
         problem = eager_failure(model, kwargs)
         if problem is not None:

@@ -8,6 +8,8 @@ sys.path.insert(0, os.path.dirname(__file__))
 # one intra-op thread per pytest-xdist worker (the workers already use the cores), up to two otherwise
 torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else max(1, min(2, os.cpu_count() or 1)))
 
+os.environ.setdefault("RELPROP_CACHE_DIR", "off")  # no graph files written by the tests unless a test asks
+
 import models  # noqa: E402
 
 

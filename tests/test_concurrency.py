@@ -5,7 +5,8 @@
 * Several threads explaining with the same model at once get exactly the sequential results, the
   model is captured once, and the interpreter keeps no state across calls except its
   lock-protected counter.
-* The capture cache is bounded: an LRU of ``relprop.CACHE_SIZE`` programs per model.
+* The capture cache is bounded: an LRU of ``relprop.CACHE_SIZE`` programs per model, and of
+  ``SPECIALIZATIONS`` input sizes per program.
 """
 import threading
 
@@ -84,22 +85,39 @@ def test_threads_explaining_the_same_model():
 
 
 def test_capture_cache_is_a_bounded_lru():
-    """A cache of size 2 keeps the two most recently used input signatures of a model."""
+    """A cache of 2 programs per model keeps the two most recently used input structures (here: texts
+    without a mask, with one, and with token types); every length of a structure shares its program."""
     model = models.hf_bert()
     cache = CaptureCache(size=2)
-    inputs = {n: {k: v for k, v in models.text_batch(lengths=(n, n)).items()} for n in (3, 4, 5)}
-    for n in (3, 4):
-        cache.get(model, inputs[n])
-    cache.get(model, inputs[3])  # 3 is now the most recently used
-    cache.get(model, inputs[5])  # evicts 4
+    batch = models.text_batch(lengths=(5, 3))
+    inputs = {"ids": {"input_ids": batch["input_ids"]},
+              "mask": {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]},
+              "types": {**batch, "token_type_ids": torch.zeros_like(batch["input_ids"])}}
+    for k in ("ids", "mask"):
+        cache.get(model, inputs[k])
+    cache.get(model, inputs["ids"])  # ids is now the most recently used
+    cache.get(model, inputs["types"])  # evicts mask
     assert cache.traces == 3
-    kept = list(cache._by_model[model].values())
-    assert len(kept) == 2
-    cache.get(model, inputs[3])
+    assert len(cache.programs(model)) == 2
+    cache.get(model, inputs["ids"])
+    longer = models.text_batch(lengths=(9, 7))
+    cache.get(model, {"input_ids": longer["input_ids"]})  # another length: the same program
     assert cache.traces == 3  # still cached
-    cache.get(model, inputs[4])
+    cache.get(model, inputs["mask"])
     assert cache.traces == 4  # was evicted, captured again
-    assert len(cache._by_model[model]) == 2
+    assert len(cache.programs(model)) == 2
+
+
+def test_specializations_are_a_bounded_lru():
+    """Each program keeps its last ``specializations`` input sizes; an evicted size is specialized again
+    (a graph copy and its analysis), never exported again."""
+    model = models.hf_bert()
+    cache = CaptureCache(specializations=2)
+    for n in (3, 4, 5, 3):
+        cache.get(model, models.text_batch(lengths=(n, n)))
+    assert cache.traces == 1
+    assert cache.specializations == 4  # 3 was evicted by 5, made again
+    assert sorted(c.sizes[next(iter(c.sizes))] for c in cache.captured(model)) == [3, 5]
 
 
 def test_default_cache_size_is_documented():

@@ -57,7 +57,7 @@ def test_low_equals_default(name):
     # the segments are recomputed from the values it kept, not by running the graph again
     assert engine_forward.STATS["forward"] - forwards == 2
     assert_same(before, snapshot(model))
-    captured = next(iter(relprop.graph.capture.CACHE._by_model[model].values()))
+    captured = relprop.graph.capture.CACHE.captured(model)[0]
     assert len(memory.segments(captured)) == len(captured.analysis.blocks)  # one segment per block
     for r, lo in zip(ref, low):
         assert r.method == lo.method
@@ -122,14 +122,14 @@ def test_weight_memo_only_under_high_and_once_per_model():
     relprop.clear_cache(model)
     short, long = models.text_batch(lengths=(5, 3)), models.text_batch(lengths=(9, 7))
     ref = relprop.explain(model, short)
-    memo = next(iter(relprop.graph.capture.CACHE._by_model[model].values())).weight_cache
+    memo = relprop.graph.capture.CACHE.captured(model)[0].weight_cache
     assert memo == {}
     high = relprop.explain(model, short, memory="high")
     _close(ref.scores, high.scores)
     n_linear = sum(isinstance(m, torch.nn.Linear) for m in model.modules())
     assert 0 < len(memo) <= n_linear
-    relprop.explain(model, long, memory="high")  # another shape: another capture, the same memo
-    captures = list(relprop.graph.capture.CACHE._by_model[model].values())
+    relprop.explain(model, long, memory="high")  # another length: another specialization, the same memo
+    captures = relprop.graph.capture.CACHE.captured(model)
     assert len(captures) == 2 and all(c.weight_cache is memo for c in captures)
     assert len(memo) <= n_linear
     with torch.no_grad():  # an in-place update of a weight is seen at once

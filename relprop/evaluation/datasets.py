@@ -20,8 +20,8 @@ Text file (:class:`RationaleJSONL`), one JSON object per line::
 ``[start, end]`` character spans of ``text`` (end exclusive; or ``{"start": s, "end": e}``), or strings:
 every whole-word, case-insensitive occurrence of the string in the text is rationale. A token belongs
 to the rationale when its character span (from a fast tokenizer's offset mapping) overlaps a
-rationale span; special tokens and padding never do. All texts are padded to the longest one of the
-file (at most ``max_length`` tokens), so that one captured graph serves the whole dataset.
+rationale span; special tokens and padding never do. Each batch is padded to its own longest text
+(at most ``max_length`` tokens): one captured graph serves every length.
 
 Both yield batches as dicts: ``inputs`` (what the model's forward takes), ``labels`` ([batch] long or
 None), ``masks`` ([batch, H, W] bool or None) or ``rationales`` ([batch, positions] bool) and
@@ -234,13 +234,16 @@ class RationaleJSONL:
         return len(self.texts)
 
     def batches(self, batch_size: int = 8) -> Iterator[Dict[str, Any]]:
-        """Batches of ``batch_size`` texts (the last may be smaller), all of the same padded length."""
+        """Batches of ``batch_size`` texts (the last may be smaller), each padded to its longest text."""
+        am = self.inputs.get("attention_mask", torch.ones_like(self.inputs["input_ids"])).bool()
         for start in range(0, len(self), batch_size):
             sl = slice(start, min(start + batch_size, len(self)))
-            yield {"inputs": {k: v[sl] for k, v in self.inputs.items()},
+            used = am[sl].any(0).nonzero().flatten()  # the positions some text of the batch fills
+            cols = slice(int(used[0]), int(used[-1]) + 1) if used.numel() else slice(None)
+            yield {"inputs": {k: v[sl, cols] for k, v in self.inputs.items()},
                    "labels": self.labels[sl] if self.labels is not None else None,
-                   "rationales": self.rationales[sl] if self.has_rationales else None,
-                   "special_tokens_mask": self.special_tokens_mask[sl],
+                   "rationales": self.rationales[sl, cols] if self.has_rationales else None,
+                   "special_tokens_mask": self.special_tokens_mask[sl, cols],
                    "texts": self.texts[sl]}
 
 

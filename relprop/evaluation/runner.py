@@ -20,6 +20,7 @@ import torch
 
 from ..api import explain
 from ..errors import InputError
+from ..graph.capture import CACHE
 from . import _util
 from .conservation import ConservationReport, conservation_report
 from .config import EvaluationConfig
@@ -128,6 +129,8 @@ def evaluate(model: torch.nn.Module, data: Any, methods: Sequence[str] = ("trans
     has_masks = has_rationales = False
 
     bar = tqdm(total=total, unit="sample", desc="relprop evaluate", disable=not cfg.progress)
+    captures = (CACHE.traces + CACHE.loads, CACHE.specializations)
+    sizes = set()
     try:
         for batch in batches:
             inputs = _to_device(batch["inputs"], device)
@@ -138,6 +141,7 @@ def evaluate(model: torch.nn.Module, data: Any, methods: Sequence[str] = ("trans
             elif kind != modality:
                 raise InputError("a dataset mixes images and texts")
             n = kwargs[primary].shape[0]
+            sizes.add(tuple(kwargs[primary].shape[1:]))
             labels = batch.get("labels")
             if target == "label":
                 if labels is None:
@@ -206,7 +210,10 @@ def evaluate(model: torch.nn.Module, data: Any, methods: Sequence[str] = ("trans
                 log_odds=FaithfulnessResult.concat(lodds[m]) if lodds[m] else None,
                 kendall_tau=cat(taus[m]))
     described = {"target": target, "steps": [float(s) for s in steps], "modes": list(modes),
-                "batch_size": batch_size}
+                "batch_size": batch_size,
+                "captures": f"{CACHE.traces + CACHE.loads - captures[0]} graph capture(s) (torch.export or the disk "
+                            f"cache) and {CACHE.specializations - captures[1]} specialization(s) for {len(sizes)} "
+                            "distinct input size(s)"}
     if modality == "vision":
         norm = _util.resolve_normalization(normalization)
         described.update(unit=unit, baseline=_describe(baseline if baseline is not None else 0.0),

@@ -85,21 +85,26 @@ def _input_nodes(node) -> List[torch.fx.Node]:
     return list(node.all_input_nodes)
 
 
-def analyze(program, graph: torch.fx.Graph, bindings, primary_name: str, static_batch: Optional[int]) -> GraphAnalysis:
-    """What relprop needs to know about ``graph`` (see the module docstring). A model called with a
+def analyze(graph: torch.fx.Graph, bindings, primary_name: str, static_batch: Optional[int],
+            batch_axes: Optional[Tuple[Dict[torch.fx.Node, Optional[int]], Dict[torch.fx.Node, int]]] = None
+            ) -> GraphAnalysis:
+    """What relprop needs to know about ``graph`` (see the module docstring). ``static_batch`` is the
+    batch size of a graph captured for one batch size; a graph that takes every batch size comes with
+    ``batch_axes``: each node's batch axis and, where its first axis folds k groups per sample into
+    the batch, that k (:func:`relprop.graph.specialize.batch_axes`). A model called with a
     second token stream (:func:`relprop.graph.streams.second_stream`) is analysed with the sources of
     both streams; when an attention block connects them (queries of one, keys of the other), that
     analysis is kept, each block labelled with its query and key streams; otherwise the second input
     is a constant of the explanation, as for a model with one stream."""
     extra = streams.second_stream(bindings, primary_name)
     if extra is not None:
-        two = _analyze(program, graph, bindings, primary_name, static_batch, extra)
+        two = _analyze(graph, bindings, primary_name, static_batch, batch_axes, extra)
         if any(b.query_stream and b.key_stream and b.query_stream != b.key_stream for b in two.blocks):
             return two
-    return _analyze(program, graph, bindings, primary_name, static_batch, None)
+    return _analyze(graph, bindings, primary_name, static_batch, batch_axes, None)
 
 
-def _analyze(program, graph, bindings, primary_name, static_batch, extra) -> GraphAnalysis:
+def _analyze(graph, bindings, primary_name, static_batch, batch_axes, extra) -> GraphAnalysis:
     placeholders = {n: (kind, tgt) for n, kind, tgt in bindings}
     primary = next(n for n, (kind, tgt) in placeholders.items() if kind == "user" and tgt == primary_name)
     primary_val = _val(primary)
@@ -160,24 +165,16 @@ def _analyze(program, graph, bindings, primary_name, static_batch, extra) -> Gra
         stack.extend(m for m in _input_nodes(n) if m in live)
 
     # batch dimension of every node
-    batch_dim: Dict[torch.fx.Node, Optional[int]] = {}
-    bsym = primary_val.shape[0] if primary_val.dim() > 0 else None
-    sym = isinstance(bsym, torch.SymInt)
-    for n in graph.nodes:
-        v = _val(n)
-        if not isinstance(v, torch.Tensor):
-            batch_dim[n] = None
-            continue
-        d = None
-        for i, s in enumerate(v.shape):
-            if sym:
-                if isinstance(s, torch.SymInt) and _batch_major(s.node.expr, bsym.node.expr):
-                    d = i
-                    break
-            elif i == 0 and static_batch is not None and s == static_batch:
-                d = 0
-                break
-        batch_dim[n] = d
+    if batch_axes is not None:
+        batch_dim, folds = batch_axes
+        batch_dim = {n: batch_dim.get(n) for n in graph.nodes}
+    else:
+        folds = None
+        batch_dim = {}
+        for n in graph.nodes:
+            v = _val(n)
+            ok = isinstance(v, torch.Tensor) and v.dim() > 0 and static_batch is not None and v.shape[0] == static_batch
+            batch_dim[n] = 0 if ok else None
 
     # convolutions reading the pixels (z^B rule)
     if modality == "vision":
@@ -190,7 +187,7 @@ def _analyze(program, graph, bindings, primary_name, static_batch, extra) -> Gra
                     x, hops = x.args[0], hops + 1
                 pixel_convs[n.name] = x is primary
 
-    blocks, left_out = find_blocks(graph, live, fold_counter(batch_dim, static_batch, bsym if sym else None))
+    blocks, left_out = find_blocks(graph, live, fold_counter(batch_dim, static_batch, folds))
     named: Dict[str, List[torch.fx.Node]] = {}
     if stream_of:
         labels = streams.label_blocks(graph, live, blocks, stream_of)
@@ -226,18 +223,3 @@ def _top_level_outputs(graph) -> list:
     """The entries of the output node's argument (a list or tuple of them, or a single value)."""
     out = output_node(graph).args[0]
     return list(out) if isinstance(out, (list, tuple)) else [out]
-
-
-def _batch_major(expr, batch_expr) -> bool:
-    """True when a symbolic size is the batch size or a whole multiple k·batch of it.
-
-    A multiple is a dimension that folds k groups per sample into the batch, batch-major (the
-    windows of Swin, ``[batch·windows, ...]``): per-sample sums reshape it to ``[batch, -1]``
-    (:meth:`relprop.rules.RuleContext.sample_sum`).
-    """
-    if expr == batch_expr:
-        return True
-    if not batch_expr.free_symbols or not batch_expr.free_symbols <= expr.free_symbols:
-        return False
-    ratio = (expr / batch_expr).simplify() if hasattr(expr / batch_expr, "simplify") else None
-    return ratio is not None and bool(getattr(ratio, "is_Integer", False)) and int(ratio) > 0

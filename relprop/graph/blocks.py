@@ -316,21 +316,19 @@ def _mixes_tokens(n, live) -> Optional[str]:
 
 
 
-def fold_counter(batch_dim: Dict[torch.fx.Node, Optional[int]], static_batch: Optional[int], bsym
-                 ) -> Callable[[torch.fx.Node], Optional[int]]:
-    """``node -> k`` when the node's batch axis holds k·batch groups, batch-major (k > 1), else None."""
+def fold_counter(batch_dim: Dict[torch.fx.Node, Optional[int]], static_batch: Optional[int],
+                 folds: Optional[Dict[torch.fx.Node, int]]) -> Callable[[torch.fx.Node], Optional[int]]:
+    """``node -> k`` when the node's batch axis holds k·batch groups, batch-major (k > 1), else None:
+    ``folds`` gives k for a graph that takes every batch size; a graph captured for ``static_batch``
+    samples tells k from its sizes."""
+    if folds is not None:
+        return folds.get
+
     def fold_of(node):
         v = _val(node)
-        if not isinstance(v, torch.Tensor) or batch_dim.get(node) != 0 or v.dim() == 0:
+        if not isinstance(v, torch.Tensor) or batch_dim.get(node) != 0 or v.dim() == 0 or not static_batch:
             return None
-        s = v.shape[0]
-        if isinstance(s, torch.SymInt) and bsym is not None:
-            ratio = (s.node.expr / bsym.node.expr)
-            ratio = ratio.simplify() if hasattr(ratio, "simplify") else ratio
-            k = int(ratio) if getattr(ratio, "is_Integer", False) else None
-        elif static_batch:
-            k = int(s) // static_batch if int(s) % static_batch == 0 else None
-        else:
-            k = None
+        s = int(v.shape[0])
+        k = s // static_batch if s % static_batch == 0 else None
         return k if k and k > 1 else None
     return fold_of

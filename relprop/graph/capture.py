@@ -1,64 +1,53 @@
-"""Capture the compute graph of an unmodified model with ``torch.export``.
+"""Capture the compute graph of an unmodified model, once for every input size it can take.
 
-* ``torch.export.export(model, (), kwargs, strict=False)`` of the model in eval mode (the flags are
-  restored afterwards, see :mod:`relprop.graph.state`); nothing of the model is patched.
-* ``run_decompositions`` with torch's default table *minus* the ops we have rules for as a whole
-  (linear, layer_norm, softmax, gelu, silu, matmul, dropout, hardswish, ...): fused scaled-dot-product attention
-  becomes matmul → scale → mask → softmax → matmul, so the attention probabilities are a node of
-  the graph. Masks built by HuggingFace are large finite negatives, never ``-inf``; where a model
-  does use ``-inf``, the rules give zero relevance there instead of ``-inf · 0 = NaN``.
-* The batch dimension is exported as dynamic when the model allows it (an input of batch 1 is
-  exported as a batch of 2 copies, because torch specializes sizes 0 and 1), so one captured
-  program serves every batch size; otherwise the capture is static and keyed by the exact shapes.
-* Captured programs are cached per model (weakly: the cache dies with the model) and input
-  signature, as an LRU of :data:`CACHE_SIZE` entries per model.
+* A model is exported once per input *structure* (names, dtypes, ranks, plain values, explained
+  input) with dynamic axes (:mod:`relprop.graph.export`); the resulting :class:`Program` serves
+  every input whose sizes fit it (:meth:`Program.match`): every batch size, and every sequence
+  length or image size the model's code leaves dynamic.
+* Each new input size gets a cheap **specialization** (:mod:`relprop.graph.specialize`): a copy of
+  the graph with concrete shapes and its own analysis (:mod:`relprop.graph.analysis`), the
+  :class:`Captured` that the engine runs. Specializations are kept per program (an LRU of
+  :data:`SPECIALIZATIONS`), programs per model (an LRU of :data:`CACHE_SIZE`), both weakly per model:
+  the cache dies with the model.
+* With the disk cache on (:mod:`relprop.graph.disk_cache`), an exported program is also written to
+  disk (without the weights) and a later process loads it instead of exporting again.
 """
 from __future__ import annotations
 
 import collections
 import dataclasses
 import threading
+import time
 import weakref
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 import torch.fx
-from torch.export import Dim
-from torch.export.graph_signature import InputKind
 
-from ..errors import CaptureError
+from . import disk_cache
 from .analysis import GraphAnalysis, analyze
-from .decompositions import extra_decompositions
-from .inputs import batch_size_of, primary_input, signature
-from .state import eval_mode
-
-aten = torch.ops.aten
-
-#: ops kept whole by the decomposition because the rules treat them as units
-KEEP_WHOLE = [
-    aten.linear.default, aten.layer_norm.default, aten.softmax.int, aten._softmax.default,
-    aten.gelu.default, aten.silu.default, aten.matmul.default, aten.dropout.default,
-    aten.rms_norm.default, aten.tanh.default, aten.linalg_vector_norm.default,
-    # activations of hybrid models (LeViT, EfficientViT, MobileNet blocks): one element-wise function
-    # each, which the rules give the identity rule, instead of a clamp-and-product decomposition
-    aten.hardswish.default, aten.hardsigmoid.default, aten.mish.default,
-]
+from .export import ATTEMPTS, export_program
+from .inputs import batch_size_of, primary_input
+from .program import Program
+from .specialize import Concretizer, batch_axes, specialize
 
 #: captured programs kept per model (least recently used dropped first)
 CACHE_SIZE = 8
+#: specializations (input sizes) kept per program
+SPECIALIZATIONS = 64
 
 
 @dataclasses.dataclass
 class Captured:
-    """A decomposed exported program and what relprop learned about it."""
+    """One program specialized to one input size: the graph the engine runs and its analysis."""
 
-    program: torch.export.ExportedProgram
+    program: Program
     graph: torch.fx.Graph
     bindings: List[Tuple[torch.fx.Node, str, Any]]  # (placeholder, kind, target or kwarg name)
-    kwarg_names: List[str]
-    batch_dynamic: bool
     analysis: GraphAnalysis
     primary: str
+    #: the sizes of the program's symbols this specialization was made for (the batch's excepted)
+    sizes: Dict[str, int] = dataclasses.field(default_factory=dict)
     #: memo of the weights' |W| used by the linear rules under ``explain(..., memory="high")``
     #: (see relprop.rules.linear.weight_abs); one dict per model, shared by all its captures
     weight_cache: dict = dataclasses.field(default_factory=dict)
@@ -67,8 +56,17 @@ class Captured:
     plans: dict = dataclasses.field(default_factory=dict)
 
     @property
+    def kwarg_names(self) -> List[str]:
+        return self.program.user_names
+
+    @property
+    def batch_dynamic(self) -> bool:
+        """True when one graph takes every batch size."""
+        return self.program.batch_dynamic
+
+    @property
     def out_spec(self):
-        return self.program.call_spec.out_spec
+        return self.program.out_spec
 
     def bind(self, model: torch.nn.Module, kwargs: Dict[str, Any]) -> Dict[torch.fx.Node, Any]:
         """Placeholder values: the model's *current* parameters and buffers (detached, read by name
@@ -88,37 +86,131 @@ class Captured:
         return env
 
 
-class CaptureCache:
-    """Per-model LRU of captured programs, safe to use from several threads."""
+@dataclasses.dataclass
+class CaptureEvent:
+    """What one :meth:`CaptureCache.get` did: ``"cached"``, ``"specialized"`` (a new input size of a
+    known program), ``"loaded"`` (a program read from the disk cache) or ``"exported"``, with the
+    seconds each step took and, for an export, which axes came out dynamic."""
 
-    def __init__(self, size: int = CACHE_SIZE):
+    kind: str
+    seconds: Dict[str, float] = dataclasses.field(default_factory=dict)
+    programs: int = 0  # the model's programs for this input structure after the call
+    dynamic_axes: Dict[str, List[int]] = dataclasses.field(default_factory=dict)
+
+
+class _Entry:
+    """A program and its specializations."""
+
+    def __init__(self, program: Program):
+        self.program = program
+        self.values = Concretizer(program)
+        self.specializations: "collections.OrderedDict[tuple, Captured]" = collections.OrderedDict()
+
+
+class CaptureCache:
+    """Per-model programs and their specializations, safe to use from several threads."""
+
+    def __init__(self, size: int = CACHE_SIZE, specializations: int = SPECIALIZATIONS, attempts=ATTEMPTS,
+                 disk: bool = True):
         self.size = size
+        #: whether programs are read from and written to the disk cache (when it is on)
+        self.disk = disk
+        #: the export attempts, most dynamic first (:data:`relprop.graph.export.ATTEMPTS`)
+        self.attempts = attempts
+        self.specializations_per_program = specializations
         self._by_model: "weakref.WeakKeyDictionary[torch.nn.Module, collections.OrderedDict]" = \
             weakref.WeakKeyDictionary()
         self._memos: "weakref.WeakKeyDictionary[torch.nn.Module, dict]" = weakref.WeakKeyDictionary()
         self._lock = threading.RLock()
-        self.traces = 0  # number of exports performed (tests read it)
+        self.traces = 0  # torch.export calls (tests and benchmarks read the counts)
+        self.loads = 0  # programs read from the disk cache
+        self.specializations = 0  # specializations made (new input sizes)
 
-    def get(self, model: torch.nn.Module, kwargs: Dict[str, Any], primary: Optional[str] = None) -> Captured:
-        """The captured program of ``model`` on inputs like ``kwargs`` explained onto ``primary``
-        (default: :func:`relprop.graph.inputs.primary_input`), captured on the first call."""
+    def get(self, model: torch.nn.Module, kwargs: Dict[str, Any], primary: Optional[str] = None,
+            events: Optional[List[CaptureEvent]] = None) -> Captured:
+        """The captured graph of ``model`` on inputs like ``kwargs`` explained onto ``primary``
+        (default: :func:`relprop.graph.inputs.primary_input`): a cached specialization, a new one of a
+        cached program, or a new program (from the disk cache or a fresh export). ``events``, when
+        given, receives a :class:`CaptureEvent` saying which."""
         primary = primary if primary is not None else primary_input(kwargs)
         with self._lock:
-            per_model = self._by_model.setdefault(model, collections.OrderedDict())
+            entries = self._by_model.setdefault(model, collections.OrderedDict())
             state = _parameter_state(model)
-            for dynamic in (True, False):
-                key = (signature(kwargs, dynamic, primary), state)
-                hit = per_model.get(key)
-                if hit is not None and hit.batch_dynamic == dynamic:
-                    per_model.move_to_end(key)
-                    return hit
-            captured = capture(model, kwargs, primary)
-            captured.weight_cache = self._memos.setdefault(model, {})  # one memo per model, not per shape
-            self.traces += 1
-            per_model[(signature(kwargs, captured.batch_dynamic, primary), state)] = captured
-            while len(per_model) > self.size:
-                per_model.popitem(last=False)
+            event = None
+            for key, entry in reversed(entries.items()):
+                sizes = entry.program.match(kwargs, primary, state)
+                if sizes is not None:
+                    entries.move_to_end(key)
+                    break
+            else:
+                entry, sizes, event = self._new_program(model, kwargs, primary, state, entries)
+            batch = entry.program.batch_symbol
+            skey = tuple(sorted((k, v) for k, v in sizes.items() if k != batch))
+            captured = entry.specializations.get(skey)
+            if captured is not None:
+                entry.specializations.move_to_end(skey)
+                event = event or CaptureEvent("cached")
+            else:
+                t0 = time.perf_counter()
+                captured = self._specialize(model, entry, dict(skey), kwargs, primary)
+                event = event or CaptureEvent("specialized")
+                event.seconds["analysis"] = time.perf_counter() - t0
+            event.programs = sum(1 for e in entries.values() if _same_structure(e.program, entry.program))
+            if events is not None:
+                events.append(event)
             return captured
+
+    def _new_program(self, model, kwargs, primary, state, entries):
+        timings: Dict[str, float] = {}
+        t0 = time.perf_counter()
+        program = disk_cache.load(model, kwargs, primary, state) if self.disk else None
+        if program is not None:
+            self.loads += 1
+            timings["load"] = time.perf_counter() - t0
+            event = CaptureEvent("loaded", timings)
+        else:
+            program = export_program(model, kwargs, primary, state, timings, self.attempts)
+            self.traces += 1
+            t1 = time.perf_counter()
+            if self.disk:
+                disk_cache.store(model, kwargs, program)
+            timings["store"] = time.perf_counter() - t1
+            event = CaptureEvent("exported", timings)
+        event.dynamic_axes = program.dynamic_axes()
+        entry = _Entry(program)
+        entries[id(entry)] = entry
+        while len(entries) > self.size:
+            entries.popitem(last=False)
+        sizes = program.match(kwargs, primary, state)
+        if sizes is None:  # an export always fits the inputs it was made from
+            raise RuntimeError(f"relprop: the program captured for {type(model).__name__} does not take the inputs "
+                               f"it was captured from (patterns {program.patterns})")
+        return entry, sizes, event
+
+    def _specialize(self, model, entry: _Entry, sizes: Dict[str, int], kwargs, primary) -> Captured:
+        program = entry.program
+        graph, bindings = specialize(program, entry.values, sizes)
+        static_batch = None if program.batch_dynamic else batch_size_of(kwargs, primary)
+        axes = batch_axes(program, graph, sizes) if program.batch_dynamic else None
+        analysis = analyze(graph, bindings, primary, static_batch, axes)
+        captured = Captured(program, graph, bindings, analysis, primary, sizes,
+                            weight_cache=self._memos.setdefault(model, {}))  # one memo per model
+        self.specializations += 1
+        key = tuple(sorted(sizes.items()))
+        entry.specializations[key] = captured
+        while len(entry.specializations) > self.specializations_per_program:
+            entry.specializations.popitem(last=False)
+        return captured
+
+    def programs(self, model: torch.nn.Module) -> List[Program]:
+        """The programs cached for ``model``, least recently used first."""
+        with self._lock:
+            return [e.program for e in self._by_model.get(model, {}).values()]
+
+    def captured(self, model: torch.nn.Module) -> List[Captured]:
+        """Every specialization cached for ``model``, program by program."""
+        with self._lock:
+            return [c for e in self._by_model.get(model, {}).values() for c in e.specializations.values()]
 
     def clear(self, model: Optional[torch.nn.Module] = None) -> None:
         with self._lock:
@@ -130,6 +222,15 @@ class CaptureCache:
                 self._memos.pop(model, None)
 
 
+def _same_structure(a: Program, b: Program) -> bool:
+    """Two programs of the same inputs (names, kinds, dtypes, ranks) that differ only in sizes."""
+    if a.primary != b.primary or set(a.patterns) != set(b.patterns):
+        return False
+    return all((p.tensor, p.dtype, p.device, len(p.dims), p.value)
+               == (q.tensor, q.dtype, q.device, len(q.dims), q.value)
+               for p, q in ((a.patterns[k], b.patterns[k]) for k in a.patterns))
+
+
 def _parameter_state(model: torch.nn.Module) -> tuple:
     """The dtypes and devices of the model's parameters and buffers: a program captured before
     ``model.double()`` (or ``.to(device)``) may hold casts and constants of the old ones."""
@@ -139,111 +240,45 @@ def _parameter_state(model: torch.nn.Module) -> tuple:
 CACHE = CaptureCache()
 
 
+def capture(model: torch.nn.Module, kwargs: Dict[str, Any], primary: str) -> Captured:
+    """Export ``model`` on ``kwargs`` (explained onto ``primary``) and specialize the program to their
+    sizes, bypassing every cache (in memory and on disk)."""
+    return CaptureCache(disk=False).get(model, kwargs, primary)
+
+
 def clear_cache(model: Optional[torch.nn.Module] = None) -> None:
-    """Forget captured programs (of ``model``, or of every model). Needed only if a model's
-    structure (not its weights) was changed after it was explained."""
+    """Forget captured programs (of ``model``, or of every model) in this process. Needed only if a
+    model's structure (not its weights) was changed after it was explained; the disk cache is keyed
+    by the structure, so it needs no clearing (:func:`relprop.graph.disk_cache.clear` empties it)."""
     CACHE.clear(model)
 
 
-def _export(model, kwargs, dynamic: bool, primary: str):
-    b = batch_size_of(kwargs, primary)
-    tensors = {k: v for k, v in kwargs.items() if v is not None}
-    shapes = None
-    if dynamic:
-        # the inputs that share the explained input's batch (decided before any copy, so that an
-        # input of another batch, e.g. the 2 texts CLIP compares 1 image with, stays static)
-        keys = {k for k, v in tensors.items() if torch.is_tensor(v) and v.dim() > 0 and v.shape[0] == b}
-        if b == 1:
-            # torch specializes size-1 dims: export on k copies, k >= 2 and unlike the batch of any
-            # other input (CLIP's 2 images beside 1 text), so that no size is tied to another by chance
-            others = {v.shape[0] for k, v in tensors.items() if k not in keys and torch.is_tensor(v) and v.dim() > 0}
-            k_copies = next(n for n in range(2, 2 + len(others) + 1) if n not in others)
-            tensors = {k: (torch.cat([v] * k_copies) if k in keys else v) for k, v in tensors.items()}
-        batch = Dim("batch", min=1, max=1 << 20)
-        shapes = {k: ({0: batch} if k in keys else None) for k, v in tensors.items()}
-    return torch.export.export(model, (), tensors, strict=False, dynamic_shapes=shapes), list(tensors)
+def capture_notes(event: Optional[CaptureEvent], captured: Captured, model_name: str) -> List[str]:
+    """What an Explanation's notes say about its graph, when a user should know it: torch.export
+    fixed the sequence length of a text model (each new length is captured again), or these inputs
+    needed another capture because the earlier ones fix sizes they do not have. Nothing for a graph
+    that serves every size (the usual case) or that came from the cache."""
+    if event is None or event.kind not in ("exported", "loaded"):
+        return []
+    program = captured.program
+    pattern = program.patterns.get(program.primary)
+    took = sum(v for k, v in event.seconds.items() if k != "store")
+    notes = []
+    if pattern is not None and pattern.tensor and not pattern.dtype.is_floating_point and len(pattern.dims) >= 2 \
+            and isinstance(pattern.dims[-1], int) and pattern.dims[-1] > 1:
+        notes.append(f"torch.export fixed {model_name}'s sequence length to {pattern.dims[-1]} tokens (its code does "
+                     f"not trace with a dynamic length), so each new length is captured again (this one: {took:.1f} s); "
+                     "to capture once, pad the texts to a few fixed lengths")
+    elif event.programs > 1:
+        shape = ", ".join(f"{k}: [{', '.join(_axis(d, program) for d in p.dims)}]"
+                          for k, p in program.patterns.items() if p.tensor)
+        notes.append(f"{model_name} was captured again for these inputs ({took:.1f} s): its earlier captures fix sizes "
+                     f"these inputs do not have; this one takes {shape}. {event.programs} captures of this model "
+                     "so far for inputs like these")
+    return notes
 
 
-def capture(model: torch.nn.Module, kwargs: Dict[str, Any], primary: str) -> Captured:
-    """Export ``model`` called with ``kwargs`` and decompose it so attention probabilities are nodes;
-    ``primary`` names the input relevance is explained onto."""
-    errors = []
-    ep = names = None
-    dynamic = False
-    table = torch.export.default_decompositions()
-    for op in KEEP_WHOLE:
-        table.pop(op, None)
-    table.update(extra_decompositions())
-    with eval_mode(model), torch.no_grad():
-        for dynamic in (True, False):
-            try:
-                ep, names = _export(model, kwargs, dynamic, primary)
-                ep = ep.run_decompositions(table)
-                break
-            except Exception as e:  # noqa: BLE001 - torch raises many kinds; we report them all
-                ep = None
-                errors.append(f"{'dynamic' if dynamic else 'static'} batch: {type(e).__name__}: {str(e)[:800]}")
-    if ep is None:
-        raise CaptureError(
-            f"torch.export could not capture {type(model).__name__}:\n  " + "\n  ".join(errors)
-            + "\nrelprop needs a model that torch.export.export(model, (), inputs, strict=False) can trace."
-        )
-    graph = ep.graph
-    _finite_masks(graph)
-    specs = {s.arg.name: s for s in ep.graph_signature.input_specs}
-    user_names = iter(names)
-    bindings = []
-    for node in graph.nodes:
-        if node.op != "placeholder":
-            continue
-        spec = specs[node.name]
-        if spec.kind == InputKind.PARAMETER:
-            bindings.append((node, "param", spec.target))
-        elif spec.kind == InputKind.BUFFER:
-            bindings.append((node, "buffer", spec.target))
-        elif spec.kind == InputKind.CONSTANT_TENSOR:
-            bindings.append((node, "constant", spec.target))
-        elif spec.kind == InputKind.USER_INPUT:
-            bindings.append((node, "user", next(user_names)))
-        else:
-            raise CaptureError(f"unsupported graph input {node.name} of kind {spec.kind}")
-    analysis = analyze(ep, graph, bindings, primary, batch_size_of(kwargs, primary) if not dynamic else None)
-    return Captured(ep, graph, bindings, names, dynamic, analysis, primary)
-
-
-def _finite_masks(graph: torch.fx.Graph) -> int:
-    """Replace every ``-inf`` constant in the graph by the most negative finite value of its dtype.
-
-    SDPA with a boolean mask decomposes into ``scores + where(mask, 0, -inf)``. A relevance rule
-    that divides by ``scores + mask`` would compute ``-inf · 0 = NaN`` there. With a finite mask the
-    softmax is the same (exp underflows to exactly 0), the fully-masked-row check ``eq(x, -inf)``
-    becomes ``eq(x, min)`` which still holds for those rows, and every share stays finite.
-    Returns the number of arguments rewritten.
-    """
-    count = 0
-    for node in graph.nodes:
-        if node.op != "call_function":
-            continue
-        val = node.meta.get("val")
-        dtype = val.dtype if isinstance(val, torch.Tensor) and val.is_floating_point() else torch.float32
-        if node.target in (aten.eq.Scalar, aten.ne.Scalar):
-            x = node.args[0].meta.get("val") if isinstance(node.args[0], torch.fx.Node) else None
-            dtype = x.dtype if isinstance(x, torch.Tensor) and x.is_floating_point() else dtype
-        low = torch.finfo(dtype).min
-
-        def fix(a):
-            nonlocal count
-            if isinstance(a, float) and a == float("-inf"):
-                count += 1
-                return low
-            if isinstance(a, (list, tuple)):
-                return type(a)(fix(x) for x in a)
-            return a
-
-        new_args = tuple(fix(a) for a in node.args)
-        new_kwargs = {k: fix(v) for k, v in node.kwargs.items()}
-        if new_args != node.args or new_kwargs != node.kwargs:
-            node.args, node.kwargs = new_args, new_kwargs
-    if count:
-        graph.owning_module.recompile() if graph.owning_module is not None else None
-    return count
+def _axis(d: Any, program: Program) -> str:
+    if isinstance(d, int):
+        return str(d)
+    return "batch" if getattr(d, "name", None) == program.batch_symbol else "any"

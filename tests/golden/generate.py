@@ -12,6 +12,7 @@ intended, and say why in the commit message)::
     python tests/golden/generate.py --check                  # compare with the file instead of writing it
     python tests/golden/generate.py --check --rounding       # ... to float32 rounding only
     python tests/golden/generate.py --update lrp partial_lrp # re-record these call labels only
+    python tests/golden/generate.py --check --file OTHER     # compare with a file another checkout recorded here
 
 ``--update LABEL ...`` re-records the given call labels (a method name, or a variant such as
 ``lrp@attnlrp``) in every case (``--only`` narrows the cases) and leaves every other record as it
@@ -48,13 +49,15 @@ BLOCK_FIELDS = ("attention", "gradient", "relevance", "hidden", "hidden_gradient
 SAMPLING_OPTIONS = {"smoothgrad": {"n_samples": 3}, "integrated_gradients": {"n_steps": 3}}
 
 
-def save(data: dict, path: str = GOLDEN) -> None:
+def save(data: dict, path: str = None) -> None:
+    path = path or GOLDEN
     import gzip
     with gzip.open(path, "wb") as f:
         pickle.dump(data, f, protocol=4)
 
 
-def load(path: str = GOLDEN) -> dict:
+def load(path: str = None) -> dict:
+    path = path or GOLDEN
     import gzip
     import pickle
     with gzip.open(path, "rb") as f:
@@ -282,7 +285,12 @@ def main(argv=None) -> int:
     p.add_argument("--only", nargs="*", help="case names (default: every case)")
     p.add_argument("--update", nargs="+", metavar="LABEL",
                    help="re-record only these call labels (e.g. lrp partial_lrp) and keep every other record")
+    p.add_argument("--file", help="another golden file to write or check against (e.g. one recorded by another "
+                                   "checkout in this environment, to compare two versions of the code)")
     args = p.parse_args(argv)
+    if args.file:
+        global GOLDEN
+        GOLDEN = os.path.abspath(args.file)
     if args.update:
         return update(args.update, args.only)
     if not args.check:

@@ -1,0 +1,129 @@
+"""One capture per model for every input size (relprop.graph.export, .program, .specialize).
+
+* A dynamic capture explains exactly as the capture of the previous release did (the batch axis
+  dynamic, every other axis fixed to the input's sizes): every method and variant of the golden
+  cases, bit for bit (a few cases by default, the whole zoo in the slow suite).
+* One model explained at 10 lengths and 3 batch sizes is exported once; every length gets its own
+  specialization (a graph copy with concrete shapes and its analysis).
+* A program takes only inputs that fit it: a fixed axis of another size, a symbol bound to two
+  sizes, a size outside its range, another dtype or input name is refused (a new capture).
+* A model whose sequence axis torch.export fixes says so in ``exp.notes``.
+"""
+import os
+import sys
+
+import pytest
+import torch
+
+import models
+import relprop
+from relprop.graph import export
+from relprop.graph.capture import CACHE, CaptureCache
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "golden"))
+import generate  # noqa: E402
+
+CASES = {c[0]: c for c in generate.cases()}
+FAST = ("timm_vit_tiny", "hf_bert_eager", "hf_gpt2_lm", "hf_clip_text")
+
+
+def _params():
+    for name in CASES:
+        yield pytest.param(name, id=name, marks=() if name in FAST else (pytest.mark.slow,))
+
+
+@pytest.mark.parametrize("name", list(_params()))
+def test_dynamic_capture_explains_like_the_per_size_capture(name):
+    """Every method and variant of a golden case, captured with dynamic sizes and with the sizes fixed:
+    the same tensors bit for bit (same arithmetic; only the sizes are computed at run time)."""
+    dynamic = generate.record(CASES[name], progress=lambda s: None)
+    CACHE.attempts = export.ATTEMPTS[1:]
+    try:
+        fixed = generate.record(CASES[name], progress=lambda s: None)
+    finally:
+        CACHE.attempts = export.ATTEMPTS
+    problems = generate.compare(fixed, dynamic, exact=True)
+    assert not problems, "\n".join(problems[:30])
+
+
+def test_one_capture_for_every_length_and_batch_size():
+    model = models.hf_bert()
+    relprop.clear_cache(model)
+    exports, specs = CACHE.traces, CACHE.specializations
+    lengths = (4, 5, 6, 7, 9, 11, 14, 17, 23, 30)
+    results = {}
+    for n in lengths:
+        for b in (1, 2, 3):
+            batch = models.text_batch(lengths=tuple(range(n, n - b, -1)))
+            results[n, b] = relprop.explain(model, batch, target=0)
+    assert CACHE.traces - exports == 1
+    assert CACHE.specializations - specs == len(lengths)  # one per length, every batch size shares it
+    assert len(CACHE.programs(model)) == 1
+    # the first sample of a batch explains as it does alone (batch invariance across the shared graph)
+    for n in lengths:
+        alone = results[n, 1].scores[0]
+        for b in (2, 3):
+            torch.testing.assert_close(results[n, b].scores[0], alone, rtol=1e-5, atol=1e-7)
+
+
+def test_a_program_takes_only_inputs_that_fit_it():
+    model = models.hf_bert()
+    cache = CaptureCache(disk=False)
+    batch = models.text_batch(lengths=(9, 7))
+    cache.get(model, batch)
+    (program,) = cache.programs(model)
+    state = program.state
+    ids, mask = batch["input_ids"], batch["attention_mask"]
+    assert program.match({"input_ids": ids[:, :5], "attention_mask": mask[:, :5]}, "input_ids", state) is not None
+    # the mask must have the ids' length (one symbol for both)
+    assert program.match({"input_ids": ids[:, :5], "attention_mask": mask[:, :6]}, "input_ids", state) is None
+    # beyond the position embeddings (64 in the tiny config): out of the exported range
+    long = torch.ones(2, 65, dtype=torch.long)
+    assert program.match({"input_ids": long, "attention_mask": long}, "input_ids", state) is None
+    assert program.match({"input_ids": ids.int(), "attention_mask": mask}, "input_ids", state) is None
+    assert program.match({"input_ids": ids}, "input_ids", state) is None
+    assert program.match(batch, "attention_mask", state) is None
+    assert program.match(batch, "input_ids", state + (("torch.float64", "cpu"),)) is None
+
+
+def test_a_fixed_sequence_axis_is_said_in_the_notes():
+    """Exported with every axis fixed (as a model whose code needs one length would be), a text model
+    says in exp.notes that each new length is captured again; explained at another length, it is."""
+    model = models.hf_bert()
+    relprop.clear_cache(model)
+    CACHE.attempts = export.ATTEMPTS[1:]
+    try:
+        exports = CACHE.traces
+        first = relprop.explain(model, models.text_batch(lengths=(9, 7)), target=0)
+        again = relprop.explain(model, models.text_batch(lengths=(9, 7), seed=3), target=0)
+        other = relprop.explain(model, models.text_batch(lengths=(6, 5)), target=0)
+    finally:
+        CACHE.attempts = export.ATTEMPTS
+    assert CACHE.traces - exports == 2
+    assert any("fixed BertForSequenceClassification's sequence length to 9 tokens" in n for n in first.notes)
+    assert not any("sequence length" in n for n in again.notes)  # the same length: cached, nothing to say
+    assert any("sequence length to 6 tokens" in n for n in other.notes)
+
+
+def test_the_dynamic_capture_says_nothing():
+    model = models.hf_bert()
+    relprop.clear_cache(model)
+    exp = relprop.explain(model, models.text_batch(lengths=(9, 7)), target=0)
+    assert not any("captured" in n or "sequence length" in n for n in exp.notes)
+
+
+def test_image_sizes_share_a_capture_when_the_model_takes_several():
+    """timm's dynamic_img_size=True: one export for 32x32, 48x64 and 64x64 images; each size's map has
+    its own patch grid."""
+    import timm
+    torch.manual_seed(0)
+    model = timm.create_model("vit_tiny_patch16_224", pretrained=False, num_classes=5, depth=2, img_size=64,
+                              dynamic_img_size=True).eval()
+    exports = CACHE.traces
+    grids = []
+    for h, w in ((32, 32), (48, 64), (64, 64)):
+        exp = relprop.explain(model, torch.randn(2, 3, h, w), target=0)
+        grids.append(tuple(exp.map.shape[-2:]))
+        assert exp.scores.shape == (2, (h // 16) * (w // 16))
+    assert CACHE.traces - exports == 1
+    assert grids == [(32, 32), (48, 64), (64, 64)]
