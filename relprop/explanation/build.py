@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from ..errors import MethodError, RelpropError
 from ..methods.layout import positions as token_positions
 from ..rules.stabilize import promote
+from . import flatness
 from .result import Explanation
 from .special_tokens import special_positions
 
@@ -49,6 +50,7 @@ def build(info, preset: Optional[str], result: dict, trace, special_tokens_mask=
         notes.append(why)
         mask = ~special
         scores = torch.where(mask, scores, torch.zeros((), dtype=scores.dtype, device=scores.device))
+    flatness.check(info.name, scores, mask, result.get("flat_cause"), notes)
     heads = _heads_on_positions(result.get("heads"), trace, info.name, mask, pixels is not None)
     return Explanation(method=info.name, scores=scores, map=smap, mask=mask, matrix=result.get("matrix"),
                        query=result.get("query"), heads=heads,
