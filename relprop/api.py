@@ -25,7 +25,8 @@ from .graph.inputs import bind_inputs, primary_input
 from .methods import MethodInfo, apply, streaming
 from .rules import get_preset
 from .rules.stabilize import DEFAULT_EPS
-from .targets import resolve, specify
+from .target_forms import specify
+from .targets import resolve
 
 #: preset of the methods that do not name their own, when explain() is given none
 DEFAULT_PRESET = "chefer2021"
@@ -215,8 +216,8 @@ def _explain(model, prepared: "Prepared", target, jobs, many, preset, engine_opt
     special_tokens_mask, mask_source = special
     fast_path = engine_options.pop("fast_path")
     keep_blocks = engine_options.pop("keep_blocks")
-    # label names, next-token targets of language models, contrasts: see targets.specify
-    target = specify(target, model, tokenizer, prepared.kwargs.get("attention_mask"))
+    # every form of target= through one path per head, with the mask of the output's positions: target_forms
+    target = specify(target, model, tokenizer, prepared.kwargs)
     request = Request(prepared.captured, model, prepared.kwargs, resolve(target, prepared.batch,
                                                                           prepared.captured.primary),
                       **engine_options)

@@ -37,7 +37,7 @@ LAYERS: List[Tuple[str, Tuple[str, ...]]] = [
     ("errors", ("relprop.errors", "relprop.version")),
     ("graph", ("relprop.graph",)),
     ("rules", ("relprop.rules",)),
-    ("engine", ("relprop.engine", "relprop.targets", "relprop.target_heads")),
+    ("engine", ("relprop.engine", "relprop.targets", "relprop.target_heads", "relprop.target_forms")),
     ("methods", ("relprop.methods",)),
     ("viz", ("relprop.viz", "relprop.viz_api")),
     ("explanation", ("relprop.explanation",)),
