@@ -144,7 +144,7 @@ def test_string_and_callable_forms_agree(kind):
 
 
 @pytest.mark.slow
-@settings(max_examples=24, deadline=None, suppress_health_check=list(HealthCheck))
+@settings(max_examples=12, deadline=None, suppress_health_check=list(HealthCheck))
 @given(kind=st.sampled_from(["classification", "language_model", "encoder_decoder", "question_answering"]),
        src=st.lists(st.integers(2, 7), min_size=1, max_size=3), dec=st.lists(st.integers(1, 7), min_size=1, max_size=3),
        left=st.booleans(), seed=st.integers(0, 100))
