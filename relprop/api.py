@@ -15,7 +15,7 @@ from typing import Any, Dict, List, Optional, Sequence
 import torch
 
 from . import options as opt
-from . import raw_inputs, validation
+from . import raw_inputs, refusals, validation
 from .engine import FastPathUnavailable, Request, Trace, report, run, run_fast
 from .engine.coverage import Coverage
 from .errors import MethodError, OptionError, RelpropError, RelpropWarning
@@ -223,16 +223,24 @@ def _explain(model, prepared: "Prepared", target, jobs, many, preset, engine_opt
                       **engine_options)
     why = None if keep_blocks else _why_not_streamed(jobs, prepared.captured.analysis)
     if not keep_blocks and why is None:
-        results = _explain_streamed(request, jobs, preset, special)
-        validation.check_result(results)
-        return results if many else results[0]
+        try:
+            results = _explain_streamed(request, jobs, preset, special)
+        except MethodError:
+            pass  # refused: the full-record path below says why, with the methods that apply (refusals.py)
+        else:
+            validation.check_result(results)
+            return results if many else results[0]
     traces = _run_engine([i for i, _ in jobs], request, preset, fast_path)
     results = []
     for info, options in jobs:
         key = _preset_of(info, preset) if info.needs_relevance else next(iter(traces))
         trace = traces[key]
-        out = apply(info, trace, options, key, type(model).__name__)
-        results.append(build(info, key or preset, out, trace, special_tokens_mask, mask_source))
+        try:
+            out = apply(info, trace, options, key, type(model).__name__)
+            results.append(build(info, key or preset, out, trace, special_tokens_mask, mask_source))
+        except MethodError as e:  # a refusal names only the methods that run on this model
+            name = type(model).__name__
+            raise refusals.with_applicable(e, refusals.applicable(info.name, trace, preset, name, key), name) from None
         if why is not None:
             results[-1].notes.append(f"keep_blocks=False: not folded block by block ({why}); the full-record path ran "
                                      "and exp.blocks holds every block's records")
