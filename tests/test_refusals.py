@@ -60,3 +60,20 @@ def test_every_method_a_refusal_lists_runs(name):
         assert torch.isfinite(exp.scores).all(), method
     with pytest.raises(relprop.RelpropError):
         relprop.explain(model, x, method=not_listed, target=target, **CHEAP.get(not_listed, {}))
+
+
+#: the methods that read the attention blocks' token-to-token maps
+ATTENTION_METHODS = ["transformer_attribution", "ta_without_gradient", "rollout", "gradient_rollout", "raw_attention",
+                     "attention_norm", "attgrads", "attcat"]
+
+
+@pytest.mark.slow
+def test_every_attention_method_refuses_block_sparse_attention_with_the_true_reason():
+    """BigBird's block-sparse attention is one module computing several softmax x values products over parts
+    of the tokens: no attention method may read one part as the layer's map (raw_attention returned row 22 of
+    the last part instead of the [CLS] row; attgrads and attcat crashed) - each refuses and says why."""
+    model = zm.bigbird()
+    x = zm.bigbird_inputs(model)
+    for method in ATTENTION_METHODS:
+        with pytest.raises(relprop.MethodError, match=r"separate softmax-times-values products"):
+            relprop.explain(model, x, method=method)

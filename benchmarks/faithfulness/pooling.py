@@ -20,6 +20,7 @@ measures of what the picture shows, over the positions shown:
 * ``ties``: the share of shown positions whose score equals another's (float32 equality: ranks lost).
 
     python benchmarks/faithfulness/pooling.py --out benchmarks/faithfulness/out_pooling   # ~40 min, 2 busy cores
+    python benchmarks/faithfulness/pooling.py --out /tmp/pool --size medium   # ~20 min: the figures of docs/methods.md
     python benchmarks/faithfulness/pooling.py --out /tmp/pool --quick                            # a smoke run
 
 Writes OUT/pooling.md (the tables of docs/methods.md) and OUT/pooling.json; models under OUT/models.
@@ -58,6 +59,7 @@ IDENTITIES = ["keep", "exclude", "exclude_self"]
 #: sized for a shared 2-core machine (the synthetic tasks are learnt in a few dozen steps)
 CONFIGS = {
     "full": dict(text_train=1000, text_steps=40, text_test=32, vision_steps=400, vision_test=48, batch=16),
+    "medium": dict(text_train=600, text_steps=20, text_test=16, vision_steps=250, vision_test=24, batch=8),
     "quick": dict(text_train=300, text_steps=10, text_test=8, vision_steps=40, vision_test=8, batch=8),
 }
 #: the removed fractions of the perturbation tests (the paper's 10 %, 30 %, …, 90 %)
@@ -194,11 +196,13 @@ def table(title: str, rows: Dict[str, Dict], keys) -> List[str]:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default=os.path.join(HERE, "out_pooling"))
-    p.add_argument("--quick", action="store_true")
+    p.add_argument("--quick", action="store_true", help="the same as --size quick")
+    p.add_argument("--size", choices=list(CONFIGS), default=None, help="data and training steps (default: full)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--skip", nargs="*", default=[], choices=["text", "vit_mean", "vit_cls"])
     args = p.parse_args(argv)
-    cfg = CONFIGS["quick" if args.quick else "full"]
+    size = args.size or ("quick" if args.quick else "full")
+    cfg = CONFIGS[size]
     os.makedirs(args.out, exist_ok=True)
     t_all = time.time()
     logf = open(os.path.join(args.out, "run.log"), "a")
@@ -209,9 +213,9 @@ def main(argv=None) -> int:
         logf.write(line + "\n")
         logf.flush()
 
-    log(f"pooling benchmark ({'quick' if args.quick else 'full'}), seed {args.seed}, threads {torch.get_num_threads()}")
+    log(f"pooling benchmark ({size}), seed {args.seed}, threads {torch.get_num_threads()}")
     summary: Dict[str, Dict] = {"config": cfg, "models": {}}
-    md = [f"## The identity share on pooled models ({'quick' if args.quick else 'full'} run)", ""]
+    md = [f"## The identity share on pooled models ({size} run)", ""]
 
     if "text" not in args.skip:
         train = synth.text_dataset(cfg["text_train"], args.seed + 1)
