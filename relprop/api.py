@@ -15,7 +15,7 @@ from typing import Any, Dict, List, Optional, Sequence
 import torch
 
 from . import options as opt
-from . import raw_inputs, validation
+from . import raw_inputs, refusals, validation
 from .engine import FastPathUnavailable, Request, Trace, report, run, run_fast
 from .engine.coverage import Coverage
 from .errors import MethodError, OptionError, RelpropError, RelpropWarning
@@ -25,7 +25,8 @@ from .graph.inputs import bind_inputs, primary_input
 from .methods import MethodInfo, apply, streaming
 from .rules import get_preset
 from .rules.stabilize import DEFAULT_EPS
-from .targets import resolve, specify
+from .target_forms import specify
+from .targets import resolve
 
 #: preset of the methods that do not name their own, when explain() is given none
 DEFAULT_PRESET = "chefer2021"
@@ -219,25 +220,35 @@ def _explain(model, prepared: "Prepared", target, jobs, many, preset, engine_opt
     special_tokens_mask, mask_source = special
     fast_path = engine_options.pop("fast_path")
     keep_blocks = engine_options.pop("keep_blocks")
-    # label names, next-token targets of language models, contrasts: see targets.specify
-    target = specify(target, model, tokenizer, prepared.kwargs.get("attention_mask"))
+    # every form of target= through one path per head, with the mask of the output's positions: target_forms
+    target = specify(target, model, tokenizer, prepared.kwargs)
     request = Request(prepared.captured, model, prepared.kwargs, resolve(target, prepared.batch,
                                                                           prepared.captured.primary),
                       **engine_options)
     why = None if keep_blocks else _why_not_streamed(jobs, prepared.captured.analysis)
     if not keep_blocks and why is None:
-        results = _explain_streamed(request, jobs, preset, special)
+        try:
+            results = _explain_streamed(request, jobs, preset, special)
+        except MethodError:
+            results = None  # refused: the full-record path below says why, with the methods that apply (refusals.py)
     else:
+        results = None
+    if results is None:
         traces = _run_engine([i for i, _ in jobs], request, preset, fast_path)
         results = []
         for info, options in jobs:
             key = _preset_of(info, preset) if info.needs_relevance else next(iter(traces))
             trace = traces[key]
-            out = apply(info, trace, options, key, type(model).__name__)
-            results.append(build(info, key or preset, out, trace, special_tokens_mask, mask_source))
+            try:
+                out = apply(info, trace, options, key, type(model).__name__)
+                results.append(build(info, key or preset, out, trace, special_tokens_mask, mask_source))
+            except MethodError as e:  # a refusal names only the methods that run on this model
+                name = type(model).__name__
+                raise refusals.with_applicable(e, refusals.applicable(info.name, trace, preset, name, key),
+                                               name) from None
             if why is not None:
-                results[-1].notes.append(f"keep_blocks=False: not folded block by block ({why}); the full-record path "
-                                         "ran and exp.blocks holds every block's records")
+                results[-1].notes.append(f"keep_blocks=False: not folded block by block ({why}); the full-record "
+                                         "path ran and exp.blocks holds every block's records")
     validation.check_result(results)
     for r in results:
         r.notes.extend(capture_notes(prepared.event, prepared.captured, type(model).__name__))

@@ -10,6 +10,7 @@ from .engine import check_options as check_engine_options
 from .errors import MethodError, OptionError
 from .methods import MethodInfo, get_method
 from .methods.aggregation import HEAD_FUSIONS, LAYER_AGGREGATIONS
+from .methods.identity import IDENTITY_CHOICES
 from .rules import Preset, get_preset, presets
 
 #: the values of ``explain(..., fast_path=...)``
@@ -137,3 +138,6 @@ def check_aggregation(method: str, options: Dict[str, Any]) -> None:
                 + ("; or None (through the last block)" if key == "end_block" else ""))
     if "query" in options and options["query"] not in ("cls", "mean"):
         bad("query", "Choices: ['cls', 'mean']")
+    if "identity" in options and options["identity"] not in IDENTITY_CHOICES:
+        bad("identity", f"Choices: {list(IDENTITY_CHOICES)} (what a rollout's scores keep of each query row's identity "
+                        "share; see relprop.methods.identity)")

@@ -6,13 +6,15 @@ any differentiable score per sample (a logit difference, a similarity, ...). For
 :func:`next_token` builds the callable for the next token's logit at the last non-padding position
 (``target="next_token"`` in :func:`relprop.explain`; a language model given ``target=None`` explains
 its predicted next token the same way). :func:`contrast` makes the target ``score(a) − score(b)`` of two
-classes or tokens, and :func:`specify` turns label names and token strings into indices. The relevance
+classes or tokens; :func:`relprop.target_forms.specify` turns every form of ``target=`` into one of
+these for the model's head. The relevance
 seed is
 the gradient of the summed scores with respect to the model's outputs: for a class index that is
 exactly the one-hot vector of that class (CVPR 2021, §3.3: relevance 1 at the target logit).
 """
 from __future__ import annotations
 
+import copy
 from typing import Any, Callable, Dict, NamedTuple, Optional
 
 import torch
@@ -157,44 +159,70 @@ def last_positions(attention_mask: Optional[torch.Tensor], batch: int, length: i
     return torch.where(real, idx, torch.full_like(idx, -1)).amax(1)
 
 
-def next_token(attention_mask: Optional[torch.Tensor] = None, token: Any = None) -> Callable:
-    """Target for language models: the logit of the next token, read at the last non-padding
-    position of each sample.
+class PositionTarget:
+    """A target read at positions of the model's output (a next token, an answer span, a labelled
+    token), which needs the mask of those positions: ``mask`` [batch, positions] (1 = real, 0 =
+    padding) or None (not given). :func:`relprop.explain` gives a target made without a mask the
+    mask of the output's positions (:func:`relprop.target_forms.positions_mask`: the attention
+    mask of a decoder or a QA / token-classification encoder, the decoder's mask of an encoder–
+    decoder), so the callable and the string form of a target read the same positions."""
 
-    Parameters
-    ----------
-    attention_mask : [batch, positions] (1 = real token, 0 = padding), e.g. the tokenizer's; None
-        reads the last position of every sample.
-    token : None (each sample's predicted next token: the argmax at that position), an int (the
-        same token id for every sample), or one id per sample.
+    mask: Optional[torch.Tensor] = None
 
-    Returns a callable ``target(outputs) -> [batch]`` for :func:`relprop.explain`: ``outputs.logits``
-    (or the output tensor) of shape [batch, positions, vocabulary] indexed at
-    ``[b, last_b, token_b]``. ``relprop.explain(lm, batch, target="next_token")`` is the same with
-    the mask taken from the inputs and the predicted token. The relevance seed is then the one-hot
-    of that token at that position (CVPR 2021, §3.3).
-    """
-    if isinstance(token, bool):
-        raise TargetError("token must be an int, one int per sample, or None, not bool")
+    def bound(self, mask: Optional[torch.Tensor]) -> "PositionTarget":
+        """This target, or a copy with ``mask`` when it was made without one."""
+        if self.mask is not None or mask is None:
+            return self
+        other = copy.copy(self)
+        other.mask = mask
+        return other
 
-    def score(outputs):
+
+def check_mask_argument(mask: Any, what: str) -> None:
+    """A :class:`TargetError` when the mask argument of ``what`` is not a [batch, positions] mask
+    (an int there is most likely a token id meant for ``token=``)."""
+    if mask is None:
+        return
+    if torch.is_tensor(mask):
+        if mask.dim() != 2:
+            raise TargetError(f"{what}: the first argument is the attention mask [batch, positions] (1 = real token, "
+                              f"0 = padding), not a tensor of shape {tuple(mask.shape)}")
+        return
+    rows = isinstance(mask, (list, tuple)) and all(isinstance(r, (list, tuple)) or torch.is_tensor(r) for r in mask)
+    if not rows:
+        hint = f"; for token id(s) {mask!r} write {what}(token={mask!r})" if what == "next_token" else ""
+        raise TargetError(f"{what}: the first argument is the attention mask [batch, positions] (1 = real token, "
+                          f"0 = padding), and {mask!r} ({type(mask).__name__}) is not one{hint}")
+
+
+class NextToken(PositionTarget):
+    """The callable :func:`next_token` returns (see there)."""
+
+    def __init__(self, attention_mask: Optional[torch.Tensor] = None, token: Any = None):
+        check_mask_argument(attention_mask, "next_token")
+        if isinstance(token, bool):
+            raise TargetError("token must be an int, one int per sample, or None, not bool")
+        self.mask, self.token = attention_mask, token
+
+    def __call__(self, outputs):
         logits = logits_of(outputs)
         if logits.dim() != 3:
             raise TargetError(f"next_token needs [batch, positions, vocabulary] logits (a language model); "
                               f"got shape {tuple(logits.shape)}. For a sequence classifier pass the class index.")
         b, n, vocab = logits.shape
-        pos = last_positions(attention_mask, b, n).to(logits.device)
+        pos = last_positions(self.mask, b, n).to(logits.device)
         if tuple(pos.shape) != (b,) or bool((pos >= n).any()):
-            raise TargetError(f"attention_mask of shape {tuple(torch.as_tensor(attention_mask).shape)} does not "
-                              f"fit logits of shape {tuple(logits.shape)}")
+            raise TargetError(f"attention_mask of shape {tuple(torch.as_tensor(self.mask).shape)} does not "
+                              f"fit logits of shape {tuple(logits.shape)} (the mask must cover the positions of "
+                              "the logits: for an encoder-decoder, the decoder's)")
         rows = logits[torch.arange(b, device=logits.device), pos]  # [batch, vocabulary]
-        if token is None:
+        if self.token is None:
             t = rows.detach().argmax(-1)
         else:
             try:
-                t = torch.as_tensor(token, device=logits.device)
+                t = torch.as_tensor(self.token, device=logits.device)
             except (TypeError, ValueError):
-                raise TargetError(f"token must be an int or ints per sample, not {type(token).__name__}") from None
+                raise TargetError(f"token must be an int or ints per sample, not {type(self.token).__name__}") from None
             if t.dtype.is_floating_point or t.dtype == torch.bool:
                 raise TargetError(f"token ids must be integers, got dtype {t.dtype}")
             t = t.long().reshape(-1).expand(b) if t.numel() == 1 else t.long().reshape(-1)
@@ -205,7 +233,51 @@ def next_token(attention_mask: Optional[torch.Tensor] = None, token: Any = None)
                 raise TargetError(f"token {t[bad].tolist()} out of range: valid ids are 0..{vocab - 1}")
         return rows.gather(1, t[:, None]).squeeze(1)
 
-    return score
+
+def next_token(attention_mask: Optional[torch.Tensor] = None, token: Any = None) -> Callable:
+    """Target for language models: the logit of the next token, read at the last non-padding
+    position of each sample.
+
+    Parameters
+    ----------
+    attention_mask : [batch, positions] (1 = real token, 0 = padding) of the logits' positions, e.g.
+        the tokenizer's (an encoder–decoder's: the decoder's). None: :func:`relprop.explain` gives it
+        the mask of the output's positions from the inputs (so ``target=next_token()`` and
+        ``target="next_token"`` read the same position); called on its own, the last position.
+    token : None (each sample's predicted next token: the argmax at that position), an int (the
+        same token id for every sample), or one id per sample.
+
+    Returns a callable ``target(outputs) -> [batch]`` for :func:`relprop.explain`: ``outputs.logits``
+    (or the output tensor) of shape [batch, positions, vocabulary] indexed at
+    ``[b, last_b, token_b]``. ``relprop.explain(lm, batch, target="next_token")`` is the same with
+    the predicted token. The relevance seed is then the one-hot of that token at that position
+    (CVPR 2021, §3.3).
+    """
+    return NextToken(attention_mask, token)
+
+
+class PredictedNextToken(PositionTarget):
+    """The callable :func:`predicted_next_token` returns (see there)."""
+
+    def __init__(self, attention_mask: Optional[torch.Tensor] = None):
+        check_mask_argument(attention_mask, "predicted_next_token")
+        self.mask = attention_mask
+        self.chosen: Dict[str, torch.Tensor] = {}
+
+    def bound(self, mask):
+        other = super().bound(mask)
+        if other is not self:
+            other.chosen = {}
+        return other
+
+    def __call__(self, outputs):
+        if "token" not in self.chosen:
+            logits = logits_of(outputs)
+            if logits.dim() == 3:
+                b, n, _ = logits.shape
+                pos = last_positions(self.mask, b, n).to(logits.device)
+                self.chosen["token"] = logits[torch.arange(b, device=logits.device), pos].detach().argmax(-1)
+        return NextToken(self.mask, self.chosen.get("token"))(outputs)
 
 
 def predicted_next_token(attention_mask: Optional[torch.Tensor] = None) -> Callable:
@@ -213,18 +285,7 @@ def predicted_next_token(attention_mask: Optional[torch.Tensor] = None) -> Calla
     once, at the first call (the engine's forward pass on the inputs themselves), and kept, so a method
     that runs the model again on changed inputs (integrated gradients' path, SmoothGrad's noisy copies,
     masks) keeps scoring the same token."""
-    chosen: Dict[str, torch.Tensor] = {}
-
-    def score(outputs):
-        if "token" not in chosen:
-            logits = logits_of(outputs)
-            if logits.dim() == 3:
-                b, n, _ = logits.shape
-                pos = last_positions(attention_mask, b, n).to(logits.device)
-                chosen["token"] = logits[torch.arange(b, device=logits.device), pos].detach().argmax(-1)
-        return next_token(attention_mask, chosen.get("token"))(outputs)
-
-    return score
+    return PredictedNextToken(attention_mask)
 
 
 class Contrast(NamedTuple):
@@ -250,83 +311,3 @@ def contrast(a: Any, b: Any) -> Contrast:
             raise TargetError(f"contrast({a!r}, {b!r}): {name} must be a class or token (an index, a label name, "
                               "one per sample, or a callable), not the predicted class")
     return Contrast(a, b)
-
-
-def is_language_model(model: Any) -> bool:
-    """True for a HuggingFace model that generates text (``model.can_generate()``), whose logits are
-    [batch, positions, vocabulary]: its targets are read at the last non-padding position."""
-    can = getattr(model, "can_generate", None)
-    try:
-        return bool(can()) if callable(can) else False
-    except Exception:  # noqa: BLE001 - a model whose can_generate() fails is not treated as a language model
-        return False
-
-
-def label_ids(model: Any) -> Dict[str, int]:
-    """Label name (lower case) → class index, from the model's ``config.id2label`` (HuggingFace) or
-    ``pretrained_cfg["label_names"]`` (timm); empty when the model names no labels."""
-    config = getattr(model, "config", None)
-    id2label = getattr(config, "id2label", None) if config is not None else None
-    if isinstance(id2label, dict) and id2label:
-        return {str(v).lower(): int(k) for k, v in id2label.items()}
-    cfg = getattr(model, "pretrained_cfg", None)
-    names = cfg.get("label_names") if isinstance(cfg, dict) else None
-    return {str(v).lower(): i for i, v in enumerate(names)} if names else {}
-
-
-def _class_of(name: str, labels: Dict[str, int], model: Any) -> int:
-    key = name.strip().lower()
-    if key in labels:
-        return labels[key]
-    if not labels:
-        raise TargetError(f"target {name!r} is a label name but {type(model).__name__} names no labels "
-                          "(no config.id2label); pass the class index")
-    shown = ", ".join(sorted(labels, key=labels.get)[:30]) + (", ..." if len(labels) > 30 else "")
-    raise TargetError(f"target {name!r} is not a label of {type(model).__name__}; its labels are: {shown}")
-
-
-def _token_of(text: str, tokenizer: Any) -> int:
-    if tokenizer is None:
-        raise TargetError(f"target {text!r} is a string for a language model: pass tokenizer= to turn it into "
-                          "a token id, or pass the token id")
-    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-    if len(ids) != 1:
-        raise TargetError(f"target {text!r} is {len(ids)} tokens for this tokenizer ({ids}); a next-token "
-                          "target must be one token (e.g. ' Paris' with its leading space for GPT-2)")
-    return int(ids[0])
-
-
-def specify(target: Any, model: Any, tokenizer: Any = None, attention_mask: Optional[torch.Tensor] = None) -> Any:
-    """The ``target=`` of :func:`relprop.explain` in the form :func:`resolve` takes.
-
-    Label names (a string, or one per sample) become class indices from the model's labels. For a
-    language model (:func:`is_language_model`) every target is a next token at the last non-padding
-    position of ``attention_mask``: None and ``"next_token"`` the predicted one, chosen once on the
-    inputs (:func:`predicted_next_token`), so a method that runs the model on changed inputs (integrated
-    gradients' path, SmoothGrad's noisy copies) keeps scoring that token; an int / ints / a one-token
-    string a given one. (The callable :func:`next_token` without ``token`` takes the argmax of every
-    forward pass it sees; pass it yourself when that is what you want.)
-    A :class:`Contrast` is specified part by part. Anything else is returned as it is.
-    """
-    lm = is_language_model(model)
-    labels = None if lm else label_ids(model)
-
-    def one(t):
-        if isinstance(t, str) and t != "next_token":
-            return _token_of(t, tokenizer) if lm else _class_of(t, labels, model)
-        if isinstance(t, (list, tuple)) and t and all(isinstance(x, str) for x in t):
-            return [one(x) for x in t]
-        return t
-
-    if isinstance(target, Contrast):
-        a, b = one(target.a), one(target.b)
-        if lm:
-            a = a if callable(a) else next_token(attention_mask, a)
-            b = b if callable(b) else next_token(attention_mask, b)
-        return Contrast(a, b)
-    t = one(target)
-    if isinstance(t, str) or (lm and t is None):  # "next_token" / None: the token predicted on the inputs
-        return predicted_next_token(attention_mask)
-    if lm and not callable(t) and not isinstance(t, bool):
-        return next_token(attention_mask, t)
-    return t

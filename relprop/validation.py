@@ -47,9 +47,13 @@ def check_inputs(model: torch.nn.Module, kwargs: Dict[str, Any], primary: str) -
     embeddings = _input_embeddings(model)
     if primary == "input_ids" or (embeddings is not None and not x.is_floating_point()):
         _check_token_ids(primary, x, embeddings)
+    elif not x.is_floating_point() and x.dtype != torch.bool and _any_embedding(model) is not None:
+        # integer ids under another name (Perceiver's text preprocessor takes `inputs`): the model has an
+        # embedding table, but get_input_embeddings() does not name it; ids beyond every table are refused
+        _check_token_ids(primary, x, _any_embedding(model))
     elif not x.is_floating_point():
-        raise InputError(f"input '{primary}' has dtype {x.dtype}; the model takes floating-point values "
-                         f"(e.g. normalized pixels): pass {primary}.float()")
+        raise InputError(f"input '{primary}' has dtype {x.dtype}; the model has no embedding table to look integer "
+                         f"ids up in and takes floating-point values (e.g. normalized pixels): pass {primary}.float()")
     for name, v in kwargs.items():
         if not torch.is_tensor(v):
             continue
@@ -179,6 +183,13 @@ def _first_parameter(model: torch.nn.Module):
     for p in model.parameters():
         return p
     return None
+
+
+def _any_embedding(model: torch.nn.Module):
+    """The largest ``nn.Embedding`` of the model (None without one): where integer inputs that are not
+    called ``input_ids`` can be token ids."""
+    tables = [m for m in model.modules() if isinstance(m, torch.nn.Embedding)]
+    return max(tables, key=lambda m: m.num_embeddings) if tables else None
 
 
 def _input_embeddings(model: torch.nn.Module):

@@ -15,7 +15,10 @@ def snapshot(model: torch.nn.Module):
             if attr.startswith("_") and attr.endswith("hooks") and isinstance(getattr(m, attr, None), dict):
                 hooks[attr] = list(getattr(m, attr).keys())
         state["module:" + name] = (m.training, type(m), hooks, sorted(m.__dict__.keys()))
-    state["class_dicts"] = {t: sorted(vars(t).keys()) for t in {type(m) for m in model.modules()}}
+    # (``__slotnames__`` is copyreg's cache, which copy.deepcopy adds to a class the first time it copies one
+    # of its instances, e.g. the class torch.nn.utils.parametrize makes for Wav2Vec2's weight-normed conv)
+    state["class_dicts"] = {t: sorted(k for k in vars(t).keys() if k != "__slotnames__")
+                            for t in {type(m) for m in model.modules()}}
     state["sdpa"] = torch.nn.functional.scaled_dot_product_attention
     return state
 

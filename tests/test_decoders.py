@@ -144,7 +144,8 @@ def test_model_untouched(dec, name):
 
 def test_query_is_the_last_real_token(dec):
     """A decoder's attention is causal and its query row is the last non-padding position; the
-    scores are that row of the aggregated matrix (no position after it has any relevance)."""
+    scores are that row of the aggregated matrix (no position after it has any relevance), less the
+    query row's own identity share (1, at the last position: identity="exclude", relprop.methods.identity)."""
     model = dec("hf_gpt2_cls")
     x = models.decoder_batch()
     kw = bind_inputs(model, x)
@@ -154,7 +155,8 @@ def test_query_is_the_last_real_token(dec):
     assert query_positions(trace).tolist() == [n - 1 for n in LENGTHS]
     e = relprop.explain(model, x, target=1)
     for i, n in enumerate(LENGTHS):
-        assert torch.equal(e.scores[i, :n], e.matrix[i, n - 1, :n])
+        assert torch.equal(e.scores[i, :n - 1], e.matrix[i, n - 1, :n - 1])
+        assert torch.allclose(e.scores[i, n - 1], e.matrix[i, n - 1, n - 1] - 1, atol=1e-6)
 
 
 def test_query_follows_the_position_the_target_reads(dec):
@@ -163,7 +165,8 @@ def test_query_follows_the_position_the_target_reads(dec):
     x = models.decoder_batch((9, 9, 9, 9))
     e = relprop.explain(model, x, target=lambda out: out.logits[:, 4, 7])
     assert query_positions_of(model, x, lambda out: out.logits[:, 4, 7]).tolist() == [4] * 4
-    assert torch.equal(e.scores, e.matrix[:, 4, :])
+    assert torch.equal(e.scores[:, :4], e.matrix[:, 4, :4])  # the query row's own entry less its identity share:
+    assert torch.allclose(e.scores[:, 4], e.matrix[:, 4, 4] - 1, atol=1e-6)
     assert (e.scores[:, 5:] == 0).all()
 
 

@@ -60,6 +60,18 @@ def _product(maps, normalize_rows=False):
     return joint
 
 
+def _identity_path(maps, normalize_rows=False):
+    """[n] the diagonal of the identity path P = S_last ... S_first of the factors (S = I, or diag(1 / row
+    sums of I + M) with ``normalize_rows``): the query rows' own share that identity="exclude" (the
+    default) leaves out of the scores (relprop.methods.identity)."""
+    n = len(maps[0])
+    p = [1.0] * n
+    if normalize_rows:
+        for m in maps:
+            p = [p[r] / (1 + sum(m[r])) for r in range(n)]
+    return p
+
+
 #: the rows each family's head reads, from the architecture: the class token, and for the distilled
 #: DeiT also the distillation token (in eval its prediction is the mean of the two heads)
 QUERY_ROWS = {"timm_deit_tiny_distilled": [0, 1]}
@@ -76,9 +88,11 @@ def reference(name, e, i, lengths=None, query=(0,), **opt):
     R = [_lists(b.relevance, i) if b.relevance is not None else None for b in blocks]
     H, n = len(A[0]), len(A[0][0])
     start = opt.get("start_block", 0)
+    own = [0.0] * n  # the query rows' identity share (rollouts)
     if name == "ta_without_gradient":
         maps = [_head_mean(lambda h, r, c: _pos(A[k][h][r][c] * R[k][h][r][c]), H, n) for k in range(start, len(A))]
         m = _product(maps, opt.get("normalize_rows", False))
+        own = _identity_path(maps, opt.get("normalize_rows", False))
     elif name in ("ta_last_block", "ta_second_block"):
         k = len(A) - 1 if name == "ta_last_block" else 1
         m = _head_mean(lambda h, r, c: _pos(G[k][h][r][c] * R[k][h][r][c]), H, n)
@@ -89,6 +103,7 @@ def reference(name, e, i, lengths=None, query=(0,), **opt):
     elif name == "rollout":
         maps = [_head_mean(lambda h, r, c: A[k][h][r][c], H, n) for k in range(start, len(A))]
         m = _product(maps, opt.get("normalize_rows", True))
+        own = _identity_path(maps, opt.get("normalize_rows", True))
     elif name == "attention_gradcam":
         if e.grid is not None:  # images: the patch columns (the last gh*gw tokens)
             cols = list(range(n - e.grid[0] * e.grid[1], n))
@@ -102,9 +117,10 @@ def reference(name, e, i, lengths=None, query=(0,), **opt):
         for k in range(len(A)):
             abar = _head_mean(lambda h, r, c: _pos(G[k][h][r][c] * A[k][h][r][c]), H, n)
             m = _add(m, _matmul(abar, m))
+        own = [1.0] * n
     else:
         raise AssertionError(name)
-    row = [sum(m[q][c] for q in query) / len(query) for c in range(n)]
+    row = [sum(m[q][c] - (own[c] if q == c else 0.0) for q in query) / len(query) for c in range(n)]
     return torch.tensor(m, dtype=torch.float64), torch.tensor(row, dtype=torch.float64)
 
 

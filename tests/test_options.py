@@ -54,8 +54,8 @@ def test_an_option_no_method_of_a_list_takes_is_an_error(vit):
         relprop.explain(model, x, target=0, method=["rollout", "lrp"], strat_block=1)
     msg = str(err.value)
     assert "'strat_block'" in msg and "lrp: none" in msg
-    assert ("rollout: ['discard_ratio', 'end_block', 'head_fusion', 'last_k', 'layers', 'normalize_rows', "
-            "'positive', 'query', 'start_block']") in msg
+    assert ("rollout: ['discard_ratio', 'end_block', 'head_fusion', 'identity', 'last_k', 'layers', "
+            "'normalize_rows', 'positive', 'query', 'start_block']") in msg
     # an option that some of the methods take goes to those
     a, b = relprop.explain(model, x, target=0, method=["rollout", "lrp"], start_block=1)
     assert torch.equal(a.scores, relprop.explain(model, x, target=0, method="rollout", start_block=1).scores)

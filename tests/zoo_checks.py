@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import re
 import time
 import traceback
 from typing import Dict, List, Optional, Tuple
@@ -55,7 +56,7 @@ SHUFFLE_TOL = 1e-4  # another token order sums in another order
 CONSERVATION_TOL = 1e-4
 FAST_PATH_TOL = 1e-4
 BATCH = 2
-TEXT_KEYS = ("input_ids", "attention_mask", "token_type_ids", "position_ids")
+TEXT_KEYS = ("input_ids", "inputs", "attention_mask", "token_type_ids", "position_ids")
 
 
 class Wrong(AssertionError):
@@ -157,7 +158,7 @@ def explain(model, inputs, entry: Entry, method: str, where: str, **extra):
 def primary(entry: Entry, inputs) -> torch.Tensor:
     if torch.is_tensor(inputs):
         return inputs
-    key = entry.wrt or ("input_ids" if "input_ids" in inputs else "pixel_values")
+    key = entry.wrt or next(k for k in ("input_ids", "pixel_values", "input_values") if k in inputs)
     return inputs[key]
 
 
@@ -387,14 +388,25 @@ def check_query(exp, entry: Entry, model, inputs, method: str, **_):
             raise Wrong(f"exp.matrix has {expected.shape[1]} columns for {n} token scores")
         cols, mask = slice(None), exp.mask
         expected = expected * mask
+    # the query row of C is Eq. 14's reading (identity="keep"); the default leaves out the query rows' own
+    # identity share (relprop.methods.identity): the same scores off the query rows, no more than them on them
+    kept = explain(model, inputs, entry, method, "identity='keep'", identity="keep")
     for i in range(batch):
-        got, ref = exp.scores[i], expected[i]
+        got, ref = kept.scores[i], expected[i]
         scale = max(float(ref.abs().max()), float(got.abs().max()), 1e-12)
         err = float((got - ref).abs().max()) / scale
         if err > QUERY_TOL:
             what = _which_rows(m[i], got, cols, None if mask is None else mask[i])
             raise Wrong(f"sample {i}: off by {err:.3g} of the max |score|: the scores are {what} of exp.matrix, "
                         f"the head reads rows {describe_rows(rows[i])} of {layer!r} (their mean is the query)")
+    if m.shape[-1] == m.shape[-2] and exp.scores.shape == kept.scores.shape:
+        on = (w[:, cols] if entry.modality == "vision" else w) > 0
+        if not torch.equal(exp.scores[~on], kept.scores[~on]):
+            raise Wrong("the default scores differ from identity='keep' off the query rows")
+        scale = max(float(kept.scores.abs().max()), 1e-12)
+        if bool((exp.scores[on] > kept.scores[on] + QUERY_TOL * scale).any()) or \
+                bool((exp.scores < -QUERY_TOL * scale).any()):
+            raise Wrong("the default scores at the query rows are not q·C less a non-negative identity share")
 
 
 def check_batch(exp, entry: Entry, model, inputs, method: str, **_):
@@ -413,7 +425,7 @@ def check_batch(exp, entry: Entry, model, inputs, method: str, **_):
             raise Wrong(f"sample {i}: {tuple(f.shape)} scores in the batch, {tuple(a.shape)} alone")
         scale = max(float(a.abs().max()), float(f.abs().max()), 1e-12)
         err = float((f - a).abs().max()) / scale
-        if not err <= (BATCH_TOL_SIGNED if exp.signed else BATCH_TOL):
+        if not err <= (BATCH_TOL_SIGNED if exp.signed else entry.batch_tol or BATCH_TOL):
             raise Wrong(f"sample {i}: the batch's scores differ from the sample's alone by {err:.3g} "
                         f"of the max |score|")
 
@@ -466,6 +478,8 @@ def run_cell(name: str, method: str) -> Outcome:
     start = time.perf_counter()
     model = get_model(name)
     inputs = entry.inputs(model, BATCH, 0)
+    with torch.no_grad():  # models that set attributes in their own forward (Funnel, Wav2Vec2) do so here
+        forward(model, inputs)
     before = snapshot(model)
     failures: List[str] = []
     error, trace, status, where = None, "", "ok", ""
@@ -475,6 +489,9 @@ def run_cell(name: str, method: str) -> Outcome:
         status, error = "refused", err
         if len(str(err).strip()) < 20:
             failures.append(f"refusal: {type(err).__name__} without a message that says why ({str(err)!r})")
+        for methods, reason in entry.refusals:
+            if re.fullmatch(methods, method) and not re.search(reason, str(err), re.S):
+                failures.append(f"reason: the refusal does not say /{reason}/: {_first_line(err)}")
     except Exception as err:  # noqa: BLE001 - what leaks out of explain() is the finding
         status, error, trace = "crash", err, traceback.format_exc()
     else:

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from ..errors import MethodError, RelpropError
 from ..methods.layout import positions as token_positions
 from ..rules.stabilize import promote
+from . import flatness
 from .result import Explanation
 from .special_tokens import special_positions
 
@@ -44,11 +45,18 @@ def build(info, preset: Optional[str], result: dict, trace, special_tokens_mask=
             smap = F.interpolate(promote(scores.reshape(-1, 1, gh, gw)), size=tuple(image.shape[-2:]),
                                  mode="bilinear", align_corners=False)[:, 0]
     elif trace.modality == "text":
+        ids = kwargs.get(captured.primary)
+        if torch.is_tensor(scores) and torch.is_tensor(ids) and ids.dim() == 2 and scores.shape[-1] != ids.shape[-1]:
+            raise MethodError(f"method '{info.name}' gives scores over {scores.shape[-1]} tokens, and the explained "
+                              f"input '{captured.primary}' has {ids.shape[-1]} positions: the attention blocks it "
+                              "reads work on other tokens (latents, pooled or merged tokens), which it does not map "
+                              "back to the input")
         special, why = special_positions(model, kwargs, captured.primary, tuple(scores.shape), scores.device,
                                          special_tokens_mask, mask_source)
         notes.append(why)
         mask = ~special
         scores = torch.where(mask, scores, torch.zeros((), dtype=scores.dtype, device=scores.device))
+    flatness.check(info.name, scores, mask, result.get("flat_cause"), notes)
     heads = _heads_on_positions(result.get("heads"), trace, info.name, mask, pixels is not None)
     return Explanation(method=info.name, scores=scores, map=smap, mask=mask, matrix=result.get("matrix"),
                        query=result.get("query"), heads=heads,

@@ -24,7 +24,7 @@ import torch
 import torch.fx
 
 from . import streams, windows
-from .blocks import BlockInfo, find_blocks, fold_counter, token_mixing
+from .blocks import SEPARATE, BlockInfo, find_blocks, fold_counter, token_mixing
 from .nodes import CONSTANT_PRODUCING, module_paths, output_node
 from .tokens import TokenPlan, plan_tokens
 
@@ -65,7 +65,7 @@ class GraphAnalysis:
     @property
     def unmapped(self) -> Optional[str]:
         """Why the blocks' attention cannot be read per sample as token-to-token maps (None: it can)."""
-        return next((why for why in self.left_out if "groups of tokens" in why), None)
+        return next((why for why in self.left_out if "groups of tokens" in why or SEPARATE in why), None)
 
     def nodes_in(self, layer: str) -> List[torch.fx.Node]:
         return [n for n in self.relevant if layer in module_paths(n)]
@@ -215,7 +215,9 @@ def _analyze(graph, bindings, primary_name, static_batch, batch_axes, extra) -> 
         left_out.append(f"'{b.name}': attention within {b.groups} groups of tokens per sample (folded into the batch "
                         "axis), which relprop maps onto the token grid only for non-overlapping windows (Swin)")
     return GraphAnalysis(primary, modality, sources, live, relevant, batch_dim, pixel_convs, blocks, grid, outputs,
-                         window_maps, links, tokens=tokens, token_mixing=token_mixing(graph, live, blocks),
+                         window_maps, links, tokens=tokens,
+                         token_mixing=token_mixing(graph, live, blocks, sources if modality == "text" else None,
+                                                   [o for o in outputs if o in live]),
                          left_out=left_out, streams=named)
 
 

@@ -23,6 +23,7 @@ that multiplies the values, after any head mixing.
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import re
 from typing import Callable, Dict, List, Optional, Set, Tuple
@@ -35,6 +36,8 @@ from .nodes import ancestors, descendants, module_path, module_paths
 aten = torch.ops.aten
 
 SOFTMAX_OPS = {aten.softmax.int, aten._softmax.default, aten._safe_softmax.default}
+#: the words of a left-out reason for an attention module split into several softmax products
+SEPARATE = "separate softmax-times-values products over parts of the tokens"
 MATMUL_OPS = {aten.matmul.default, aten.bmm.default}
 #: ops between a softmax and the product with V that do not change what "the attention" is
 TRANSPARENT_OPS = {aten.where.self, aten.clone.default, aten._to_copy.default, aten.dropout.default,
@@ -124,6 +127,9 @@ def _attention_of(softmax, live) -> Optional[Tuple[torch.fx.Node, torch.fx.Node]
                     nxt.append((u, axes if len(_shape(u) or ()) == len(axes) else _relabel(axes, _shape(u))))
                 elif u.target in _AXIS_OPS and u.args[0] is cur:
                     nxt.append((u, _moved(axes, u)))
+                elif u.target is aten.unsqueeze.default and u.args[0] is cur:  # einsum's broadcast axis
+                    d = u.args[1] % (len(axes) + 1)
+                    nxt.append((u, axes[:d] + ("1",) + axes[d:]))
                 elif u.target is aten.linear.default and u.args[0] is cur and axes[-1] == "h":
                     nxt.append((u, axes))  # talking heads: the heads mixed, each (q, k) entry apart
                 elif u.target in (aten.mul.Tensor, aten.mul.Scalar) and u.args[0] is cur \
@@ -136,10 +142,12 @@ def _attention_of(softmax, live) -> Optional[Tuple[torch.fx.Node, torch.fx.Node]
 
 
 def _relabel(axes, shape):
-    """Axis labels after a view that folds or splits leading axes (the last two kept)."""
+    """Axis labels after a view that folds or splits leading axes (the last two kept) and drops the
+    size-1 axes an unsqueeze added (label "1": einsum's broadcast axes)."""
     if shape is None or len(shape) < 2:
         return axes
-    return ("b",) * (len(shape) - 2) + tuple(axes[-2:])
+    kept = tuple(a for a in axes if a != "1") if len(shape) < len(axes) else tuple(axes)
+    return ("b",) * (len(shape) - 2) + kept[-2:]
 
 
 def _moved(axes, node):
@@ -184,7 +192,15 @@ def find_blocks(graph, live: Set[torch.fx.Node], fold_of: Callable[[torch.fx.Nod
                 found.append((sm, *hit))
     found.sort(key=lambda t: order[t[0]])
     blocks, left_out = [], []
+    per_module = collections.Counter(module_path(attn) for _, attn, _ in found)
     for sm, attn, product in found:
+        parts = per_module[module_path(attn)]
+        if parts > 1:  # block-sparse attention (BigBird): one module, several softmax-times-values products
+            why = (f"'{module_path(attn)}': attention computed as {parts} {SEPARATE} (block-sparse attention, "
+                   f"as BigBird's), which relprop does not assemble into one token-to-token map")
+            if why not in left_out:
+                left_out.append(why)
+            continue
         layer = layer_path(attn)
         hidden, output = _layer_io(graph, layer, live)
         shape = _shape(attn)
@@ -282,14 +298,21 @@ def _out_proj(product):
     return None
 
 
-def token_mixing(graph, live, blocks: List[BlockInfo]) -> Optional[str]:
-    """The first op between the first block's input and the last block's output that mixes token
-    positions other than through an attention block, described in words; None if there is none."""
-    if not blocks or blocks[0].hidden is None or blocks[-1].output is None:
+def token_mixing(graph, live, blocks: List[BlockInfo], start=None, end=None) -> Optional[str]:
+    """The first op that mixes token positions other than through an attention block, described in
+    words; None if there is none. Looked for between ``start`` (nodes; default the first block's
+    input) and ``end`` (nodes; default the last block's output): :mod:`relprop.graph.analysis` passes
+    the token ids' embedding lookups and the model's outputs, so that a layer before the first or
+    after the last attention block (a Mamba layer of Jamba) counts too. A pooling of every position
+    into one (the head's mean or global average pool) reads the tokens and is not mixing."""
+    if not blocks:
         return None
-    start, end = blocks[0].hidden, blocks[-1].output
-    after = descendants([start], live)
-    before = ancestors([end], live)
+    start = list(start) if start else ([blocks[0].hidden] if blocks[0].hidden is not None else [])
+    end = list(end) if end else ([blocks[-1].output] if blocks[-1].output is not None else [])
+    if not start or not end:
+        return None
+    after = descendants(start, live)
+    before = ancestors(end, live)
     inside = {b.product for b in blocks} | {b.scores for b in blocks if b.scores is not None}
     for n in graph.nodes:
         if n not in after or n not in before or n.op != "call_function" or n in inside:
@@ -302,12 +325,16 @@ def token_mixing(graph, live, blocks: List[BlockInfo]) -> Optional[str]:
 
 def _mixes_tokens(n, live) -> Optional[str]:
     if n.target in _GRID_MIXING:
+        out = _shape(n)
+        if out is not None and len(out) >= 3 and all(int(d) == 1 for d in out[2:]):
+            return None  # every position pooled into one: the head reads the tokens
         if n.target is aten.convolution.default:
             w = _shape(n.args[1])
             stride = n.args[3] if len(n.args) > 3 else [1]
             if w is not None and all(int(k) == 1 for k in w[2:]) and all(int(s) == 1 for s in stride):
                 return None  # a 1x1 convolution is per position
-            return "a convolution over the token grid"
+            return "a convolution over the tokens" if w is not None and len(w) == 3 else \
+                "a convolution over the token grid"
         return "a pooling over the token grid"
     if n.target in MATMUL_OPS and all(isinstance(a, torch.fx.Node) and a in live for a in n.args[:2]):
         return "a product of two input-dependent tensors outside an attention block"

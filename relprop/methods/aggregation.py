@@ -36,6 +36,7 @@ from typing import Callable, List, Optional
 import torch
 
 from ..errors import MethodError, OptionError
+from .identity import flat_cause, treat
 from .query import query_rows, weighted_rows
 from .rollout_utils import chain, query_row, rollout_blocks, stage_transitions
 
@@ -59,6 +60,8 @@ class Aggregation:
     layers: str = "rollout"
     last_k: int = 1
     normalize_rows: bool = False
+    #: what the rollout's scores keep of the query rows' identity share (:mod:`relprop.methods.identity`)
+    identity: str = "keep"
 
 
 def block_range(n: int, start_block: int, end_block: Optional[int], name: str) -> range:
@@ -128,11 +131,12 @@ def discard_lowest(m: torch.Tensor, ratio: float, query: torch.Tensor) -> torch.
     return flat.scatter(1, order, 0.0).reshape(m.shape)
 
 
-def combine(maps: List[torch.Tensor], agg: Aggregation, identity: bool = True,
+def combine(maps: List[torch.Tensor], agg: Aggregation, add_identity: bool = True,
             transitions=None) -> torch.Tensor:
-    """The layer aggregation of the fused maps (input → output order): rollout, sum or last-k mean."""
+    """The layer aggregation of the fused maps (input → output order): rollout (with I added to each
+    block's map unless ``add_identity`` is False), sum or last-k mean."""
     if agg.layers == "rollout":
-        if identity:
+        if add_identity:
             return chain(maps, normalize_rows=agg.normalize_rows, transitions=transitions)
         joint = None
         for m in maps:
@@ -150,7 +154,7 @@ def combine(maps: List[torch.Tensor], agg: Aggregation, identity: bool = True,
     return total if agg.layers == "sum" else total / len(maps)
 
 
-def aggregate(trace, name: str, agg: Aggregation, head_maps: Callable, identity: bool = True,
+def aggregate(trace, name: str, agg: Aggregation, head_maps: Callable, add_identity: bool = True,
               query: str = "cls", block_maps: Optional[Callable] = None, dtype=None,
               heads_of: Optional[Callable] = None) -> dict:
     """Run the aggregation ``agg`` of method ``name`` on ``trace``: ``head_maps(block)`` gives a
@@ -158,7 +162,9 @@ def aggregate(trace, name: str, agg: Aggregation, head_maps: Callable, identity:
     blocks at once; the matrix is cast to ``dtype`` when given); returns the method's output
     (``tokens``, ``matrix``, ``query``, and ``heads``: the query row of each head's map at the last
     block of the range, [batch, heads, N], from ``heads_of(block)`` or ``head_maps(block)`` after
-    the gradient weighting and the positive part; the survey's ref. [4], DINO's per-head maps)."""
+    the gradient weighting and the positive part; the survey's ref. [4], DINO's per-head maps).
+    A rollout that adds I to each block's map (``add_identity``) reads its scores as
+    ``agg.identity`` says (:func:`relprop.methods.identity.treat`)."""
     blocks = trace.blocks
     if not blocks:
         raise MethodError(f"{name} needs attention blocks, and none were found in the graph of this model. "
@@ -179,12 +185,15 @@ def aggregate(trace, name: str, agg: Aggregation, head_maps: Callable, identity:
         _, w = query_row(trace, fused[-1], query)
         fused = [discard_lowest(m, agg.discard_ratio, w) for m in fused]
     transitions = stage_transitions(trace, r.start) if agg.layers == "rollout" else None
-    joint = combine(fused, agg, identity=identity, transitions=transitions)
+    joint = combine(fused, agg, add_identity=add_identity, transitions=transitions)
     if dtype is not None:
         joint = joint.to(dtype)
     row, w = query_row(trace, joint, query)
-    return {"tokens": row, "matrix": joint, "query": w, "heads": _head_rows(trace, chosen[-1], agg,
-                                                                             heads_of or head_maps, query)}
+    out = {"query": w, "heads": _head_rows(trace, chosen[-1], agg, heads_of or head_maps, query)}
+    if agg.layers == "rollout" and add_identity:
+        row = treat(agg.identity, row, w, joint, fused, agg.normalize_rows, transitions, name)
+        out["flat_cause"] = flat_cause(agg.identity, w)
+    return {"tokens": row, "matrix": joint, **out}
 
 
 def _head_rows(trace, block, agg: Aggregation, heads_of: Optional[Callable], query: str) -> Optional[torch.Tensor]:

@@ -27,12 +27,12 @@ def apply(info: MethodInfo, trace, options: Dict[str, Any], preset: Optional[str
     to this model: it reads attention blocks and the graph has none, it reads the relevance of the
     attention maps and ``preset`` gives none, or the model's attention works on windows (Swin) and
     the method has no definition there."""
-    if info.needs_blocks and not trace.blocks:
+    unmapped = getattr(trace, "unmapped_blocks", None)
+    if info.needs_blocks and not trace.blocks and not unmapped:
         usable = sorted(n for n, m in all_methods().items() if not m.needs_blocks)
         raise MethodError(f"method '{info.name}' reads the attention blocks, and no attention blocks (a softmax "
                           f"whose output multiplies the values) were found in {model_name}'s graph. "
                           f"Methods that apply without attention: {usable}")
-    unmapped = getattr(trace, "unmapped_blocks", None)
     if info.needs_blocks and unmapped:
         usable = sorted(n for n, m in all_methods().items() if not m.needs_blocks)
         raise MethodError(f"method '{info.name}' reads the attention blocks as token-to-token maps, and {model_name} "

@@ -46,6 +46,7 @@ from .norm_flows import norm_map
 from .registry import method
 from .layout import patch_tokens
 from .query import query_rows, query_vector
+from .identity import DEFAULT_IDENTITY
 from .rollout_utils import head_mean
 
 #: methods that need no attention blocks (named when a model has none)
@@ -250,7 +251,7 @@ def attgrads(trace, token_scores: str = "rows"):
 def attention_norm(trace, block: int = -1, head_fusion: str = "combined", positive: bool = False,
                    discard_ratio: float = 0.0, start_block: int = 0, end_block: Optional[int] = None,
                    layers: str = "last", last_k: int = 1, normalize_rows: bool = True, query: str = "cls",
-                   layer: Optional[str] = None):
+                   layer: Optional[str] = None, identity: str = DEFAULT_IDENTITY):
     """Norm-based attention analysis (Kobayashi et al. 2020, Eq. 5–6; the survey's §1.5)::
 
         N[i, j] = ‖ Σ_h A[h, i, j] · f^h(x_j) ‖₂,   f^h(x_j) = W_O^h v^h_j
@@ -273,6 +274,8 @@ def attention_norm(trace, block: int = -1, head_fusion: str = "combined", positi
     block : which block (counted from the input; default -1, the block next to the output): the
         last block of the range (same as ``end_block=block + 1``).
     layer : that block by its module path (``"blocks.10"``), as pytorch-grad-cam's ``target_layers``.
+    identity : with ``layers="rollout"``, what the scores keep of each query row's identity share,
+        as rollout's (:mod:`relprop.methods.identity`).
     """
     blocks = _blocks(trace, "attention_norm")
     if block != -1 or layer is not None:
@@ -280,7 +283,7 @@ def attention_norm(trace, block: int = -1, head_fusion: str = "combined", positi
             raise OptionError("attention_norm: give block=/layer= or end_block=, not both (block=b is end_block=b+1)")
         end_block = _pick(blocks, block, "attention_norm", layer).index + 1
     agg = Aggregation("mean" if head_fusion == "combined" else head_fusion, positive, discard_ratio, start_block,
-                      end_block, layers, last_k, normalize_rows)
+                      end_block, layers, last_k, normalize_rows, identity)
 
     def block_maps(chosen):
         maps = []

@@ -32,6 +32,7 @@ from .registry import method
 from .layout import patch_tokens
 from .bimodal import check_normalize_self, is_two_stream, two_stream_result
 from .query import query_rows, query_vector
+from .identity import DEFAULT_IDENTITY, flat_cause, treat
 from .rollout_utils import chain, head_mean, query_row, rollout_blocks, stage_transitions
 from .streaming import streamable
 
@@ -90,7 +91,8 @@ def _single_block_map(trace, index: int, name: str) -> dict:
                     "I + E_h(A ⊙ R_A)⁺ per block, rolled out over the blocks (ablation)",
         class_specific=True, signed=False, reference="Chefer et al., CVPR 2021, Table 3 (i), Eq. 13-14",
         needs_relevance=True)
-def ta_without_gradient(trace, start_block: int = 0, normalize_rows: bool = False, query: str = "cls"):
+def ta_without_gradient(trace, start_block: int = 0, normalize_rows: bool = False, query: str = "cls",
+                        identity: str = DEFAULT_IDENTITY):
     """Ablation (i) of Table 3: Eq. 13 with A_b in place of ∇A_b,
     Ā_b = I + E_h[(A_b ⊙ R_A,b)⁺], rolled out as Eq. 14 (C = Ā_1 · … · Ā_B, paper numbering);
     scores = the classification token's row of C.
@@ -100,14 +102,17 @@ def ta_without_gradient(trace, start_block: int = 0, normalize_rows: bool = Fals
     start_block : first block (counted from the input, 0-based) in the product; default 0 (every
         block), as ``transformer_attribution``.
     normalize_rows : divide each I + Ā_b by its row sums; default off, as ``transformer_attribution``.
+    identity : the query rows' identity share, as ``transformer_attribution`` (:mod:`relprop.methods.identity`).
     """
     blocks = _blocks(trace, "ta_without_gradient")
     _check_start(start_block, blocks, "ta_without_gradient")
     maps = [head_mean((b.attention * _relevance(b, "ta_without_gradient")).clamp(min=0))
             for b in rollout_blocks(trace, "ta_without_gradient", start_block)]
-    joint = chain(maps, normalize_rows=normalize_rows, transitions=stage_transitions(trace, start_block))
+    transitions = stage_transitions(trace, start_block)
+    joint = chain(maps, normalize_rows=normalize_rows, transitions=transitions)
     row, w = query_row(trace, joint, query)
-    return {"tokens": row, "matrix": joint, "query": w}
+    row = treat(identity, row, w, joint, maps, normalize_rows, transitions, "ta_without_gradient")
+    return {"tokens": row, "matrix": joint, "query": w, "flat_cause": flat_cause(identity, w)}
 
 
 @method("ta_last_block",
@@ -208,16 +213,17 @@ def partial_lrp(trace):
         needs_relevance=False)
 def raw_attention(trace, head_fusion: str = "mean", positive: bool = False, discard_ratio: float = 0.0,
                   start_block: int = 0, end_block: Optional[int] = None, layers: str = "last", last_k: int = 1,
-                  normalize_rows: bool = False, query: str = "cls"):
+                  normalize_rows: bool = False, query: str = "cls", identity: str = DEFAULT_IDENTITY):
     """Raw attention (CVPR 2021, §4; the survey's §1.1): E_h A of the block next to the output;
     scores = its classification-token row. Class-agnostic.
 
     The aggregation options of :mod:`relprop.methods.aggregation` (survey §1.4) apply to the
     per-head maps A_b,h; the defaults (``layers="last"``, ``last_k=1`` over every block: the block
     next to the output alone, E_h, no positive part, nothing discarded) are raw attention.
-    ``layers="rollout"`` with ``normalize_rows=True`` is attention rollout.
+    ``layers="rollout"`` with ``normalize_rows=True`` is attention rollout (``identity``: as rollout's).
     """
-    agg = Aggregation(head_fusion, positive, discard_ratio, start_block, end_block, layers, last_k, normalize_rows)
+    agg = Aggregation(head_fusion, positive, discard_ratio, start_block, end_block, layers, last_k, normalize_rows,
+                      identity)
     return aggregate(trace, "raw_attention", agg, lambda b: b.attention, query=query)
 
 
@@ -228,7 +234,8 @@ def raw_attention(trace, head_fusion: str = "mean", positive: bool = False, disc
         needs_relevance=False)
 def rollout(trace, start_block: int = 0, normalize_rows: bool = True, query: str = "cls",
             end_block: Optional[int] = None, head_fusion: str = "mean", positive: bool = False,
-            discard_ratio: float = 0.0, layers: str = "rollout", last_k: int = 1):
+            discard_ratio: float = 0.0, layers: str = "rollout", last_k: int = 1,
+            identity: str = DEFAULT_IDENTITY):
     """Attention rollout (Abnar & Zuidema 2020; CVPR 2021 Eq. 15–16): Â_b = I + E_h A_b, each
     row divided by its sum, rollout = Â_1 · … · Â_B (paper numbering: output side first);
     scores = the classification token's row. Class-agnostic.
@@ -244,8 +251,12 @@ def rollout(trace, start_block: int = 0, normalize_rows: bool = True, query: str
     end_block, head_fusion, positive, discard_ratio, layers, last_k : the aggregation
         hyperparameters of :mod:`relprop.methods.aggregation` (survey §1.4); the defaults are
         Eq. 15–16 (``head_fusion="max"`` with ``discard_ratio=0.9`` is the common "max fusion").
+    identity : what the scores keep of each query row's identity share: ``"exclude"`` (default;
+        the same scores as Eq. 16 on a [CLS] model), ``"keep"``, ``"exclude_self"``
+        (:mod:`relprop.methods.identity`).
     """
-    agg = Aggregation(head_fusion, positive, discard_ratio, start_block, end_block, layers, last_k, normalize_rows)
+    agg = Aggregation(head_fusion, positive, discard_ratio, start_block, end_block, layers, last_k, normalize_rows,
+                      identity)
     return aggregate(trace, "rollout", agg, _ROLLOUT_MAPS, query=query)
 
 
@@ -307,14 +318,16 @@ def attention_gradcam(trace):
 def gradient_rollout(trace, query: str = "cls", head_fusion: str = "mean", positive: bool = True,
                      discard_ratio: float = 0.0, start_block: int = 0, end_block: Optional[int] = None,
                      layers: str = "rollout", last_k: int = 1, normalize_rows: bool = False,
-                     normalize_self: bool = True):
+                     normalize_self: bool = True, identity: str = DEFAULT_IDENTITY):
     """Chefer, Gur & Wolf, ICCV 2021 ("Generic Attention-model Explainability"), self-attention
     rules: R = I; for every block from the input to the output, Ā = E_h[(∇A ⊙ A)⁺] (Eq. 5) and
     R ← R + Ā · R (Eq. 6); scores = the classification token's row of R. Needs only gradients.
 
     ``query="mean"`` reads the mean of the real tokens' rows instead (mean-pooled models). The
     aggregation options of :mod:`relprop.methods.aggregation` (survey §1.3–1.4) apply to the
-    per-head maps ∇A_b,h ⊙ A_b,h; the defaults are Eq. 5–6.
+    per-head maps ∇A_b,h ⊙ A_b,h; the defaults are Eq. 5–6. ``identity`` (the query rows' share of
+    R's initial I: ``"exclude"`` by default, the same scores as Eq. 6 on a [CLS] model; ``"keep"``;
+    ``"exclude_self"``) is :mod:`relprop.methods.identity`.
 
     On a model with two token streams (encoder–decoder, co-attention) the ICCV 2021 rules for
     every pair of streams apply (Eq. 1–11, :mod:`relprop.methods.bimodal`): the result has one
@@ -328,9 +341,11 @@ def gradient_rollout(trace, query: str = "cls", head_fusion: str = "mean", posit
         _only_defaults("gradient_rollout", query=(query, "cls"), head_fusion=(head_fusion, "mean"),
                        positive=(positive, True), discard_ratio=(discard_ratio, 0.0), start_block=(start_block, 0),
                        end_block=(end_block, None),
-                       layers=(layers, "rollout"), last_k=(last_k, 1), normalize_rows=(normalize_rows, False))
+                       layers=(layers, "rollout"), last_k=(last_k, 1), normalize_rows=(normalize_rows, False),
+                       identity=(identity, DEFAULT_IDENTITY))
         return two_stream_result(trace, "gradient", normalize_self)
-    agg = Aggregation(head_fusion, positive, discard_ratio, start_block, end_block, layers, last_k, normalize_rows)
+    agg = Aggregation(head_fusion, positive, discard_ratio, start_block, end_block, layers, last_k, normalize_rows,
+                      identity)
     return aggregate(trace, "gradient_rollout", agg, _GRADIENT_ROLLOUT_MAPS, query=query)
 
 

@@ -174,5 +174,5 @@ def attn_res_ln_norm(trace, head_fusion: str = "combined", positive: bool = Fals
     def block_maps(chosen):
         env = trace.session.base_env()
         return [residual_norm_map(trace, b, env) for b in chosen]
-    return aggregate(trace, "attn_res_ln_norm", agg, None, identity=False, query=query, block_maps=block_maps,
+    return aggregate(trace, "attn_res_ln_norm", agg, None, add_identity=False, query=query, block_maps=block_maps,
                      dtype=dtype)

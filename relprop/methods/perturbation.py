@@ -98,7 +98,7 @@ def value_zeroing(trace, head_fusion: str = "all", positive: bool = False, disca
         raise OptionError(f"value_zeroing: head_fusion={head_fusion!r} is not a choice. Choices: ['all'] (the "
                           "values of a token are zeroed in every head at once)")
     agg = Aggregation("mean", positive, discard_ratio, start_block, end_block, layers, last_k, False)
-    return aggregate(trace, "value_zeroing", agg, None, identity=False, query=query,
+    return aggregate(trace, "value_zeroing", agg, None, add_identity=False, query=query,
                      block_maps=lambda chosen: _vz_maps(trace, chosen, batch_size), dtype=torch.float32)
 
 

@@ -6,6 +6,7 @@ from typing import List, Optional
 import torch
 
 from ..errors import MethodError
+from .identity import with_identity
 from .query import query_rows, query_vector
 from .registry import all_methods
 
@@ -15,13 +16,6 @@ def head_mean(t: torch.Tensor) -> torch.Tensor:
     if t.dim() == 3:
         return t
     return t.mean(1)
-
-
-def with_identity(m: torch.Tensor, normalize_rows: bool = False) -> torch.Tensor:
-    """One block's factor of the rollout, I + M_b (Eq. 13's residual), divided by its row sums with
-    ``normalize_rows``."""
-    a = m + torch.eye(m.shape[-1], dtype=m.dtype, device=m.device)
-    return a / a.sum(-1, keepdim=True) if normalize_rows else a
 
 
 def chain(matrices: List[torch.Tensor], normalize_rows: bool = False,

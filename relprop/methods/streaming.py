@@ -38,7 +38,8 @@ from ..graph.aliasing import shares_memory
 from .aggregation import Aggregation, block_range, fuse_heads, per_head_maps
 from .apply import no_relevance
 from .query import causal_block, row_zero_only, support_of, weighted_rows, weights_of
-from .rollout_utils import check_mixing, check_neighbours, check_square, with_identity
+from .identity import flat_cause, fold_step, merge_rows, with_identity
+from .rollout_utils import check_mixing, check_neighbours, check_square
 
 #: the methods whose result a :class:`RowFold` computes: name -> the per-head maps of a block record
 #: (the same function the method passes to :func:`relprop.methods.aggregation.aggregate`)
@@ -70,6 +71,8 @@ def why_not(info, options: Dict[str, Any], analysis) -> Optional[str]:
         return "discard_ratio > 0 ranks every entry of each block's map against the query of the last block"
     if s.get("normalize_self", True) is not True:
         return "normalize_self=False is the two-stream ablation (the full path checks it)"
+    if s.get("identity", "keep") == "exclude_self":
+        return "identity='exclude_self' reads the diagonal of the whole aggregated matrix C"
     if not analysis.blocks:
         return "the model has no attention blocks"
     if analysis.windows:
@@ -97,13 +100,19 @@ class RowFold:
         self.name, self.preset, self.needs_relevance = info.name, preset, info.needs_relevance
         self.head_maps = STREAM_MAPS[info.name]
         self.agg = Aggregation(*(s[k] for k in ("head_fusion", "positive", "discard_ratio", "start_block",
-                                                "end_block", "layers", "last_k", "normalize_rows")))
+                                                "end_block", "layers", "last_k", "normalize_rows")),
+                               identity=s.get("identity", "keep"))
+        if self.agg.identity not in ("exclude", "keep"):
+            raise MethodError(f"{info.name}: identity={self.agg.identity!r} is not folded block by block; explain with "
+                              "keep_blocks=True")
         self.query = s["query"]
         if self.query not in ("cls", "mean"):
             raise MethodError(f"query={self.query!r} is not a choice. Choices: ['cls', 'mean']")
         self.range = block_range(n_blocks, self.agg.start_block, self.agg.end_block, info.name)
         self.mask, self.mixing, self.n_blocks = attention_mask, token_mixing, n_blocks
         self.row = None  # [batch, k, N]: the folded rows of the k query candidates
+        self.excluded = None  # [batch, k, N]: their parts off the identity path (identity="exclude")
+        self.path = None  # [batch, k, N]: their parts on it
         self.weights = None  # [batch, k, N]: the candidates' query weights
         self.real = None  # [batch, N] bool: the real (non-padding) tokens
         self.causal = True
@@ -167,7 +176,10 @@ class RowFold:
         fused = fuse_heads(maps, rec.gradient, agg)
         if self.row is None:  # the last block of the range: start from the query weights
             self.row = self.weights.to(fused.dtype)
+            self.excluded, self.path = torch.zeros_like(self.row), self.row
             self.heads = self._head_rows(rec, maps, agg)
+        if self.agg.identity == "exclude":  # the row's part off the identity path (relprop.methods.identity)
+            self.excluded, self.path = fold_step(self.excluded, self.path, fused, self.agg.normalize_rows)
         a = with_identity(fused, self.agg.normalize_rows)
         self.row = torch.matmul(self.row, a)  # [batch, k, N] · [batch, N, N]: row ← row · (I + M_b)
 
@@ -193,9 +205,12 @@ class RowFold:
                               f"explain with keep_blocks=True")
         pick = 1 if self.weights.shape[1] > 1 and self.causal else 0
         row, w = self.row[:, pick], self.weights[:, pick].to(self.row.dtype)
+        excluded = self.excluded[:, pick]
         heads = None if self.heads is None else self.heads[:, pick]
         if self.query == "mean":
             total = w.sum(1, keepdim=True).clamp_min(1)
-            row, w = row / total, w / total
-        return {"tokens": row, "query": w, "heads": heads,
+            row, w, excluded = row / total, w / total, excluded / total
+        if self.agg.identity == "exclude":
+            row = merge_rows(row, excluded, w)
+        return {"tokens": row, "query": w, "heads": heads, "flat_cause": flat_cause(self.agg.identity, w),
                 "matrix": NotKept("the aggregated matrix (exp.matrix)", self.name)}

@@ -6,6 +6,7 @@ from typing import Optional
 from ..errors import MethodError
 from .aggregation import Aggregation, aggregate
 from .bimodal import check_normalize_self, is_two_stream, two_stream_result
+from .identity import DEFAULT_IDENTITY
 from .registry import method
 from .streaming import streamable
 
@@ -21,7 +22,7 @@ _TA_MAPS = streamable("transformer_attribution", lambda b: b.gradient * b.releva
 def transformer_attribution(trace, start_block: int = 0, normalize_rows: bool = False, query: str = "cls",
                             end_block: Optional[int] = None, head_fusion: str = "mean", positive: bool = True,
                             discard_ratio: float = 0.0, layers: str = "rollout", last_k: int = 1,
-                            normalize_self: bool = True):
+                            normalize_self: bool = True, identity: str = DEFAULT_IDENTITY):
     """Ā_b = I + E_h[(∇A_b ⊙ R_A,b)⁺] (Eq. 13); C = Ā_1 · … · Ā_B (Eq. 14, blocks numbered from the
     output); scores = the classification token's row of C.
 
@@ -36,6 +37,11 @@ def transformer_attribution(trace, start_block: int = 0, normalize_rows: bool = 
     query : ``"cls"`` (the paper: the classification token's row) or ``"mean"`` (the mean of the
         rows of the real, non-padding tokens: the row of a mean-pooled output, for models that
         classify from mean pooling, such as sentence-transformers, where the CLS row is unused).
+    identity : what the scores keep of each query row's identity share (the I of each block's
+        I + Ā_b): ``"exclude"`` (default) leaves it out, as Eq. 14's map leaves out [CLS] (the same
+        scores on a [CLS] model); ``"keep"`` reads q · C as printed; ``"exclude_self"`` also leaves out
+        the paths back to the query row itself (:mod:`relprop.methods.identity`; on mean-pooled
+        models the identity share is the same for every token and, kept, paints them all alike).
     end_block, head_fusion, positive, discard_ratio, layers, last_k : the aggregation
         hyperparameters of :mod:`relprop.methods.aggregation` (survey §1.4); the defaults (every
         block, E_h, positive part, nothing discarded, rollout) are Eq. 13–14.
@@ -58,12 +64,14 @@ def transformer_attribution(trace, start_block: int = 0, normalize_rows: bool = 
     if trace.blocks and is_two_stream(trace):  # encoder-decoder, co-attention: the ICCV 2021 rules with R_A
         given = {"start_block": (start_block, 0), "normalize_rows": (normalize_rows, False), "query": (query, "cls"),
                  "end_block": (end_block, None), "head_fusion": (head_fusion, "mean"), "positive": (positive, True),
-                 "discard_ratio": (discard_ratio, 0.0), "layers": (layers, "rollout"), "last_k": (last_k, 1)}
+                 "discard_ratio": (discard_ratio, 0.0), "layers": (layers, "rollout"), "last_k": (last_k, 1),
+                 "identity": (identity, DEFAULT_IDENTITY)}
         for option, (value, default) in given.items():
             if value != default:
                 raise MethodError(f"transformer_attribution on a model with two token streams follows the bi-modal "
                                   f"rules of Chefer et al. (ICCV 2021), which have no {option}={value!r}; leave "
                                   f"{option} at {default!r}")
         return two_stream_result(trace, "relevance", normalize_self)
-    agg = Aggregation(head_fusion, positive, discard_ratio, start_block, end_block, layers, last_k, normalize_rows)
+    agg = Aggregation(head_fusion, positive, discard_ratio, start_block, end_block, layers, last_k, normalize_rows,
+                      identity)
     return aggregate(trace, "transformer_attribution", agg, _TA_MAPS, query=query)

@@ -17,12 +17,13 @@ module              ops
 ``cp_lrp``          the CP-LRP preset (Ali et al., ICML 2022): attention and gates held constant
 ``norm_layers``     BatchNorm in inference and GroupNorm (hybrid and convolutional models), every preset
 ``pooling``         average/max pooling and upsampling of feature maps, every preset
+``scatter``         writes (index_put with masks, slice_scatter, select_scatter); norms, amax, max.dim
 ``gradient_forms``  rules as modified gradients (autograd functions) for the one-backward fast path
 ==================  ======================================================================
 """
 # the rule modules register their rules when imported; a preset's table is complete after the last
 from . import routing, passthrough, linear, products, residual, convolution, reductions
-from . import pointwise, normalization, windows, attnlrp, cp_lrp, norm_layers, pooling
+from . import pointwise, normalization, windows, attnlrp, cp_lrp, norm_layers, pooling, scatter
 from .context import RuleContext
 from .gradient_forms import gradient_form
 from .registry import Preset, describe, get_preset, lookup, override, presets, rule, seal_builtins
@@ -33,4 +34,4 @@ __all__ = ["Preset", "RuleContext", "describe", "get_preset", "gradient_form", "
            "rule",
            # the rule modules, one per op family
            "attnlrp", "convolution", "cp_lrp", "linear", "norm_layers", "normalization", "passthrough", "pointwise",
-           "pooling", "products", "reductions", "residual", "routing", "windows"]
+           "pooling", "products", "reductions", "residual", "routing", "scatter", "windows"]
