@@ -16,7 +16,8 @@ import torch.fx
 from ..graph.aliasing import shares_memory
 from ..graph.nodes import evaluate
 from ..graph.tokens import token_positions
-from .forward import forward, output_seed
+from ..rules.registry import get_preset
+from .forward import forward, output_seed, relevance_seed
 from .memory import crossing, last_uses, read_after_walk, rematerializable, segments
 from .request import Request
 from .trace import Pass
@@ -69,7 +70,8 @@ def run_low(request: Request, out_nodes: List[torch.fx.Node], wrt: List[torch.fx
     grad: Dict[torch.fx.Node, torch.Tensor] = {}
     walker = None
     if request.relevance:  # (no memo of 2x every weight here: memory="high" only)
-        walker = Walker(request, env, {**seed}, out_nodes, batch, remat)
+        walker = Walker(request, env, relevance_seed(seed, env, get_preset(request.preset).seed), out_nodes, batch,
+                        remat)
     needed_later = read_after_walk(a)
     dropped: set = set()
     if streamer is not None:

@@ -100,7 +100,8 @@ def relevance_path(graph: torch.fx.Graph, live, sources, rule_of: Callable[[torc
     From the live outputs back: a source (pixels, an embedding lookup) or a placeholder ends a
     branch; an element of a list output (``getitem``) leads to the list; any other node leads to
     its live arguments except the positions its rule declares in ``no_relevance_to`` (the divisor
-    of a normalization). ``rule_of(node)`` returns the node's rule, or None when it has none: such
+    of a normalization), or to the nodes its rule declares in ``operands`` (a rule that explains a
+    whole subgraph, e.g. an element-wise function written out op by op, applied to its input). ``rule_of(node)`` returns the node's rule, or None when it has none: such
     a node is on the path but the walk does not go past it, unless ``through_missing`` (the
     coverage report), which goes on as if relevance reached every live argument of it, so that the
     ops upstream of a missing one are labelled too.
@@ -122,7 +123,8 @@ def relevance_path(graph: torch.fx.Graph, live, sources, rule_of: Callable[[torc
         if fn is None and not through_missing:
             continue
         blocked = getattr(fn, "no_relevance_to", ())
-        for i, arg in enumerate(node.args):
+        operands = getattr(fn, "operands", None)  # a rule applied to other nodes than the arguments
+        for i, arg in enumerate(node.args if operands is None else operands):
             if i in blocked:
                 continue
             stack.extend(m for m in pytree.tree_leaves(arg) if isinstance(m, torch.fx.Node) and m in live)

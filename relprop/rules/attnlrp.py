@@ -12,7 +12,9 @@ sum / mean pooling                         ε-rule on a sum (Eq. 8)
 multiplication / division by a constant    linear map without bias: ε-rule = R unchanged
 GELU, SiLU, tanh, sigmoid, ReLU, erf,      identity rule (Eq. 9): R_x = R_y
 x^p, √x, 1/√x, hardswish, clamp, ...
-(element-wise, one input)
+(element-wise, one input); element-wise
+functions written out op by op (gelu_new,
+quick_gelu, SiLU, softcapping, softplus)
 softmax                                    Prop. 3.1 (Taylor decomposition at x with bias):
                                            R_x = x ⊙ (R − s ⊙ Σ R); the rest is absorbed (bias)
 attention products A·V and Q·Kᵀ (two      Prop. 3.3: ε-rule, then the uniform rule (Eq. 7):
@@ -44,22 +46,23 @@ import types
 import torch
 
 from .convolution import conv_input_adjoint
-from .gradient_forms import (constant_operand, epsilon_linear_form, epsilon_stabilized, gradient_form,
-                             identity_rule, half_gradient, layer_norm_const_std, plain, rms_norm_const_rms,
-                             uniform_product)
+from .gradient_forms import (constant_operand, epsilon_linear_form, epsilon_stabilized, function_identity,
+                             gradient_form, identity_rule, half_gradient, layer_norm_const_std, plain,
+                             rms_norm_const_rms, uniform_product)
 from .linear import require_constant_weight
 from .normalization import is_statistic
 from .reductions import pooling_z_rule
-from .registry import BASE, Preset, rule
+from .registry import BASE, ELEMENTWISE_FUNCTION, Preset, rule
 from .stabilize import finite, promote, safe_divide
 
 aten = torch.ops.aten
 
 ATTNLRP = Preset(
-    "attnlrp", extends=BASE, modified_gradient=True,
+    "attnlrp", extends=BASE, modified_gradient=True, seed="score",
     description="AttnLRP (Achtibat et al., ICML 2024): epsilon-rule linear layers and sums, identity rule on "
                 "element-wise non-linearities and normalization statistics, uniform rule on bilinear products, "
-                "the softmax rule of Prop. 3.1; conservative up to absorbed (bias) relevance")
+                "the softmax rule of Prop. 3.1; relevance starts at the target logit's value; conservative up to "
+                "absorbed (bias) relevance")
 PRESET = "attnlrp"
 
 
@@ -221,6 +224,17 @@ def identity(ctx, relevance):
     identity rule (AttnLRP Eq. 9), R_x = R_y: a function of one variable explains itself entirely by
     it."""
     return (relevance,) + (None,) * (len(ctx.args) - 1)
+
+
+@rule(ELEMENTWISE_FUNCTION, preset=PRESET)
+@gradient_form(function_identity)
+def identity_function(ctx, relevance):
+    """An element-wise function of one tensor that the graph computes op by op (tanh-GELU
+    ``gelu_new``, ``quick_gelu``, a SiLU written ``x·sigmoid(x)``, softcapping ``c·tanh(x/c)``, a
+    softplus; :mod:`relprop.graph.elementwise`): the identity rule of the whole function (AttnLRP
+    Eq. 9), R_x = R_y, as LXT applies it to the activation module (``identity_rule_implicit``).
+    ``ctx.args`` is ``(x,)``, ``ctx.out`` the function's output."""
+    return (relevance,)
 
 
 # ------------------------------------------------------------------------------------------------
