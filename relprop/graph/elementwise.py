@@ -14,7 +14,8 @@ a product of two tensors, and the constants added along the way would absorb rel
 * reads exactly one input-dependent tensor ``x`` from outside (anything else it reads is a
   constant: a Python number, a parameter, a buffer, a mask that does not depend on the input),
 * whose values are all shaped like ``x`` (element-wise: output i depends on input i only),
-* whose nodes are read only by other nodes of the region, except one, its output ``y``,
+* whose nodes are read only by other nodes of the region (or by checks that compute nothing, such
+  as ``_assert_tensor_metadata``), except one, its output ``y``,
 * has at least two nodes and at least one non-linear one (:data:`NONLINEAR`, or a product or
   quotient of two values that depend on ``x``).
 
@@ -67,6 +68,11 @@ def _shape(node) -> Optional[tuple]:
     return tuple(v.shape) if isinstance(v, torch.Tensor) else None
 
 
+def _inert(node: torch.fx.Node) -> bool:
+    """A user that computes nothing from the value (``_assert_tensor_metadata`` checks of a cast)."""
+    return node.op == "call_function" and node.meta.get("val") is None and not node.users
+
+
 def _live_inputs(node: torch.fx.Node, live) -> list:
     return [m for m in node.all_input_nodes if m in live]
 
@@ -84,7 +90,7 @@ def _grow(y: torch.fx.Node, live, protected) -> Optional[Region]:
             for m in _live_inputs(n, live):
                 if m in nodes or m in protected or m.op != "call_function" or m.target not in POINTWISE:
                     continue
-                if _shape(m) != shape or not all(u in nodes for u in m.users):
+                if _shape(m) != shape or not all(u in nodes or _inert(u) for u in m.users):
                     continue
                 nodes.add(m)
                 changed = True
