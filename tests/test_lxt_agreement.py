@@ -5,7 +5,10 @@ summed over the embedding size) correlate at Pearson >= 0.999 and differ by at m
 largest score, for the fast path and the rule-by-rule walk. This pins the two conventions AttnLRP
 and LXT share: relevance starts at the explained logit's value, sign included (``Preset.seed``),
 and an activation written out op by op (GPT-2's tanh-GELU) gets the identity rule of the whole
-function. Skipped when ``lxt`` is not installed (``pip install lxt``; CI installs it).
+function. The mixture-of-experts models (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE), which LXT 2.1 does
+not patch, are compared with LXT's functions applied as LXT's repository applies them to Qwen3-MoE
+(``tests/lxt_reference.py``): uniform rule on the gate weights, the router's own gradient.
+Skipped when ``lxt`` is not installed (``pip install lxt``; CI installs it).
 """
 import importlib.util
 import json
@@ -21,7 +24,9 @@ import relprop
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("lxt") is None, reason="lxt is not installed")
 
-MODELS = ("llama", "qwen2", "gemma3", "gpt2")
+DECODERS = ("llama", "qwen2", "gemma3", "gpt2")
+MOE = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
+MODELS = DECODERS + MOE
 MIN_PEARSON = 0.999
 MAX_RELATIVE_DIFFERENCE = 1e-3
 
@@ -35,8 +40,9 @@ def lxt():
     return json.loads(done.stdout)
 
 
-@pytest.mark.parametrize("fast_path", [True, False], ids=["fast_path", "interpreter"])
-@pytest.mark.parametrize("name", MODELS)
+@pytest.mark.parametrize("name, fast_path", [(n, f) for n in DECODERS for f in (True, False)]
+                         + [(n, True) for n in MOE], ids=lambda v: v if isinstance(v, str) else
+                         ("fast_path" if v else "interpreter"))
 def test_attnlrp_equals_lxt(name, fast_path, lxt, capsys):
     theirs = lxt[name]
     model = llm_models.build(name)

@@ -217,7 +217,9 @@ class Walker:
         shares = fn(ctx, r)
         if lost is not None and shares is not None:  # an ε-rule: book what its stabilizer keeps
             kept = lost(node, ctx.args, ctx.out, r, self.eps)
-            if kept is not None:
+            if isinstance(kept, tuple):  # (label, share): what a rule does not pass on, under its own label
+                self.absorb(kept[0], kept[1], node, None)
+            elif kept is not None:
                 self.absorb(STABILIZER, kept, node, None)
         del ctx, args, kw, r
         if shares is None:

@@ -49,7 +49,9 @@ from .convolution import conv_input_adjoint
 from .gradient_forms import (constant_operand, epsilon_linear_form, epsilon_stabilized, function_identity,
                              gradient_form, identity_rule, half_gradient, layer_norm_const_std, plain,
                              rms_norm_const_rms, uniform_product)
-from .linear import require_constant_weight
+from .linear import require_constant_weight, with_formula
+from .moe import (GROUPED_MM, RENORMALIZATION, grouped_linear, is_routing_weight, renormalization_shares,
+                  renormalized_dims)
 from .normalization import is_statistic
 from .reductions import pooling_z_rule
 from .registry import BASE, ELEMENTWISE_FUNCTION, Preset, rule
@@ -73,8 +75,15 @@ _f = promote
 # ------------------------------------------------------------------------------------------------
 # ε-rule: linear maps (Eq. 8)
 # ------------------------------------------------------------------------------------------------
+def epsilon_formula(x, w, relevance, eps):
+    """The ε-rule (Eq. 8) of ``z = x @ w`` without bias (``w`` [in, out]): R_x = x ⊙ (R / z) wᵀ; what
+    other rules apply to linear maps that are not ``aten.linear`` (a MoE layer's experts)."""
+    return x * (safe_divide(relevance, x @ w, eps) @ w.transpose(-1, -2))
+
+
 @rule(aten.linear.default, preset=PRESET)
 @gradient_form(epsilon_linear_form)
+@with_formula(epsilon_formula)
 def epsilon_linear(ctx, relevance):
     """``y = x Wᵀ + b``: ε-rule (AttnLRP Eq. 8; Bach et al. 2015 Eq. 58),
     R_x = x ⊙ (R / y) W with y including the bias; the bias absorbs b ⊙ R / y."""
@@ -155,6 +164,10 @@ def uniform_matmul(ctx, relevance):
     if live_a and live_b:
         return (ra / 2, rb / 2)
     return (ra, None) if live_a else (None, rb)
+
+
+# the experts of a MoE layer: the ε-rule on each expert's rows (relprop.rules.moe)
+rule(*GROUPED_MM, preset=PRESET)(grouped_linear)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -302,6 +315,8 @@ def product_kind(ctx) -> str:
     live_a, live_b = ctx.live[0] is True, ctx.live[1] is True
     if not (live_a and live_b):
         return "constant"
+    if any(is_routing_weight(a) for a in ctx.node.args[:2]):  # a MoE gate weight: Prop. 3.2, as LXT does
+        return "uniform"
     if is_statistic(ctx, 1):
         return "statistic1"
     if is_statistic(ctx, 0):
@@ -357,12 +372,35 @@ def uniform_multiply(ctx, relevance):
     return (None, None)
 
 
+def _divide_form(node, live, eps):
+    if renormalized_dims(node) is not None:  # w / Σ w of routing weights: its own gradient is its ε-rule
+        return None
+    return constant_operand(1)(node, live, eps)
+
+
+def _renormalization_lost(node, args, out, relevance, eps):
+    """What the ε-rule of a top-k renormalization does not pass on, booked as absorbed under
+    :data:`relprop.rules.moe.RENORMALIZATION` (None for any other division)."""
+    dims = renormalized_dims(node)
+    if dims is None:
+        return None
+    return RENORMALIZATION, renormalization_shares(_f(out), relevance, dims)[1]
+
+
+_divide_form.lost = _renormalization_lost
+
+
 @rule(aten.div.Tensor, preset=PRESET)
-@gradient_form(constant_operand(1))
+@gradient_form(_divide_form)
 def divide(ctx, relevance):
     """x / d with d a constant or a statistic of the input (a norm, a standard deviation): AttnLRP
     Prop. 3.4, d is a constant, so y = x / d is linear without bias and R_x = R (ε-rule, Eq. 8);
-    the divisor gets none. (A constant numerator absorbs R.)"""
+    the divisor gets none. (A constant numerator absorbs R.) The renormalization w / Σ w of a MoE
+    router's top-k weights is explained as a whole by the ε-rule, as the AttnLRP authors' code does
+    (:func:`relprop.rules.moe.renormalization_shares`)."""
+    dims = renormalized_dims(ctx.node)
+    if dims is not None and ctx.live[0] is True:
+        return (renormalization_shares(_f(ctx.out), relevance, dims)[0], None)
     return (relevance,) + (None,) * (len(ctx.args) - 1)
 
 
