@@ -50,6 +50,8 @@ class WithConstants:
 
     def __init__(self, fn, positions: FrozenSet[int]):
         self.fn, self.positions = fn, positions
+        #: the walk books a share the rule gives these arguments as absorbed, as for any constant
+        self.constant_positions = frozenset(positions)
         self.no_relevance_to = frozenset(positions) | frozenset(getattr(fn, "no_relevance_to", ()))
         self.__name__ = getattr(fn, "__name__", "rule")
         self.__module__ = getattr(fn, "__module__", __name__)

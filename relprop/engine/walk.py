@@ -225,9 +225,14 @@ class Walker:
         if shares is None:
             raise UnsupportedOperation(node.target, module_path(node), module_type(node), preset,
                                        detail="Its rule does not apply to these operands.")
+        held = getattr(fn, "constant_positions", ())  # arguments a rule holds constant (selection parameters)
         for i, arg in enumerate(arg_nodes):
             share = shares[i] if i < len(shares) else None
             if share is None:
+                continue
+            if i in held and torch.is_tensor(share):
+                self.absorb(f"{module_path(node) or 'model'}:{arg.name} (held constant)", promote(share), node,
+                            self.bdim.get(arg))
                 continue
             if isinstance(arg, (list, tuple)):
                 for el, sh in zip(arg, share):
