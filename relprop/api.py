@@ -57,7 +57,7 @@ def explain(model: torch.nn.Module, inputs: Any, target: Any = None, method: Any
             preset: Any = None, *, eps: float = DEFAULT_EPS, unsupported: str = "error",
             special_tokens_mask: Optional[torch.Tensor] = None, tokenizer: Any = None,
             fast_path: Optional[bool] = None, memory: str = "default", wrt: Optional[str] = None,
-            image_processor: Any = None, keep_blocks: bool = True, **options):
+            image_processor: Any = None, keep_blocks: bool = True, precision: str = "float32", **options):
     """Explain the score of class ``target`` of an unmodified ``model`` on ``inputs``.
 
     Parameters
@@ -132,6 +132,13 @@ def explain(model: torch.nn.Module, inputs: Any, target: Any = None, method: Any
         ``exp.matrix`` raises a :class:`relprop.MethodError` naming this option. Where folding does
         not apply (other methods in the call, window attention, two token streams, other
         aggregations) the full path runs, as with True, and ``exp.notes`` says why.
+    precision : ``"float32"`` (default): a float16 or bfloat16 model is evaluated in float32 (every
+        forward value, gradient and relevance; its weights are cast one op at a time, as the graph
+        reads them), so that the explanation of a half-precision checkpoint ranks its tokens as the
+        same weights in float32 do; the outputs and target scores are then float32 values.
+        ``"model"``: the forward pass and the gradients in the model's own dtype (half the memory of
+        the activations; the rules still accumulate relevance in float32). No effect on float32 and
+        float64 models.
     wrt : the input to explain onto, by name, when the model takes several (default: the first of
         ``input_ids``, ``pixel_values``, ``inputs_embeds``, ...). For a CLIP model,
         ``wrt="pixel_values"`` explains the image tower and ``wrt="input_ids"`` (the default) the
@@ -146,7 +153,7 @@ def explain(model: torch.nn.Module, inputs: Any, target: Any = None, method: Any
     model, inputs, tokenizer, target, wrt = raw_inputs.adapt(model, inputs, tokenizer, image_processor, target, wrt)
     infos, many = opt.check_methods(method)
     return _checked_explain(model, inputs, target, infos, many, preset, options, eps, unsupported,
-                            special_tokens_mask, tokenizer, fast_path, memory, wrt, keep_blocks)
+                            special_tokens_mask, tokenizer, fast_path, memory, wrt, keep_blocks, precision)
 
 
 def explain_settings(model: torch.nn.Module, inputs: Any, settings: Sequence[Dict[str, Any]], target: Any = None,
@@ -171,7 +178,7 @@ def explain_settings(model: torch.nn.Module, inputs: Any, settings: Sequence[Dic
 
 
 def _checked_explain(model, inputs, target, infos, many, preset, options, eps, unsupported, special_tokens_mask,
-                     tokenizer, fast_path, memory, wrt, keep_blocks=True):
+                     tokenizer, fast_path, memory, wrt, keep_blocks=True, precision="float32"):
     """The shared body of :func:`explain` and :func:`explain_settings`: ``options`` is the method
     options (a dict), or one dict per entry of ``infos`` (settings of one method)."""
     preset = opt.check_preset(preset)
@@ -179,7 +186,7 @@ def _checked_explain(model, inputs, target, infos, many, preset, options, eps, u
         if info.preset:
             get_preset(info.preset)
     opt.check_arguments(eps=eps, unsupported=unsupported, memory=memory, fast_path=fast_path,
-                        keep_blocks=keep_blocks)
+                        keep_blocks=keep_blocks, precision=precision)
     inputs, batch_mask = split_tokenizer_keys(inputs)
     mask_source = "special_tokens_mask=" if special_tokens_mask is not None else "the batch's special_tokens_mask"
     special_tokens_mask = opt.check_special_tokens_mask(special_tokens_mask if special_tokens_mask is not None
@@ -199,7 +206,7 @@ def _checked_explain(model, inputs, target, infos, many, preset, options, eps, u
     try:
         return _explain(model, prepared, target, jobs, many, preset,
                         dict(eps=eps, unsupported=unsupported, memory=memory, fast_path=fast_path,
-                             keep_blocks=keep_blocks),
+                             keep_blocks=keep_blocks, precision=precision),
                         (special_tokens_mask, mask_source), tokenizer)
     except RelpropError:
         raise

@@ -74,9 +74,10 @@ def check_keep_blocks(keep_blocks: Any) -> None:
                           "keep neither)")
 
 
-def check_arguments(*, eps: Any, unsupported: Any, memory: Any, fast_path: Any, keep_blocks: Any = True) -> None:
+def check_arguments(*, eps: Any, unsupported: Any, memory: Any, fast_path: Any, keep_blocks: Any = True,
+                    precision: Any = "float32") -> None:
     """The engine options of :func:`relprop.explain` (OptionError naming the choices)."""
-    check_engine_options(eps=eps, unsupported=unsupported, memory=memory)
+    check_engine_options(eps=eps, unsupported=unsupported, memory=memory, precision=precision)
     check_fast_path(fast_path)
     check_keep_blocks(keep_blocks)
 

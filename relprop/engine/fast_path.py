@@ -32,7 +32,7 @@ from ..graph.nodes import evaluate, is_live, live_outputs, module_path, output_l
 from ..rules import registry
 from ..rules.stabilize import on_nonzero_rows, promote, relevance_dtype, safe_divide
 from ..targets import find_logits, fixed, require_input_dependence
-from .forward import count_forward
+from .forward import bind, count_forward
 from .node_rules import rule_finder
 from .request import Request
 from .session import Session
@@ -143,7 +143,8 @@ def run_fast(request: Request) -> Trace:
     sources = set(a.sources)
     count_forward()
     with torch.enable_grad():
-        env = captured.bind(request.model, request.kwargs)
+        compute = request.compute
+        env = bind(captured, request.model, request.kwargs, compute)
         if a.primary in sources:
             env[a.primary] = env[a.primary].detach().requires_grad_(True)
         for s in a.sources:  # a second stream's float input (two-stream models)
@@ -152,7 +153,7 @@ def run_fast(request: Request) -> Trace:
         for node in captured.graph.nodes:
             if node.op != "call_function":
                 continue
-            out = evaluate(node, env.__getitem__, p.replacements.get(node))
+            out = evaluate(node, env.__getitem__, p.replacements.get(node), compute=compute)
             if node in p.functions:
                 operands, call = p.functions[node]
                 out = call(*(env[m] for m in operands), out)
@@ -195,7 +196,7 @@ def run_fast(request: Request) -> Trace:
         input_rel = r if input_rel is None else input_rel + r
     outputs_d = pytree.tree_map(lambda t: t.detach() if torch.is_tensor(t) else t, outputs)
     score = request.target.score if target is None else fixed(target, captured.primary).score
-    session = Session(captured, request.model, request.kwargs, score, src_vals[0].detach())
+    session = Session(captured, request.model, request.kwargs, score, src_vals[0].detach(), compute=compute)
     return Trace(outputs=outputs_d, logits=find_logits(outputs_d), target=target,
                  target_scores=scores.detach(), blocks=[], input_relevance=input_rel, input_gradient=None,
                  conservation=None, modality=a.modality, grid=a.grid, batch_size=batch, session=session,

@@ -15,7 +15,7 @@ import torch.fx
 import torch.utils._pytree as pytree
 
 from ..graph.capture import Captured
-from ..graph.nodes import evaluate, output_leaves, output_values
+from ..graph.nodes import HALF_DTYPES, evaluate, output_leaves, output_values
 from ..rules.stabilize import on_nonzero_rows
 from ..targets import require_input_dependence
 from .memory import last_uses
@@ -34,7 +34,7 @@ def count_forward() -> None:
 
 def forward(captured: Captured, model, kwargs, *, perturb: Optional[Callable] = None,
             overrides: Optional[Dict[torch.fx.Node, torch.Tensor]] = None, env: Optional[dict] = None,
-            only: Optional[set] = None, discard: Optional[set] = None):
+            only: Optional[set] = None, discard: Optional[set] = None, compute: Optional[torch.dtype] = None):
     """Evaluate the captured graph; returns (env, outputs).
 
     ``perturb(value)`` replaces the value of the relevance source (pixels, or the word embeddings)
@@ -42,13 +42,15 @@ def forward(captured: Captured, model, kwargs, *, perturb: Optional[Callable] = 
     the nodes in ``only`` are re-evaluated (the rest are read from ``env``). The values of the
     nodes in ``discard`` leave ``env`` after their last use (autograd keeps what it saved of them;
     :func:`relprop.engine.memory.rematerializable`). Sources are made leaves that require grad.
+    ``compute`` (float32 for a half-precision model, :attr:`relprop.engine.request.Request.compute`)
+    is the precision every node is evaluated in (:func:`relprop.graph.nodes.evaluate`).
     """
     a = captured.analysis
     count_forward()
     sources = set(a.sources)
     overrides = overrides or {}
     if env is None:
-        env = captured.bind(model, kwargs)
+        env = bind(captured, model, kwargs, compute)
         if a.primary in sources:
             v = env[a.primary]
             if perturb is not None:
@@ -68,7 +70,7 @@ def forward(captured: Captured, model, kwargs, *, perturb: Optional[Callable] = 
             continue
         if only is not None and node not in only:
             continue
-        out = evaluate(node, env.__getitem__)
+        out = evaluate(node, env.__getitem__, compute=compute)
         if node in sources:
             if perturb is not None:
                 out = perturb(out)
@@ -78,6 +80,19 @@ def forward(captured: Captured, model, kwargs, *, perturb: Optional[Callable] = 
             if m in discard:
                 env.pop(m, None)
     return env, output_values(captured.graph, captured.out_spec, env.__getitem__)
+
+
+def bind(captured: Captured, model, kwargs, compute: Optional[torch.dtype] = None) -> dict:
+    """The placeholder values (:meth:`relprop.graph.capture.Captured.bind`), the model's inputs in
+    ``compute`` precision when it is given (the weights stay as they are: :func:`evaluate` casts
+    each where the graph reads it)."""
+    env = captured.bind(model, kwargs)
+    if compute is not None:
+        for node, kind, _ in captured.bindings:
+            v = env[node]
+            if kind not in ("param", "buffer", "constant") and torch.is_tensor(v) and v.dtype in HALF_DTYPES:
+                env[node] = v.to(compute)
+    return env
 
 
 def output_seed(captured: Captured, env, score_fn, out_nodes: List[torch.fx.Node], with_scores: bool = False,

@@ -55,7 +55,7 @@ def run_low(request: Request, out_nodes: List[torch.fx.Node], wrt: List[torch.fx
     keep = kept | sources | {a.primary} | _token_trace_reads(a)
     discard = {n for n in captured.graph.nodes if n.op == "call_function" and n not in keep}
     with torch.no_grad():
-        env, outputs = forward(captured, request.model, request.kwargs, discard=discard)
+        env, outputs = forward(captured, request.model, request.kwargs, discard=discard, compute=request.compute)
     scores, seed = output_seed(captured, env, request.target.score, out_nodes, with_scores=True)
     with torch.no_grad():
         target = request.target.classes(outputs)
@@ -77,7 +77,7 @@ def run_low(request: Request, out_nodes: List[torch.fx.Node], wrt: List[torch.fx
     if streamer is not None:
         streamer.attach(walker, env, grad, batch)
     for seg in reversed(segments(captured)):
-        _backward_segment(captured, env, seg, gbuf, grad, grad_nodes, kept)
+        _backward_segment(captured, env, seg, gbuf, grad, grad_nodes, kept, request.compute)
         if walker is not None:
             with torch.no_grad():
                 for node in reversed(seg):
@@ -104,7 +104,7 @@ def _token_trace_reads(a) -> set:
     return {a.tokens.start} | set(a.tokens.reads)
 
 
-def _backward_segment(captured, env, seg, gbuf, grad, grad_nodes, kept):
+def _backward_segment(captured, env, seg, gbuf, grad, grad_nodes, kept, compute=None):
     """Recompute one segment with autograd from its inputs in ``env``, propagate the gradients in
     ``gbuf`` (at its outgoing values) back to its incoming values (added to ``gbuf``) and to the
     nodes of ``grad_nodes`` it holds (into ``grad``); leave its values, detached, in ``env``."""
@@ -128,7 +128,7 @@ def _backward_segment(captured, env, seg, gbuf, grad, grad_nodes, kept):
     inside = set(fn_nodes)
     with torch.enable_grad():
         for node in fn_nodes:
-            out = evaluate(node, val)
+            out = evaluate(node, val, compute=compute)
             if node in sources:
                 out = out.detach().requires_grad_(True)
             senv[node] = out

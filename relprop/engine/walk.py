@@ -76,6 +76,7 @@ class Walker:
         a = captured.analysis
         self.captured, self.a, self.env, self.preset, self.eps = captured, a, env, request.preset, request.eps
         self.rule_of = rule_finder(captured, request.preset, request.unsupported)
+        self.compute = request.compute
         self.unsupported, self.batch, self.remat = request.unsupported, batch, remat
         weight_cache = captured.weight_cache if request.memory == "high" else None
         self.sources = set(a.sources)
@@ -131,7 +132,7 @@ class Walker:
             return env[n]
         self._check_remat(n)
         with torch.no_grad():
-            v = evaluate(n, self.value)
+            v = evaluate(n, self.value, compute=self.compute)
         env[n] = v  # freed when the walk passes n
         return v
 

@@ -30,6 +30,7 @@ from ..errors import CaptureError
 from .analysis import GraphAnalysis, analyze
 from .decompositions import extra_decompositions
 from .inputs import batch_size_of, primary_input, signature
+from .parameters import model_tensor
 from .state import eval_mode
 
 aten = torch.ops.aten
@@ -76,10 +77,8 @@ class Captured:
         lifted constants and the user's inputs."""
         env = {}
         for node, kind, target in self.bindings:
-            if kind == "param":
-                env[node] = model.get_parameter(target).detach()
-            elif kind == "buffer":
-                env[node] = model.get_buffer(target).detach()
+            if kind in ("param", "buffer"):  # (a piece of a quantized weight: relprop.graph.parameters)
+                env[node] = model_tensor(model, target, kind).detach()
             elif kind == "constant":
                 env[node] = self.program.constants[target]
             else:

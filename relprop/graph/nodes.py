@@ -133,16 +133,39 @@ def relevance_path(graph: torch.fx.Graph, live, sources, rule_of: Callable[[torc
 
 # --------------------------------------------------------------------------------------- evaluation
 
-def evaluate(node: torch.fx.Node, value: Callable[[torch.fx.Node], Any], fn: Optional[Callable] = None) -> Any:
+#: the floating dtypes :func:`evaluate` computes in ``compute`` precision instead
+HALF_DTYPES = (torch.float16, torch.bfloat16)
+#: ops whose flag converts half-precision input to float32 output (meaningless in float32 precision)
+_HALF_TO_FLOAT = {torch.ops.aten._softmax.default: 2, torch.ops.aten._log_softmax.default: 2}
+
+
+def evaluate(node: torch.fx.Node, value: Callable[[torch.fx.Node], Any], fn: Optional[Callable] = None,
+             compute: Optional[torch.dtype] = None) -> Any:
     """The value of ``node`` computed from ``value(arg)`` of each argument node, by ``node.target``
     (or by ``fn``, a replacement that takes the same arguments). The op runs through
     :func:`~relprop.graph.torch_fixes.safe_target`; a ``full_like`` or ``where`` of the decomposed
     safe softmax runs without its copy, and its row test without boolean copies, where the node's
-    users allow it (:data:`_BY_USE`)."""
+    users allow it (:data:`_BY_USE`). With ``compute`` (float32), a model in half precision is
+    evaluated in that precision: its half-precision tensors (parameters, buffers, inputs) are cast
+    for the op and the half dtypes the graph names (casts, created tensors, dtype checks) become
+    ``compute``."""
     args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), value)
+    if compute is not None:
+        args, kwargs = pytree.tree_map(lambda v: _in_precision(v, compute), (args, kwargs))
+        flag = _HALF_TO_FLOAT.get(node.target)
+        if flag is not None and len(args) > flag and args[flag] is True:
+            args = args[:flag] + (False,) + args[flag + 1:]
     if fn is None and node.target in _BY_USE:
         fn = _BY_USE[node.target](node)
     return (fn or safe_target(node.target))(*args, **kwargs)
+
+
+def _in_precision(v: Any, compute: torch.dtype) -> Any:
+    if torch.is_tensor(v):
+        return v.to(compute) if v.dtype in HALF_DTYPES else v
+    if isinstance(v, torch.dtype) and v in HALF_DTYPES:
+        return compute
+    return v
 
 
 #: ops of the safe softmax that an exported SDPA decomposes into (``where(row all masked,
