@@ -9,7 +9,8 @@ input relevance only: the parameters do not require gradients); captum's Integra
 
 LXT 2.1 does not import under transformers 5 (its bundled BERT/LLaMA copies import
 ``find_pruneable_heads_and_indices`` and ``modeling_attn_mask_utils``, since removed); this process
-adds the first name and puts a stand-in for LXT's BERT module (not run here) before importing it. It has no patch map for timm's ViT, so, as its README asks for unsupported models, one is given
+adds the first name and puts a stand-in for LXT's BERT module (not run here) before importing it.
+It has no patch map for timm's ViT, so, as its README asks for unsupported models, one is given
 here from LXT's own functions, the way LXT patches its supported models: LayerNorm →
 ``layer_norm_forward`` (identity rule through the variance), GELU → ``non_linear_forward``
 (identity rule), and timm's ``Attention.forward`` → the same with LXT's ``divide_gradient`` on

@@ -36,8 +36,8 @@ import llm_models  # noqa: E402
 #: the modeling module LXT patches for each model of llm_models.DECODERS
 MODULES = {"llama": "llama", "qwen2": "qwen2", "gemma3": "gemma3", "gpt2": "gpt2"}
 #: mixture-of-experts models: (modeling module, class-name prefix); LXT 2.1 has no patch map for them
-MOE = {"mixtral": ("mixtral", "Mixtral"), "qwen2_moe": ("qwen2_moe", "Qwen2Moe"), "qwen3_moe": ("qwen3_moe", "Qwen3Moe"),
-       "olmoe": ("olmoe", "Olmoe")}
+MOE = {"mixtral": ("mixtral", "Mixtral"), "qwen2_moe": ("qwen2_moe", "Qwen2Moe"),
+       "qwen3_moe": ("qwen3_moe", "Qwen3Moe"), "olmoe": ("olmoe", "Olmoe")}
 
 
 def _import_lxt():

@@ -101,10 +101,11 @@ def relevance_path(graph: torch.fx.Graph, live, sources, rule_of: Callable[[torc
     branch; an element of a list output (``getitem``) leads to the list; any other node leads to
     its live arguments except the positions its rule declares in ``no_relevance_to`` (the divisor
     of a normalization), or to the nodes its rule declares in ``operands`` (a rule that explains a
-    whole subgraph, e.g. an element-wise function written out op by op, applied to its input). ``rule_of(node)`` returns the node's rule, or None when it has none: such
-    a node is on the path but the walk does not go past it, unless ``through_missing`` (the
-    coverage report), which goes on as if relevance reached every live argument of it, so that the
-    ops upstream of a missing one are labelled too.
+    whole subgraph, e.g. an element-wise function written out op by op, applied to its input).
+    ``rule_of(node)`` returns the node's rule, or None when it has none: such a node is on the path
+    but the walk does not go past it, unless ``through_missing`` (the coverage report), which goes
+    on as if relevance reached every live argument of it, so that the ops upstream of a missing one
+    are labelled too.
     """
     sources = set(sources)
     stack = [n for n in output_leaves(graph) if isinstance(n, torch.fx.Node) and n in live]

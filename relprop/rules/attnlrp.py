@@ -50,8 +50,7 @@ from .gradient_forms import (constant_operand, epsilon_linear_form, epsilon_stab
                              gradient_form, identity_rule, half_gradient, layer_norm_const_std, plain,
                              rms_norm_const_rms, uniform_product)
 from .linear import require_constant_weight, with_formula
-from .moe import (GROUPED_MM, RENORMALIZATION, grouped_linear, is_routing_weight, renormalization_shares,
-                  renormalized_dims)
+from .moe import GROUPED_MM, grouped_linear, is_routing_weight, renormalization_shares, renormalized_dims, renormalizing
 from .normalization import is_statistic
 from .reductions import pooling_z_rule
 from .registry import BASE, ELEMENTWISE_FUNCTION, Preset, rule
@@ -372,26 +371,8 @@ def uniform_multiply(ctx, relevance):
     return (None, None)
 
 
-def _divide_form(node, live, eps):
-    if renormalized_dims(node) is not None:  # w / Σ w of routing weights: its own gradient is its ε-rule
-        return None
-    return constant_operand(1)(node, live, eps)
-
-
-def _renormalization_lost(node, args, out, relevance, eps):
-    """What the ε-rule of a top-k renormalization does not pass on, booked as absorbed under
-    :data:`relprop.rules.moe.RENORMALIZATION` (None for any other division)."""
-    dims = renormalized_dims(node)
-    if dims is None:
-        return None
-    return RENORMALIZATION, renormalization_shares(_f(out), relevance, dims)[1]
-
-
-_divide_form.lost = _renormalization_lost
-
-
 @rule(aten.div.Tensor, preset=PRESET)
-@gradient_form(_divide_form)
+@gradient_form(renormalizing(constant_operand(1)))
 def divide(ctx, relevance):
     """x / d with d a constant or a statistic of the input (a norm, a standard deviation): AttnLRP
     Prop. 3.4, d is a constant, so y = x / d is linear without bias and R_x = R (ε-rule, Eq. 8);

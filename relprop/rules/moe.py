@@ -160,3 +160,20 @@ def renormalization_shares(w_norm: torch.Tensor, relevance: torch.Tensor, dims):
     sum over ``dims`` is Σ R: R_w sums to 0)."""
     kept = w_norm * relevance.sum(dims, keepdim=True)
     return relevance - kept, kept
+
+
+def renormalizing(form):
+    """A gradient-form factory for ``aten.div.Tensor``: a top-k renormalization keeps its own
+    gradient (the ε-rule of the whole function, :func:`renormalization_shares`), any other division
+    gets ``form``. Its ``lost`` says what the renormalization does not pass on, booked as absorbed
+    under :data:`RENORMALIZATION` (None for any other division)."""
+    def divide_form(node, live, eps):
+        return None if renormalized_dims(node) is not None else form(node, live, eps)
+
+    def lost(node, args, out, relevance, eps):
+        dims = renormalized_dims(node)
+        if dims is None:
+            return None
+        return RENORMALIZATION, renormalization_shares(promote(out), relevance, dims)[1]
+    divide_form.lost = lost
+    return divide_form
