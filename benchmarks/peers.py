@@ -49,6 +49,7 @@ import transformers
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import relprop  # noqa: E402
+import relprop.targets  # noqa: E402
 
 METHODS = ("transformer_attribution", "lrp@attnlrp", "gradient_rollout", "rollout", "input_x_gradient")
 
