@@ -232,3 +232,9 @@ def test_results_follow_the_device_of_model_and_inputs(device, dtype):
         assert (got.scores - ref.scores).abs().max() < 1e-4
     else:
         assert min(rank_correlations(ref, got)) >= MIN_RANK_CORRELATION
+
+
+def test_precision_takes_two_values():
+    model, inputs = _case("hf_bert_48")
+    with pytest.raises(relprop.OptionError, match="precision"):
+        relprop.explain(model, inputs, target=1, precision="half")

@@ -13,6 +13,8 @@ import math
 import pytest
 import torch
 import torch.fx
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import llm_models
 import relprop
@@ -145,3 +147,39 @@ def test_presets_without_a_function_rule_explain_op_by_op():
         rule_of = rule_finder(captured, preset)
         assert not any(hasattr(rule_of(n), "operands") for n in captured.graph.nodes if n.op == "call_function")
     assert find_regions(captured.graph, captured.analysis.live)  # the function is there all the same
+
+
+# ------------------------------------------------------------------------------------------------
+# property: any element-wise function of one tensor, written out, conserves under "attnlrp"
+# ------------------------------------------------------------------------------------------------
+#: element-wise steps (x -> y) a written-out activation is made of
+STEPS = {
+    "tanh": torch.tanh, "sigmoid": torch.sigmoid, "erf": torch.erf, "scale": lambda t: 1.7 * t,
+    "shift": lambda t: t + 0.3, "cube": lambda t: torch.pow(t, 3.0), "gate": lambda t: t * torch.sigmoid(t),
+    "cap": lambda t: 2.0 * torch.tanh(t / 2.0),
+}
+
+
+def _chain(names):
+    def fn(x):
+        y = x
+        for n in names:
+            y = STEPS[n](y)
+        return x * y  # the input read twice: never one op
+    return fn
+
+
+@settings(max_examples=12, deadline=None)
+@given(st.lists(st.sampled_from(sorted(STEPS)), min_size=1, max_size=4), st.integers(0, 2 ** 16))
+def test_any_written_out_function_conserves(names, seed):
+    """Bias-free ``W₂ f(W₁ x)`` with f a random chain of element-wise steps applied as ``x·g(x)``: one
+    region; the walk and the fast path give the input the target logit's value (identity rule)."""
+    model = TwoLayers(_chain(names), seed=seed).eval()
+    x = torch.randn(2, 6, generator=torch.Generator().manual_seed(seed))
+    captured, found = _regions_of(model, x)
+    assert len(found) == 1
+    walk = relprop.explain(model, x, target=0, method="lrp", preset="attnlrp", fast_path=False)
+    fast = relprop.explain(model, x, target=0, method="lrp", preset="attnlrp")
+    logit = model(x)[:, 0].detach()
+    torch.testing.assert_close(walk.conservation.input, logit, rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(fast.input_relevance.sum(-1), logit, rtol=1e-4, atol=1e-6)
