@@ -102,7 +102,6 @@ BUILD = {
     "mixtral_32": (_llm("mixtral"), "next_token", ("transformer_attribution", "lrp@attnlrp")),
     "mamba_32": (_llm("mamba"), "next_token", ("lrp@attnlrp",)),
 }
-FAST = ("timm_vit_128px", "hf_bert_48", "llama_32", "mamba_32")
 CALLS = {"transformer_attribution": {}, "lrp@attnlrp": dict(method="lrp", preset="attnlrp")}
 _BUILT = {}
 
@@ -130,8 +129,7 @@ def rank_correlations(a: relprop.Explanation, b: relprop.Explanation):
 def _cases():
     for name in BUILD:
         for method in BUILD[name][2]:
-            marks = () if name in FAST else (pytest.mark.slow,)
-            yield pytest.param(name, method, id=f"{name}-{method}", marks=marks)
+            yield pytest.param(name, method, id=f"{name}-{method}", marks=(pytest.mark.slow,))
 
 
 @pytest.mark.parametrize("dtype", HALF, ids=str)
@@ -162,6 +160,7 @@ def test_half_precision_ranks_match_float32(name, method, dtype, capsys):
     assert float((e.scores - rounded.scores).abs().max()) <= 1e-5 * scale
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", HALF, ids=str)
 @pytest.mark.parametrize("name", ["timm_vit_128px", "hf_bert_48", "hf_distilbert_48"])
 def test_model_precision_keeps_half_the_activations(name, dtype, capsys):

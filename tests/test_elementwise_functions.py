@@ -66,7 +66,11 @@ def reference(model, x, target):
     return torch.tensor(out, dtype=torch.float64)
 
 
-@pytest.mark.parametrize("name", sorted(FUNCTIONS))
+def _slow_but(fast):
+    return [pytest.param(n, id=n, marks=() if n == fast else (pytest.mark.slow,)) for n in sorted(FUNCTIONS)]
+
+
+@pytest.mark.parametrize("name", _slow_but("gelu_new"))
 @pytest.mark.parametrize("fast_path", [True, False], ids=["fast_path", "interpreter"])
 def test_written_out_function_gets_the_identity_rule(name, fast_path):
     model = TwoLayers(FUNCTIONS[name]).eval()
@@ -85,7 +89,7 @@ def _regions_of(model, x):
     return captured, regions(captured)
 
 
-@pytest.mark.parametrize("name", sorted(FUNCTIONS))
+@pytest.mark.parametrize("name", _slow_but("softplus_written_out"))
 def test_each_function_is_one_region(name):
     captured, found = _regions_of(TwoLayers(FUNCTIONS[name]).eval(), torch.randn(2, 6))
     assert len(found) == 1, found
@@ -126,6 +130,7 @@ def test_what_is_not_a_function_of_one_tensor_is_left_alone():
     assert float(e.conservation.error.max()) < 1e-4
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name, count", [("gpt2", 2), ("mamba", 2)])
 def test_language_models_have_their_activations_found(name, count):
     """GPT-2's two tanh-GELUs (one per block) and Mamba's two softplus (one per mixer)."""
@@ -169,6 +174,7 @@ def _chain(names):
     return fn
 
 
+@pytest.mark.slow
 @settings(max_examples=12, deadline=None)
 @given(st.lists(st.sampled_from(sorted(STEPS)), min_size=1, max_size=4), st.integers(0, 2 ** 16))
 def test_any_written_out_function_conserves(names, seed):

@@ -22,7 +22,8 @@ import torch
 import llm_models
 import relprop
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("lxt") is None, reason="lxt is not installed")
+pytestmark = [pytest.mark.skipif(importlib.util.find_spec("lxt") is None, reason="lxt is not installed"),
+              pytest.mark.slow]  # a subprocess running LXT, and eight language models captured
 
 DECODERS = ("llama", "qwen2", "gemma3", "gpt2")
 MOE = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")

@@ -95,6 +95,7 @@ def mamba():
     return llm_models.build("mamba")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fast_path", [True, False], ids=["fast_path", "interpreter"])
 def test_attnlrp_on_mamba_is_mambalrp(mamba, fast_path, capsys):
     x = llm_models.batch()
@@ -112,6 +113,7 @@ def test_attnlrp_on_mamba_is_mambalrp(mamba, fast_path, capsys):
         assert float(c.error.max()) < 1e-4, c
 
 
+@pytest.mark.slow
 def test_selection_parameters_are_the_scans_products(mamba):
     """Per mixer and step t of the unrolled scan: Ā_t ⊙ h_{t−1}, C_t h_t and the state's first
     update; once per mixer: B̄ ⊙ x. Nothing else is held constant."""
@@ -127,6 +129,7 @@ def test_selection_parameters_are_the_scans_products(mamba):
     assert set(kinds) == {aten.matmul.default, aten.mul.Tensor, aten.add.Tensor}
 
 
+@pytest.mark.slow
 def test_no_selective_scan_no_constants():
     """A transformer has no selective scan: nothing is held constant."""
     model = llm_models.build("llama")
@@ -134,6 +137,7 @@ def test_no_selective_scan_no_constants():
     assert selection_parameters(captured.graph, captured.analysis.live) == {}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("preset", ["attnlrp", "cp_lrp"])
 def test_jamba_conserves(preset):
     """Jamba: Mamba mixers, attention and MoE layers in one model."""

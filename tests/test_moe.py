@@ -92,6 +92,7 @@ def _model(name):
     return _BUILT[name]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("preset", ["attnlrp", "cp_lrp"])
 @pytest.mark.parametrize("name", MOE)
 def test_moe_conserves_and_fast_path_equals_walk(name, preset):
@@ -111,6 +112,7 @@ def test_moe_conserves_and_fast_path_equals_walk(name, preset):
         assert float(c.absorbed_by[RENORMALIZATION].abs().min()) > 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", MOE)
 def test_default_methods_run_on_moe(name):
     model, x = _model(name), llm_models.batch()

@@ -19,7 +19,8 @@ import llm_models
 import relprop
 from relprop.graph.parameters import plain_tensors
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("torchao") is None, reason="torchao is not installed")
+pytestmark = [pytest.mark.skipif(importlib.util.find_spec("torchao") is None, reason="torchao is not installed"),
+              pytest.mark.slow]
 
 CALLS = {"lrp@attnlrp": dict(method="lrp", preset="attnlrp"),
          "lrp@attnlrp/interpreter": dict(method="lrp", preset="attnlrp", fast_path=False),
