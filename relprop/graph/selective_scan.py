@@ -20,7 +20,7 @@ receives relevance.
 from __future__ import annotations
 
 import operator
-from typing import Dict, FrozenSet, Set
+from typing import Dict, FrozenSet, Optional, Set
 
 import torch
 import torch.fx
@@ -39,7 +39,7 @@ _ROUTING = frozenset({aten.unsqueeze.default, aten.view.default, aten.reshape.de
 MAX_DEPTH = 32
 
 
-def _is_decay(node: torch.fx.Node, live) -> torch.fx.Node:
+def _is_decay(node: torch.fx.Node, live) -> Optional[torch.fx.Node]:
     """Δ when ``node`` is the decay exp(c · Δ) of an unrolled scan, else None."""
     if node.op != "call_function" or node.target is not aten.exp.default or node not in live:
         return None
