@@ -182,7 +182,7 @@ def test_streamed_errors_are_the_full_paths():
 
 
 def test_keep_blocks_is_checked_before_any_work():
-    with pytest.raises(relprop.OptionError, match=r"keep_blocks='no' is not a choice.*\[True, False\]"):
+    with pytest.raises(relprop.OptionError, match=r"keep_blocks='no' is not a choice.*\[None, True, False\]"):
         relprop.explain(torch.nn.Linear(2, 2), torch.zeros(1, 2), keep_blocks="no")
 
 
