@@ -17,6 +17,8 @@ module              job
 ``fast_path``       :func:`run_fast`: a preset's rules as one modified-gradient backward pass
 ``session``         :class:`Session`: re-running the graph for the methods that perturb inputs
 ``trace``           :class:`Trace`, :class:`BlockRecord`, :class:`Conservation`
+``budget``          the bytes of the block records a full-record run keeps, and their default
+                    budget (``explain(..., records_budget=)``)
 ``coverage``        the coverage report: every op of a graph and how a preset handles it
 ==================  ===========================================================================
 """
