@@ -22,7 +22,9 @@ Measured, each in a fresh subprocess (``--child``):
 * ``ta-full``: ``relprop.explain(..., method="transformer_attribution")`` with ``keep_blocks=True``
   (every block's A, dA, R_A kept; the full-matrix path);
 * ``ta-stream``: the same with ``keep_blocks=False`` (each block folded into the query row during the
-  reverse walk and dropped, :mod:`relprop.methods.streaming`).
+  reverse walk and dropped, :mod:`relprop.methods.streaming`);
+* ``ta-default``: the same with ``keep_blocks`` not given (records kept while they fit
+  ``records_budget``, else folded: :mod:`relprop.methods.fold_choice`); the row says which ran.
 
 Memory on CPU is the peak resident set size of the process (VmHWM of /proc/self/status, reset with
 ``5 > /proc/self/clear_refs`` once the model, the inputs and, for relprop, the captured graph exist)
@@ -49,7 +51,7 @@ import sys
 
 from peak_memory import PeakMeter, run_child
 
-WHATS = ("fwdbwd", "fwdbwd-eager", "ta-full", "ta-stream")
+WHATS = ("fwdbwd", "fwdbwd-eager", "ta-full", "ta-stream", "ta-default")
 DEFAULT_TOKENS = {"bert": (512, 1024, 2048), "llama": (1024, 2048, 4096)}
 TARGET_TOKEN = 7
 
@@ -98,6 +100,7 @@ def child(name: str, n: int, what: str, device: str) -> None:
     if what.startswith("ta"):
         CACHE.get(model, bind_inputs(model, inputs))  # the capture is outside the measurement
     gc.collect()
+    kept = None
     with PeakMeter(device) as meter:
         if what.startswith("fwdbwd"):
             logits = model(**inputs).logits
@@ -105,11 +108,12 @@ def child(name: str, n: int, what: str, device: str) -> None:
             score.sum().backward()
             del logits, score
         else:
-            exp = relprop.explain(model, inputs, target=target, method="transformer_attribution",
-                                  keep_blocks=what == "ta-full")
+            keep = {"ta-full": True, "ta-stream": False}.get(what)  # ta-default: not given
+            exp = relprop.explain(model, inputs, target=target, method="transformer_attribution", keep_blocks=keep)
+            kept = exp.kept_blocks
             del exp
     print(json.dumps({"model": name, "tokens": n, "what": what, "device": device, "peak_bytes": meter.peak_bytes,
-                      "seconds": meter.seconds, "threads": torch.get_num_threads()}))
+                      "seconds": meter.seconds, "threads": torch.get_num_threads(), "kept_blocks": kept}))
 
 
 def measure(name: str, n: int, what: str, device: str, for_memory: bool = True) -> dict:
@@ -164,6 +168,8 @@ def main(argv=None) -> int:
                 ratio = f"{r['peak_bytes'] / ref['peak_bytes']:.2f}" if ref else "-"
                 tratio = f"{r['seconds'] / ref['seconds']:.2f}" if ref else "-"
                 runs = f" ({', '.join(map(str, r['runs']))})" if len(r.get("runs", [])) > 1 else ""
+                if w == "ta-default" and r.get("kept_blocks") is not None:
+                    w = f"{w} ({'records kept' if r['kept_blocks'] else 'folded'})"
                 print(f"| {name} | {n} | {w} | {mib:.0f} | {ratio} | {r['seconds']:.2f}{runs} | {tratio} |", flush=True)
     return 0
 

@@ -8,8 +8,9 @@ input relevance only: the parameters do not require gradients); captum's Integra
 ``--ig-steps`` steps (and relprop's ``integrated_gradients`` with the same number).
 
 LXT 2.1 does not import under transformers 5 (its bundled BERT/LLaMA copies import
-``find_pruneable_heads_and_indices``, since removed); this process adds that name before importing
-it. It has no patch map for timm's ViT, so, as its README asks for unsupported models, one is given
+``find_pruneable_heads_and_indices`` and ``modeling_attn_mask_utils``, since removed); this process
+adds the first name and puts a stand-in for LXT's BERT module (not run here) before importing it.
+It has no patch map for timm's ViT, so, as its README asks for unsupported models, one is given
 here from LXT's own functions, the way LXT patches its supported models: LayerNorm →
 ``layer_norm_forward`` (identity rule through the variance), GELU → ``non_linear_forward``
 (identity rule), and timm's ``Attention.forward`` → the same with LXT's ``divide_gradient`` on
@@ -48,6 +49,7 @@ import transformers
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import relprop  # noqa: E402
+import relprop.targets  # noqa: E402
 
 METHODS = ("transformer_attribution", "lrp@attnlrp", "gradient_rollout", "rollout", "input_x_gradient")
 
@@ -87,10 +89,17 @@ def frozen(model):
 
 
 def lxt_functions():
+    import types
+
+    import transformers.models.bert.modeling_bert as modeling_bert
     import transformers.pytorch_utils as pu
     for name in ("find_pruneable_heads_and_indices", "prune_linear_layer", "apply_chunking_to_forward"):
         if not hasattr(pu, name):
             setattr(pu, name, None)
+    # LXT's copy of BERT imports modules transformers 5.24 no longer has: a stand-in (BERT is not run)
+    stand_in = types.ModuleType("lxt.efficient.models.bert")
+    stand_in.modeling_bert, stand_in.attnLRP, stand_in.cp_LRP = modeling_bert, {}, {}
+    sys.modules.setdefault("lxt.efficient.models.bert", stand_in)
     from lxt.efficient.patches import layer_norm_forward
     from lxt.efficient.rules import divide_gradient, identity_rule_implicit
     return layer_norm_forward, divide_gradient, identity_rule_implicit
@@ -260,10 +269,10 @@ def main():
     agreement = ""
     if args.model == "llama":  # the same work: LXT's input relevance against relprop's
         e = relprop.explain(model, x, target=explained, method="lrp", preset="attnlrp")
-        # relprop seeds the target logit with 1 (its gradient), LXT with the logit's value
-        ours = e.input_relevance[0].double() * float(e.target_scores[0])
+        # both start from the target logit's value (relprop's "attnlrp" seed="score")
+        ours = e.input_relevance[0].double()
         theirs = lxt_llama(model, x, target)[0].detach().double()
-        agreement = (f"LXT vs relprop lrp@attnlrp input relevance (relprop's × the target logit): max |diff| / "
+        agreement = (f"LXT vs relprop lrp@attnlrp input relevance: max |diff| / "
                      f"max |R| = {float((ours - theirs).abs().max() / theirs.abs().max()):.1e}, "
                      f"sums {float(ours.sum()):.4g} / {float(theirs.sum()):.4g}\n")
     fwd_bwd(model, x, target)

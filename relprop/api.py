@@ -22,7 +22,7 @@ from .errors import MethodError, OptionError, RelpropError, RelpropWarning
 from .explanation import build, mask_from_tokenizer, split_tokenizer_keys
 from .graph.capture import CACHE, Captured, CaptureEvent, capture_notes
 from .graph.inputs import bind_inputs, primary_input
-from .methods import MethodInfo, apply, streaming
+from .methods import MethodInfo, apply, fold_choice, streaming
 from .rules import get_preset
 from .rules.stabilize import DEFAULT_EPS
 from .target_forms import specify
@@ -62,7 +62,8 @@ def explain(model: torch.nn.Module, inputs: Any, target: Any = None, method: Any
             preset: Any = None, *, eps: float = DEFAULT_EPS, unsupported: str = "error",
             special_tokens_mask: Optional[torch.Tensor] = None, tokenizer: Any = None,
             fast_path: Optional[bool] = None, memory: str = "default", wrt: Optional[str] = None,
-            image_processor: Any = None, keep_blocks: bool = True, **options):
+            image_processor: Any = None, keep_blocks: Optional[bool] = None, precision: str = "float32",
+            records_budget: Optional[float] = None, **options):
     """Explain the score of class ``target`` of an unmodified ``model`` on ``inputs``.
 
     Parameters
@@ -126,7 +127,10 @@ def explain(model: torch.nn.Module, inputs: Any, target: Any = None, method: Any
         that the alpha1-beta0 rule splits (Eq. 5): 2x the linear weights in float32 (~680 MiB for
         BERT-base), saving the splits' time on every later call. ``"default"`` splits each weight
         when the walk reaches it and drops the split at once.
-    keep_blocks : True (default) keeps every attention block's records (A, dA, R_A, h, dh, ...) in
+    keep_blocks : None (default): as True while the attention-sized records (A, dA, R_A of every
+        block: blocks × batch × heads × tokens² × 3 floats) fit ``records_budget``, else as False
+        where folding applies, and ``exp.notes`` says so (:mod:`relprop.methods.fold_choice`).
+        True keeps every attention block's records (A, dA, R_A, h, dh, ...) in
         ``exp.blocks`` and the rollout-style methods' aggregated matrix in ``exp.matrix``. False
         lets the rollout-style methods (``transformer_attribution``, ``rollout``,
         ``gradient_rollout``, with ``layers="rollout"`` and ``discard_ratio=0``) fold each block
@@ -137,6 +141,16 @@ def explain(model: torch.nn.Module, inputs: Any, target: Any = None, method: Any
         ``exp.matrix`` raises a :class:`relprop.MethodError` naming this option. Where folding does
         not apply (other methods in the call, window attention, two token streams, other
         aggregations) the full path runs, as with True, and ``exp.notes`` says why.
+    records_budget : bytes the kept block records may take when ``keep_blocks=None``. None
+        (default): 1 GiB, or a quarter of the memory available on the model's device when that is
+        less (:func:`relprop.engine.budget.default_budget`).
+    precision : ``"float32"`` (default): a float16 or bfloat16 model is evaluated in float32 (every
+        forward value, gradient and relevance; its weights are cast one op at a time, as the graph
+        reads them), so that the explanation of a half-precision checkpoint ranks its tokens as the
+        same weights in float32 do; the outputs and target scores are then float32 values.
+        ``"model"``: the forward pass and the gradients in the model's own dtype (half the memory of
+        the activations; the rules still accumulate relevance in float32). No effect on float32 and
+        float64 models.
     wrt : the input to explain onto, by name, when the model takes several (default: the first of
         ``input_ids``, ``pixel_values``, ``inputs_embeds``, ...). For a CLIP model,
         ``wrt="pixel_values"`` explains the image tower and ``wrt="input_ids"`` (the default) the
@@ -151,7 +165,8 @@ def explain(model: torch.nn.Module, inputs: Any, target: Any = None, method: Any
     model, inputs, tokenizer, target, wrt = raw_inputs.adapt(model, inputs, tokenizer, image_processor, target, wrt)
     infos, many = opt.check_methods(method)
     return _checked_explain(model, inputs, target, infos, many, preset, options, eps, unsupported,
-                            special_tokens_mask, tokenizer, fast_path, memory, wrt, keep_blocks)
+                            special_tokens_mask, tokenizer, fast_path, memory, wrt, keep_blocks, precision,
+                            records_budget)
 
 
 def explain_settings(model: torch.nn.Module, inputs: Any, settings: Sequence[Dict[str, Any]], target: Any = None,
@@ -176,7 +191,7 @@ def explain_settings(model: torch.nn.Module, inputs: Any, settings: Sequence[Dic
 
 
 def _checked_explain(model, inputs, target, infos, many, preset, options, eps, unsupported, special_tokens_mask,
-                     tokenizer, fast_path, memory, wrt, keep_blocks=True):
+                     tokenizer, fast_path, memory, wrt, keep_blocks=True, precision="float32", records_budget=None):
     """The shared body of :func:`explain` and :func:`explain_settings`: ``options`` is the method
     options (a dict), or one dict per entry of ``infos`` (settings of one method)."""
     preset = opt.check_preset(preset)
@@ -184,7 +199,7 @@ def _checked_explain(model, inputs, target, infos, many, preset, options, eps, u
         if info.preset:
             get_preset(info.preset)
     opt.check_arguments(eps=eps, unsupported=unsupported, memory=memory, fast_path=fast_path,
-                        keep_blocks=keep_blocks)
+                        keep_blocks=keep_blocks, precision=precision, records_budget=records_budget)
     inputs, batch_mask = split_tokenizer_keys(inputs)
     mask_source = "special_tokens_mask=" if special_tokens_mask is not None else "the batch's special_tokens_mask"
     special_tokens_mask = opt.check_special_tokens_mask(special_tokens_mask if special_tokens_mask is not None
@@ -204,7 +219,7 @@ def _checked_explain(model, inputs, target, infos, many, preset, options, eps, u
     try:
         return _explain(model, prepared, target, jobs, many, preset,
                         dict(eps=eps, unsupported=unsupported, memory=memory, fast_path=fast_path,
-                             keep_blocks=keep_blocks),
+                             keep_blocks=keep_blocks, precision=precision, records_budget=records_budget),
                         (special_tokens_mask, mask_source), tokenizer)
     except RelpropError:
         raise
@@ -219,20 +234,22 @@ def _explain(model, prepared: "Prepared", target, jobs, many, preset, engine_opt
     """The body of :func:`explain` once every argument is checked and the graph captured."""
     special_tokens_mask, mask_source = special
     fast_path = engine_options.pop("fast_path")
-    keep_blocks = engine_options.pop("keep_blocks")
+    keep_blocks, budget = engine_options.pop("keep_blocks"), engine_options.pop("records_budget")
     # every form of target= through one path per head, with the mask of the output's positions: target_forms
     target = specify(target, model, tokenizer, prepared.kwargs)
     request = Request(prepared.captured, model, prepared.kwargs, resolve(target, prepared.batch,
                                                                           prepared.captured.primary),
                       **engine_options)
-    why = None if keep_blocks else _why_not_streamed(jobs, prepared.captured.analysis)
-    if not keep_blocks and why is None:
+    runs = len({_preset_of(i, preset) for i, _ in jobs if i.needs_relevance})
+    fold, note = fold_choice.choose(jobs, prepared.captured.analysis, prepared.batch,
+                                    prepared.kwargs[prepared.captured.primary].device, keep_blocks, budget, runs)
+    results = None
+    if fold:
         try:
-            results = _explain_streamed(request, jobs, preset, special)
-        except MethodError:
-            results = None  # refused: the full-record path below says why, with the methods that apply (refusals.py)
-    else:
-        results = None
+            results = _explain_streamed(request, jobs, preset, special, note)
+        except MethodError:  # refused: the full-record path below says why, with the methods that apply (refusals.py)
+            note = ("not folded block by block (the folded path refused these inputs); the full-record path ran "
+                    "and exp.blocks holds every block's records")
     if results is None:
         traces = _run_engine([i for i, _ in jobs], request, preset, fast_path)
         results = []
@@ -246,26 +263,15 @@ def _explain(model, prepared: "Prepared", target, jobs, many, preset, engine_opt
                 name = type(model).__name__
                 raise refusals.with_applicable(e, refusals.applicable(info.name, trace, preset, name, key),
                                                name) from None
-            if why is not None:
-                results[-1].notes.append(f"keep_blocks=False: not folded block by block ({why}); the full-record "
-                                         "path ran and exp.blocks holds every block's records")
+            if note is not None:
+                results[-1].notes.append(note)
     validation.check_result(results)
     for r in results:
         r.notes.extend(capture_notes(prepared.event, prepared.captured, type(model).__name__))
     return results if many else results[0]
 
 
-def _why_not_streamed(jobs, analysis) -> Optional[str]:
-    """None when every method of ``jobs`` can be folded block by block (:mod:`relprop.methods.streaming`),
-    else why not."""
-    for info, options in jobs:
-        why = streaming.why_not(info, options, analysis)
-        if why is not None:
-            return why
-    return None
-
-
-def _explain_streamed(request: Request, jobs, preset: Optional[str], special) -> list:
+def _explain_streamed(request: Request, jobs, preset: Optional[str], special, note: Optional[str] = None) -> list:
     """``keep_blocks=False``: one streamed run per preset the methods need (gradient-only methods ride
     on the first), each method a :class:`relprop.methods.streaming.RowFold` fed block by block from
     the output back; the Explanations have no ``blocks`` or ``matrix`` (:class:`NotKept`)."""
@@ -282,8 +288,8 @@ def _explain_streamed(request: Request, jobs, preset: Optional[str], special) ->
         req = request.but(preset=p or preset or DEFAULT_PRESET, relevance=p is not None,
                           stream=tuple(folds[i] for i in mine))
         trace = run(req)
-        trace.notes.append("keep_blocks=False: each attention block was folded into the scores during the reverse "
-                           "walk and its records dropped (exp.blocks and exp.matrix are not kept)")
+        trace.notes.append(note or "keep_blocks=False: each attention block was folded into the scores during the "
+                           "reverse walk and its records dropped (exp.blocks and exp.matrix are not kept)")
         for i, out in zip(mine, trace.streamed):
             outputs[i] = (out, trace, p)
     special_tokens_mask, mask_source = special

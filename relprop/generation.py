@@ -10,10 +10,13 @@ and of each earlier target token for y_t; later columns are zero.
 How it is computed: a causal decoder's output at position p depends on positions ≤ p only (the
 masked attention weights to later positions are exactly zero), so step t explained on the whole
 sequence with the target read at position p_t equals step t explained on the prefix alone. The G
-steps are run as one batch of G copies of the full teacher-forced sequence (copy t reads the
-target at its own position): one captured graph for every step and one forward and one backward
-pass per generated token (with the AttnLRP fast path, ``method="lrp", preset="attnlrp"``, the
-default), in a single call of :func:`relprop.explain`.
+steps are run as batches of copies of the full teacher-forced sequence (copy t reads the target
+at its own position): one captured graph for every step and one forward and one backward pass per
+generated token (with the AttnLRP fast path, ``method="lrp", preset="attnlrp"``, the default).
+The copies are explained in chunks of ``batch_size`` (default: as many as hold about
+:data:`TOKENS_PER_CALL` tokens), one call of :func:`relprop.explain` per chunk, so that a long
+prompt with many generated tokens never holds every copy at once; each row depends only on its own
+copy, so the chunks give the rows of one batched call.
 """
 from __future__ import annotations
 
@@ -23,10 +26,13 @@ from typing import Any, List, Optional, Sequence, Union
 import torch
 
 from .api import explain
-from .errors import InputError, TargetError
+from .errors import InputError, OptionError, TargetError
 from .graph.capture import CACHE
 from .graph.state import eval_mode
 from .viz import generation as viz_generation
+
+#: the default chunk of teacher-forced copies explained in one call holds about this many tokens
+TOKENS_PER_CALL = 4096
 
 
 @dataclasses.dataclass
@@ -49,7 +55,9 @@ class GenerationExplanation:
     labels: Optional[List[str]] = None
     row_labels: Optional[List[str]] = None
     contrast: Optional[torch.Tensor] = None
-    explanation: Any = None  # the batched Explanation of the G teacher-forced steps
+    #: the batched Explanation of the G teacher-forced steps; a list of them, in row order, when the
+    #: copies were explained in several chunks (``batch_size``)
+    explanation: Any = None
     #: what the call did that a user may want to know (e.g. how many graph captures it needed)
     notes: List[str] = dataclasses.field(default_factory=list)
 
@@ -157,7 +165,7 @@ def _as_tokens(x, n: int, name: str) -> torch.Tensor:
 
 def explain_generation(model, tokenizer=None, prompt: Union[str, torch.Tensor, Sequence] = "", *,
                        max_new_tokens: int = 16, method: str = "lrp", preset: Optional[str] = "attnlrp",
-                       target: Any = None, contrast: Any = None, **options
+                       target: Any = None, contrast: Any = None, batch_size: Optional[int] = None, **options
                        ) -> Union[GenerationExplanation, List[GenerationExplanation]]:
     """Explain every token a model generates for ``prompt`` (see the module docstring).
 
@@ -179,6 +187,10 @@ def explain_generation(model, tokenizer=None, prompt: Union[str, torch.Tensor, S
         (teacher-forced; nothing is generated).
     contrast : None, or one alternative token id (or one per generated token): each row then
         explains logit(y_t) − logit(alternative), why the model wrote y_t rather than it.
+    batch_size : how many teacher-forced copies of the sequence one call of :func:`relprop.explain`
+        explains (the memory of a call grows with it). None (default): as many as hold about
+        :data:`TOKENS_PER_CALL` tokens, at least one. The rows do not depend on it (to float
+        rounding of the batched products).
 
     Returns
     -------
@@ -186,7 +198,7 @@ def explain_generation(model, tokenizer=None, prompt: Union[str, torch.Tensor, S
     """
     before = CACHE.traces + CACHE.loads
     many = isinstance(prompt, (list, tuple)) and not torch.is_tensor(prompt)
-    results = [_explain_one(model, tokenizer, p, max_new_tokens, method, preset, target, contrast, options)
+    results = [_explain_one(model, tokenizer, p, max_new_tokens, method, preset, target, contrast, batch_size, options)
                for p in (prompt if many else [prompt])]
     captures = CACHE.traces + CACHE.loads - before
     lengths = {int(r.columns.numel()) for r in results}
@@ -196,11 +208,14 @@ def explain_generation(model, tokenizer=None, prompt: Union[str, torch.Tensor, S
     return results if many else results[0]
 
 
-def _explain_one(model, tokenizer, prompt, max_new_tokens, method, preset, target, contrast, options
+def _explain_one(model, tokenizer, prompt, max_new_tokens, method, preset, target, contrast, batch_size, options
                  ) -> GenerationExplanation:
     """:func:`explain_generation` of one prompt."""
     if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise InputError(f"max_new_tokens must be a positive int, not {max_new_tokens!r}")
+    if batch_size is not None and (not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1):
+        raise OptionError(f"batch_size must be a positive int (copies of the sequence per call) or None, not "
+                          f"{batch_size!r}")
     ids = _ids(tokenizer, prompt)
     enc_dec = _is_encoder_decoder(model)
     prefix = torch.tensor([[_start_token(model)]], dtype=torch.long) if enc_dec else ids
@@ -216,38 +231,53 @@ def _explain_one(model, tokenizer, prompt, max_new_tokens, method, preset, targe
     # one copy of the teacher-forced sequence per generated token; copy t reads its target at p_t
     full = torch.cat([prefix, gen[None, :-1].to(prefix.dtype)], 1)  # the tokens any step reads
     positions = torch.arange(g) + prefix.shape[1] - 1
-    rows = torch.arange(g)
-    tok, other = gen, alt
+    src_name = _source_name(ids) if enc_dec else "input_ids"
+    length = full.shape[1] + (ids.shape[1] if enc_dec and src_name == "input_ids" else 0)
+    size = batch_size or max(1, TOKENS_PER_CALL // length)
+    chunks = [_explain_chunk(model, ids, full, src_name, enc_dec, positions[lo:lo + size], gen[lo:lo + size],
+                             None if alt is None else alt[lo:lo + size], method, preset, options)
+              for lo in range(0, g, size)]
+    exps = [e for e, _ in chunks]
+    matrix = torch.cat([m for _, m in chunks], 0)
+    if enc_dec:
+        n_src = matrix.shape[1] - full.shape[1]
+        # an image's or features' columns are its patches or frames, numbered
+        columns = torch.cat([ids[0] if src_name == "input_ids" else torch.arange(n_src), full[0]])
+    else:
+        columns, n_src = full[0], ids.shape[1]
+    matrix = _causal(matrix, positions + (n_src if enc_dec else 0))
+    labels = row_labels = None
+    if tokenizer is not None and src_name == "input_ids":
+        labels = tokenizer.convert_ids_to_tokens(columns.tolist())
+        row_labels = tokenizer.convert_ids_to_tokens(gen.tolist())
+    return GenerationExplanation(matrix, gen, columns, int(n_src), method, preset, labels, row_labels, alt,
+                                 exps[0] if len(exps) == 1 else exps)
+
+
+def _explain_chunk(model, ids, full, src_name, enc_dec, positions, tok, other, method, preset, options):
+    """(Explanation, [rows, columns] relevance) of one chunk of teacher-forced copies: copy i explains
+    the logit of ``tok[i]`` (minus that of ``other[i]``) at position ``positions[i]``."""
+    n = tok.numel()
+    rows = torch.arange(n)
 
     def score(outputs):
         logits = outputs.logits
         s = logits[rows, positions, tok]
         return s if other is None else s - logits[rows, positions, other]
 
-    src_name = _source_name(ids) if enc_dec else "input_ids"
     if enc_dec:
-        inputs = {src_name: ids.expand((g,) + tuple(ids.shape[1:])), "decoder_input_ids": full.expand(g, -1)}
+        inputs = {src_name: ids.expand((n,) + tuple(ids.shape[1:])), "decoder_input_ids": full.expand(n, -1)}
     else:
-        inputs = {"input_ids": full.expand(g, -1)}
+        inputs = {"input_ids": full.expand(n, -1)}
     exp = explain(model, inputs, target=score, method=method, preset=preset, **options)
-    if enc_dec:
-        streams = exp.streams or {}
-        if "decoder_input_ids" not in streams:
-            raise InputError(f"relprop found no second token stream in {type(model).__name__} (encoder–decoder); "
-                             "the decoder's tokens cannot be scored")
-        source = _per_column(streams[src_name])
-        matrix = torch.cat([source, streams["decoder_input_ids"]], 1)
-        n_src = source.shape[1]
-        # an image's or features' columns are its patches or frames, numbered
-        columns = torch.cat([ids[0] if src_name == "input_ids" else torch.arange(n_src), full[0]])
-    else:
-        matrix, columns, n_src = exp.scores, full[0], ids.shape[1]
-    matrix = _causal(matrix.detach().float(), positions + (n_src if enc_dec else 0))
-    labels = row_labels = None
-    if tokenizer is not None and src_name == "input_ids":
-        labels = tokenizer.convert_ids_to_tokens(columns.tolist())
-        row_labels = tokenizer.convert_ids_to_tokens(gen.tolist())
-    return GenerationExplanation(matrix, gen, columns, int(n_src), method, preset, labels, row_labels, alt, exp)
+    if not enc_dec:
+        return exp, exp.scores.detach().float()
+    streams = exp.streams or {}
+    if "decoder_input_ids" not in streams:
+        raise InputError(f"relprop found no second token stream in {type(model).__name__} (encoder–decoder); "
+                         "the decoder's tokens cannot be scored")
+    matrix = torch.cat([_per_column(streams[src_name]), streams["decoder_input_ids"]], 1)
+    return exp, matrix.detach().float()
 
 
 def _causal(matrix: torch.Tensor, last: torch.Tensor) -> torch.Tensor:

@@ -2,6 +2,7 @@
 each bad value answered by a :class:`relprop.RelpropError` that names the choices."""
 from __future__ import annotations
 
+import math
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -63,23 +64,35 @@ def check_special_tokens_mask(mask: Any) -> Optional[torch.Tensor]:
 
 
 #: the values of ``explain(..., keep_blocks=...)``
-KEEP_BLOCKS_CHOICES = (True, False)
+KEEP_BLOCKS_CHOICES = (None, True, False)
 
 
 def check_keep_blocks(keep_blocks: Any) -> None:
-    """``keep_blocks`` is True or False."""
-    if not isinstance(keep_blocks, bool):
+    """``keep_blocks`` is None, True or False."""
+    if keep_blocks is not None and not isinstance(keep_blocks, bool):
         raise OptionError(f"keep_blocks={keep_blocks!r} is not a choice here. Choices: {list(KEEP_BLOCKS_CHOICES)} "
-                          "(True: keep every block's A, dA, R_A in exp.blocks and the aggregated exp.matrix; False: "
-                          "rollout-style methods fold each block into their scores during the reverse walk and "
-                          "keep neither)")
+                          "(None: keep the records unless they would exceed records_budget; True: keep every "
+                          "block's A, dA, R_A in exp.blocks and the aggregated exp.matrix; False: rollout-style "
+                          "methods fold each block into their scores during the reverse walk and keep neither)")
 
 
-def check_arguments(*, eps: Any, unsupported: Any, memory: Any, fast_path: Any, keep_blocks: Any = True) -> None:
+def check_records_budget(records_budget: Any) -> None:
+    """``records_budget`` is None or a number of bytes >= 0."""
+    ok = records_budget is None or (isinstance(records_budget, (int, float)) and not isinstance(records_budget, bool)
+                                    and math.isfinite(records_budget) and records_budget >= 0)
+    if not ok:
+        raise OptionError(f"records_budget={records_budget!r} is not a choice here: give a number of bytes >= 0 "
+                          "(e.g. 2 * 2**30) or None (1 GiB, or a quarter of the memory available on the model's "
+                          "device when that is less)")
+
+
+def check_arguments(*, eps: Any, unsupported: Any, memory: Any, fast_path: Any, keep_blocks: Any = True,
+                    precision: Any = "float32", records_budget: Any = None) -> None:
     """The engine options of :func:`relprop.explain` (OptionError naming the choices)."""
-    check_engine_options(eps=eps, unsupported=unsupported, memory=memory)
+    check_engine_options(eps=eps, unsupported=unsupported, memory=memory, precision=precision)
     check_fast_path(fast_path)
     check_keep_blocks(keep_blocks)
+    check_records_budget(records_budget)
 
 
 def method_options(infos: Sequence[MethodInfo], options: Dict[str, Any], many: bool) -> Dict[str, Dict[str, Any]]:

@@ -419,7 +419,7 @@ def test_conservation_bias_free(zoo, decoders, name, preset):
     model, x, target = _model_and_inputs(zoo, decoders, name)
     e = relprop.explain(_remove_biases(model), x, target=target, method="lrp", preset=preset, fast_path=False)
     c = e.conservation
-    assert torch.allclose(c.injected, torch.ones_like(c.injected))
+    torch.testing.assert_close(c.injected, e.target_scores)  # relevance starts at the logit's value
     assert float(c.error.max()) < 1e-4, c
     assert len(c.blocks) == 2
     for b in c.blocks:
@@ -498,7 +498,7 @@ def test_cp_lrp_gives_attention_no_relevance(zoo):
     cp = relprop.explain(model, x, target=1, method="lrp", preset="cp_lrp", fast_path=False)
     at = relprop.explain(model, x, target=1, method="lrp", preset="attnlrp", fast_path=False)
     assert all(b.relevance is None for b in cp.blocks) and all(b.relevance is not None for b in at.blocks)
-    assert float((cp.scores - at.scores).abs().max()) > 1e-4
+    assert float((cp.scores - at.scores).abs().max()) > 1e-3 * float(at.scores.abs().max())
 
 
 def test_fast_path_leaves_the_model_untouched(zoo):

@@ -1,5 +1,6 @@
 """explain_generation: every generated token explained, equal to explaining each step by hand on
 the teacher-forced prefix with the next-token target; contrastive rows; the pictures."""
+import pytest
 import torch
 import transformers as tf
 
@@ -73,3 +74,35 @@ def test_image_to_text_generation_equals_each_step_by_hand():
                                   target=lambda o, tok=int(cont[t]): o.logits[:, -1, tok], method="gradient_rollout")
         row = torch.cat([by_hand.streams["pixel_values"][0], by_hand.streams["decoder_input_ids"][0]])
         torch.testing.assert_close(gen.matrix[t, :16 + t + 1], row.float(), rtol=1e-4, atol=1e-7)
+
+
+def test_chunked_copies_equal_one_batched_call(monkeypatch):
+    """The teacher-forced copies explained in chunks (``batch_size``, or the default chunk of about
+    TOKENS_PER_CALL tokens) give the rows of one call over every copy; each chunk's Explanation is kept."""
+    model = _gpt2()
+    prompt = torch.randint(1, 64, (1, 6), generator=torch.Generator().manual_seed(5))
+    cont = torch.tensor([7, 9, 11, 13, 15])
+    one = relprop.explain_generation(model, None, prompt, target=cont, contrast=3, batch_size=5)
+    assert isinstance(one.explanation, relprop.Explanation) and len(one.explanation) == 5
+    two = relprop.explain_generation(model, None, prompt, target=cont, contrast=3, batch_size=2)
+    assert [len(e) for e in two.explanation] == [2, 2, 1]
+    torch.testing.assert_close(two.matrix, one.matrix, rtol=1e-5, atol=1e-7)
+    assert torch.equal(two.rows, one.rows) and torch.equal(two.columns, one.columns)
+    monkeypatch.setattr(relprop.generation, "TOKENS_PER_CALL", 3 * 10)  # 10 tokens per copy: 3 copies a call
+    auto = relprop.explain_generation(model, None, prompt, target=cont, contrast=3)
+    assert [len(e) for e in auto.explanation] == [3, 2]
+    torch.testing.assert_close(auto.matrix, one.matrix, rtol=1e-5, atol=1e-7)
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(relprop.OptionError, match="batch_size"):
+            relprop.explain_generation(model, None, prompt, target=cont, batch_size=bad)
+
+
+def test_chunked_encoder_decoder_equals_one_batched_call():
+    model = M.bart()
+    src = torch.randint(4, 64, (1, 6), generator=torch.Generator().manual_seed(4))
+    cont = torch.tensor([7, 9, 11])
+    one = relprop.explain_generation(model, None, src, target=cont, method="gradient_rollout", preset=None)
+    each = relprop.explain_generation(model, None, src, target=cont, method="gradient_rollout", preset=None,
+                                      batch_size=1)
+    assert len(each.explanation) == 3 and each.source_length == one.source_length == 6
+    torch.testing.assert_close(each.matrix, one.matrix, rtol=1e-5, atol=1e-7)

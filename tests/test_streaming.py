@@ -18,6 +18,7 @@ from relprop.engine.trace import BlockRecord, NotKept
 from relprop.graph.capture import CACHE
 from relprop.graph.inputs import bind_inputs
 from relprop.methods import get_method
+from relprop.methods import streaming as streaming_module
 from relprop.methods.streaming import RowFold
 from relprop.targets import resolve
 
@@ -182,7 +183,7 @@ def test_streamed_errors_are_the_full_paths():
 
 
 def test_keep_blocks_is_checked_before_any_work():
-    with pytest.raises(relprop.OptionError, match=r"keep_blocks='no' is not a choice.*\[True, False\]"):
+    with pytest.raises(relprop.OptionError, match=r"keep_blocks='no' is not a choice.*\[None, True, False\]"):
         relprop.explain(torch.nn.Linear(2, 2), torch.zeros(1, 2), keep_blocks="no")
 
 
@@ -256,3 +257,37 @@ def test_row_fold_equals_the_full_matrix_on_synthetic_records(causal, method, op
         torch.testing.assert_close(got["heads"], full["heads"], rtol=1e-5, atol=1e-6)
     with pytest.raises(relprop.MethodError, match="keep_blocks=True"):
         got["matrix"].shape
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("method,options", [
+    ("transformer_attribution", {}), ("transformer_attribution", {"normalize_rows": True, "head_fusion": "max"}),
+    ("rollout", {}), ("gradient_rollout", {"head_fusion": "gradient", "positive": False}),
+])
+def test_fold_in_query_row_chunks_equals_the_unchunked_fold(causal, method, options, monkeypatch):
+    """Fast (no model): each block's I + M_b built and multiplied into the row in chunks of query
+    rows (as small as one row) gives the row of the unchunked fold and of the full-matrix path."""
+    trace, mask = _synthetic(causal, pad=True)
+    info = get_method(method)
+    full = info.fn(trace, **options)
+    rows = {}
+    for chunk_bytes in (1 << 40, 1, 2 * (2 * 3 * 5 * 4)):  # one chunk; one row; two rows of batch 2, 3 heads, 5 keys
+        monkeypatch.setattr(streaming_module, "FOLD_CHUNK_BYTES", chunk_bytes)
+        fold = RowFold(info, options, len(trace.blocks), mask, None, None)
+        for rec in reversed(trace.blocks):
+            fold(rec)
+        rows[chunk_bytes] = fold.result()["tokens"]
+        torch.testing.assert_close(rows[chunk_bytes], full["tokens"], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(rows[1], rows[1 << 40], rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("case", ["hf_bert_eager_padded", "hf_llama_causal"])
+@slow
+def test_streamed_in_one_row_chunks_equals_full_matrix_path(case, monkeypatch):
+    """Through explain(): every block folded one query row at a time equals the full-matrix path."""
+    monkeypatch.setattr(streaming_module, "FOLD_CHUNK_BYTES", 1)
+    make, inputs, kw = CASES[case]
+    model = _model(make)
+    for method in ("transformer_attribution", "gradient_rollout"):
+        full, streamed = _pair(model, inputs(model), method=method, **kw)
+        _same(full, streamed)

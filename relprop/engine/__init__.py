@@ -5,15 +5,20 @@ relevance back under a preset's rules, and hands the methods a :class:`Trace`.
 module              job
 ==================  ===========================================================================
 ``request``         :class:`Request`: what one run is asked to do (graph, model, inputs, target,
-                    preset, eps, memory mode), and the choices of its options
+                    preset, eps, memory mode, precision), and the choices of its options
 ``run``             :func:`run`: forward, gradients, the walk, the block records, the Trace
-``forward``         evaluating the graph; the relevance seed at the outputs
+``forward``         evaluating the graph (in float32 for a half-precision model); the relevance
+                    seed at the outputs
 ``walk``            the reverse walk, node by node, with the conservation bookkeeping
+``node_rules``      the rule of each node: its op's, a written-out function's as a whole, or with a
+                    selective scan's selection parameters held constant
 ``memory``          what the forward pass keeps, frees or recomputes; segments for ``memory="low"``
 ``low_memory``      the run segment by segment (``memory="low"``)
 ``fast_path``       :func:`run_fast`: a preset's rules as one modified-gradient backward pass
 ``session``         :class:`Session`: re-running the graph for the methods that perturb inputs
 ``trace``           :class:`Trace`, :class:`BlockRecord`, :class:`Conservation`
+``budget``          the bytes of the block records a full-record run keeps, and their default
+                    budget (``explain(..., records_budget=)``)
 ``coverage``        the coverage report: every op of a graph and how a preset handles it
 ==================  ===========================================================================
 """

@@ -38,6 +38,8 @@ from ..errors import op_name
 from ..graph.capture import Captured
 from ..graph.nodes import module_path, module_type, relevance_path
 from ..rules import registry
+from ..rules.registry import ELEMENTWISE_FUNCTION
+from .node_rules import OnOperands, WithConstants, rule_finder
 
 STATUSES = ("rule", "shape-only", "missing", "source", "no relevance", "constant")
 
@@ -158,9 +160,9 @@ class Coverage:
 
 def report(captured: Captured, preset: str, model_name: str = "model") -> Coverage:
     """Build the :class:`Coverage` of a captured graph under ``preset``."""
-    p = registry.get_preset(preset)
     a = captured.analysis
-    path = set(relevance_path(captured.graph, a.live, a.sources, lambda n: p.lookup(n.target), through_missing=True))
+    rule_of = rule_finder(captured, preset)
+    path = set(relevance_path(captured.graph, a.live, a.sources, rule_of, through_missing=True))
     sources = set(a.sources)
     ops = []
     for node in captured.graph.nodes:
@@ -177,10 +179,16 @@ def report(captured: Captured, preset: str, model_name: str = "model") -> Covera
             status, rule = "shape-only", "element of a list output"
         else:
             rule = registry.describe(preset, node.target)
+            fn = rule_of(node)
             if rule is None:
                 status = "missing"
             else:
                 status = "shape-only" if rule.endswith("(base)") else "rule"
+            if isinstance(fn, OnOperands):  # the output of an element-wise function explained as a whole
+                status, rule = "rule", (f"{registry.describe(preset, ELEMENTWISE_FUNCTION)} on the element-wise "
+                                        f"function of {fn.operands[0].name} ({len(fn.region.nodes)} ops)")
+            elif isinstance(fn, WithConstants):
+                rule = f"{rule}, with selection parameters of a selective scan held constant"
         ops.append(OpReport(node.name, op_name(node.target), module_path(node), module_type(node), status, rule))
     blocks = []
     for b in a.blocks:

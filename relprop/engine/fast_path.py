@@ -32,7 +32,8 @@ from ..graph.nodes import evaluate, is_live, live_outputs, module_path, output_l
 from ..rules import registry
 from ..rules.stabilize import on_nonzero_rows, promote, relevance_dtype, safe_divide
 from ..targets import find_logits, fixed, require_input_dependence
-from .forward import count_forward
+from .forward import bind, count_forward
+from .node_rules import rule_finder
 from .request import Request
 from .session import Session
 from .streams import per_stream, primary_parts, stream_masks
@@ -51,6 +52,9 @@ class Plan:
     preset: str
     eps: float
     replacements: Dict[torch.fx.Node, Callable]
+    #: outputs of subgraphs explained as a whole (element-wise functions): node -> (operand nodes,
+    #: ``call(*operand values, output) -> output`` with the rule's backward)
+    functions: Dict[torch.fx.Node, tuple] = dataclasses.field(default_factory=dict)
 
 
 def plan(captured: Captured, preset: str, eps: float) -> Plan:
@@ -79,12 +83,12 @@ _ADJOINT_RULES = frozenset(registry.get_preset("base").rules.values())
 
 def _plan(captured: Captured, preset: str, eps: float) -> Plan:
     a = captured.analysis
-    p = registry.get_preset(preset)
-    replacements = {}
-    for node in relevance_path(captured.graph, a.live, a.sources, lambda n: p.lookup(n.target)):
+    rule_of = rule_finder(captured, preset)
+    replacements, functions = {}, {}
+    for node in relevance_path(captured.graph, a.live, a.sources, rule_of):
         if node in a.sources or node.op != "call_function" or node.target is operator.getitem:
             continue
-        fn = p.lookup(node.target)
+        fn = rule_of(node)
         if fn is None:
             raise FastPathUnavailable(f"no rule for {node.target} (in '{module_path(node)}') in preset '{preset}'")
         if fn in _ADJOINT_RULES:  # routing rules give relevance exactly as the gradient does
@@ -93,10 +97,24 @@ def _plan(captured: Captured, preset: str, eps: float) -> Plan:
         if form is None:
             raise FastPathUnavailable(f"the rule {fn.__name__} of {node.target} (in '{module_path(node)}') in "
                                       f"preset '{preset}' has no gradient form")
+        operands = getattr(fn, "operands", None)
+        if operands is not None:  # a subgraph explained as a whole: its output from its operands and itself
+            functions[node] = (tuple(operands), form(node, tuple(is_live(x, a.live) for x in operands), eps))
+            continue
         rep = form(node, tuple(is_live(x, a.live) for x in node.args), eps)
         if rep is not None:
             replacements[node] = rep
-    return Plan(preset, eps, replacements)
+    return Plan(preset, eps, replacements, functions)
+
+
+def _gradient_seed(seed: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """The output gradient R / y for the ``"gradient"`` seed R = ∂s/∂y."""
+    return safe_divide(seed, y, 0.0)
+
+
+def _score_seed(seed: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """The output gradient R / y for the ``"score"`` seed R = y ⊙ ∂s/∂y: ∂s/∂y, 0 where y = 0."""
+    return torch.where(y != 0, seed, torch.zeros_like(seed))
 
 
 def supports(captured: Captured, preset: str, eps: float) -> Optional[str]:
@@ -125,7 +143,8 @@ def run_fast(request: Request) -> Trace:
     sources = set(a.sources)
     count_forward()
     with torch.enable_grad():
-        env = captured.bind(request.model, request.kwargs)
+        compute = request.compute
+        env = bind(captured, request.model, request.kwargs, compute)
         if a.primary in sources:
             env[a.primary] = env[a.primary].detach().requires_grad_(True)
         for s in a.sources:  # a second stream's float input (two-stream models)
@@ -134,7 +153,10 @@ def run_fast(request: Request) -> Trace:
         for node in captured.graph.nodes:
             if node.op != "call_function":
                 continue
-            out = evaluate(node, env.__getitem__, p.replacements.get(node))
+            out = evaluate(node, env.__getitem__, p.replacements.get(node), compute=compute)
+            if node in p.functions:
+                operands, call = p.functions[node]
+                out = call(*(env[m] for m in operands), out)
             if node in sources:
                 out = out.detach().requires_grad_(True)
             env[node] = out
@@ -152,13 +174,15 @@ def run_fast(request: Request) -> Trace:
         require_input_dependence(scores)
         seeds = torch.autograd.grad(scores.sum(), [leaves[n] for n in out_nodes], allow_unused=True)
         roots, grad_outputs = [], []
+        by_value = registry.get_preset(request.preset).seed == "score"
         for n, seed in zip(out_nodes, seeds):
             if seed is None:
                 continue
             roots.append(env[n])
             # exact R / y: the ε of the ε-rule enters at each ε-rule node, as in the interpreter
-            # (on the rows the seed reaches: a decoder's logits are seeded at one position)
-            grad_outputs.append(on_nonzero_rows(lambda s, y: safe_divide(s, y, 0.0), seed,
+            # (on the rows the seed reaches: a decoder's logits are seeded at one position); with
+            # the "score" seed R = y ⊙ ∂s/∂y, so R / y is the derivative itself where y ≠ 0
+            grad_outputs.append(on_nonzero_rows(_score_seed if by_value else _gradient_seed, seed,
                                                 env[n].detach()).to(env[n].dtype))
         grads = torch.autograd.grad(roots, src_vals, grad_outputs, allow_unused=True)
     batch = scores.shape[0]
@@ -172,7 +196,7 @@ def run_fast(request: Request) -> Trace:
         input_rel = r if input_rel is None else input_rel + r
     outputs_d = pytree.tree_map(lambda t: t.detach() if torch.is_tensor(t) else t, outputs)
     score = request.target.score if target is None else fixed(target, captured.primary).score
-    session = Session(captured, request.model, request.kwargs, score, src_vals[0].detach())
+    session = Session(captured, request.model, request.kwargs, score, src_vals[0].detach(), compute=compute)
     return Trace(outputs=outputs_d, logits=find_logits(outputs_d), target=target,
                  target_scores=scores.detach(), blocks=[], input_relevance=input_rel, input_gradient=None,
                  conservation=None, modality=a.modality, grid=a.grid, batch_size=batch, session=session,

@@ -15,7 +15,8 @@ import torch.fx
 import torch.utils._pytree as pytree
 
 from ..graph.capture import Captured
-from ..graph.nodes import evaluate, output_leaves, output_values
+from ..graph.nodes import HALF_DTYPES, evaluate, output_leaves, output_values
+from ..rules.stabilize import on_nonzero_rows
 from ..targets import require_input_dependence
 from .memory import last_uses
 
@@ -33,7 +34,7 @@ def count_forward() -> None:
 
 def forward(captured: Captured, model, kwargs, *, perturb: Optional[Callable] = None,
             overrides: Optional[Dict[torch.fx.Node, torch.Tensor]] = None, env: Optional[dict] = None,
-            only: Optional[set] = None, discard: Optional[set] = None):
+            only: Optional[set] = None, discard: Optional[set] = None, compute: Optional[torch.dtype] = None):
     """Evaluate the captured graph; returns (env, outputs).
 
     ``perturb(value)`` replaces the value of the relevance source (pixels, or the word embeddings)
@@ -41,13 +42,15 @@ def forward(captured: Captured, model, kwargs, *, perturb: Optional[Callable] = 
     the nodes in ``only`` are re-evaluated (the rest are read from ``env``). The values of the
     nodes in ``discard`` leave ``env`` after their last use (autograd keeps what it saved of them;
     :func:`relprop.engine.memory.rematerializable`). Sources are made leaves that require grad.
+    ``compute`` (float32 for a half-precision model, :attr:`relprop.engine.request.Request.compute`)
+    is the precision every node is evaluated in (:func:`relprop.graph.nodes.evaluate`).
     """
     a = captured.analysis
     count_forward()
     sources = set(a.sources)
     overrides = overrides or {}
     if env is None:
-        env = captured.bind(model, kwargs)
+        env = bind(captured, model, kwargs, compute)
         if a.primary in sources:
             v = env[a.primary]
             if perturb is not None:
@@ -67,7 +70,7 @@ def forward(captured: Captured, model, kwargs, *, perturb: Optional[Callable] = 
             continue
         if only is not None and node not in only:
             continue
-        out = evaluate(node, env.__getitem__)
+        out = evaluate(node, env.__getitem__, compute=compute)
         if node in sources:
             if perturb is not None:
                 out = perturb(out)
@@ -79,9 +82,27 @@ def forward(captured: Captured, model, kwargs, *, perturb: Optional[Callable] = 
     return env, output_values(captured.graph, captured.out_spec, env.__getitem__)
 
 
-def output_seed(captured: Captured, env, score_fn, out_nodes: List[torch.fx.Node], with_scores: bool = False):
+def bind(captured: Captured, model, kwargs, compute: Optional[torch.dtype] = None) -> dict:
+    """The placeholder values (:meth:`relprop.graph.capture.Captured.bind`), the model's inputs in
+    ``compute`` precision when it is given (the weights stay as they are: :func:`evaluate` casts
+    each where the graph reads it)."""
+    env = captured.bind(model, kwargs)
+    if compute is not None:
+        for node, kind, _ in captured.bindings:
+            v = env[node]
+            if kind not in ("param", "buffer", "constant") and torch.is_tensor(v) and v.dtype in HALF_DTYPES:
+                env[node] = v.to(compute)
+    return env
+
+
+def output_seed(captured: Captured, env, score_fn, out_nodes: List[torch.fx.Node], with_scores: bool = False,
+                seed: str = "gradient"):
     """The relevance seed at each output: the partial derivative of the target score with respect to
-    that output, the other outputs held fixed (CVPR 2021 §3.3: the one-hot of the target logit).
+    that output, the other outputs held fixed (``seed="gradient"``, CVPR 2021 §3.3: the one-hot of
+    the target logit), or that derivative times the output (``seed="score"``: the target logit's
+    value, sign included, where relevance starts in Bach et al. 2015, Eq. 2, and AttnLRP; for a
+    score linear in the outputs, such as a logit or a difference of logits, it sums to the score).
+    The preset decides (:attr:`relprop.rules.Preset.seed`).
 
     It differs from the gradient at the output node when one output is computed from another
     (CLIP returns the image and text embeddings and the similarity logits computed from them):
@@ -102,9 +123,25 @@ def output_seed(captured: Captured, env, score_fn, out_nodes: List[torch.fx.Node
         if with_scores:
             require_input_dependence(scores)
         grads = torch.autograd.grad(scores.sum(), [v for _, v in leaves], allow_unused=True)
-    seed: Dict[torch.fx.Node, torch.Tensor] = {}
+    out: Dict[torch.fx.Node, torch.Tensor] = {}
     for (n, v), g in zip(leaves, grads):
         g = torch.zeros_like(v) if g is None else g
-        seed[n] = seed[n] + g if n in seed else g
-    return (scores.detach(), seed) if with_scores else seed
+        out[n] = out[n] + g if n in out else g
+    out = relevance_seed(out, env, seed)
+    return (scores.detach(), out) if with_scores else out
+
+
+def relevance_seed(gradients: Dict[torch.fx.Node, torch.Tensor], env, seed: str) -> Dict[torch.fx.Node, torch.Tensor]:
+    """The relevance at each output from the score's partial derivatives there (:func:`output_seed`
+    with ``seed="gradient"``): those derivatives themselves, or for ``seed="score"`` the derivatives
+    times the outputs' values (:func:`times_output`)."""
+    if seed == "gradient":
+        return gradients
+    return {n: times_output(g, env[n].detach()) for n, g in gradients.items()}
+
+
+def times_output(gradient: torch.Tensor, output: torch.Tensor) -> torch.Tensor:
+    """``gradient ⊙ output`` (the ``"score"`` seed), computed on the rows the gradient reaches only
+    (a language model's vocabulary-sized logits are seeded at one position per sample)."""
+    return on_nonzero_rows(lambda g, y: torch.where(g != 0, g * y, torch.zeros_like(g)), gradient, output)
 

@@ -16,7 +16,8 @@ import torch.fx
 from ..graph.aliasing import shares_memory
 from ..graph.nodes import evaluate
 from ..graph.tokens import token_positions
-from .forward import forward, output_seed
+from ..rules.registry import get_preset
+from .forward import forward, output_seed, relevance_seed
 from .memory import crossing, last_uses, read_after_walk, rematerializable, segments
 from .request import Request
 from .trace import Pass
@@ -54,7 +55,7 @@ def run_low(request: Request, out_nodes: List[torch.fx.Node], wrt: List[torch.fx
     keep = kept | sources | {a.primary} | _token_trace_reads(a)
     discard = {n for n in captured.graph.nodes if n.op == "call_function" and n not in keep}
     with torch.no_grad():
-        env, outputs = forward(captured, request.model, request.kwargs, discard=discard)
+        env, outputs = forward(captured, request.model, request.kwargs, discard=discard, compute=request.compute)
     scores, seed = output_seed(captured, env, request.target.score, out_nodes, with_scores=True)
     with torch.no_grad():
         target = request.target.classes(outputs)
@@ -69,13 +70,14 @@ def run_low(request: Request, out_nodes: List[torch.fx.Node], wrt: List[torch.fx
     grad: Dict[torch.fx.Node, torch.Tensor] = {}
     walker = None
     if request.relevance:  # (no memo of 2x every weight here: memory="high" only)
-        walker = Walker(request, env, {**seed}, out_nodes, batch, remat)
+        walker = Walker(request, env, relevance_seed(seed, env, get_preset(request.preset).seed), out_nodes, batch,
+                        remat)
     needed_later = read_after_walk(a)
     dropped: set = set()
     if streamer is not None:
         streamer.attach(walker, env, grad, batch)
     for seg in reversed(segments(captured)):
-        _backward_segment(captured, env, seg, gbuf, grad, grad_nodes, kept)
+        _backward_segment(captured, env, seg, gbuf, grad, grad_nodes, kept, request.compute)
         if walker is not None:
             with torch.no_grad():
                 for node in reversed(seg):
@@ -102,7 +104,7 @@ def _token_trace_reads(a) -> set:
     return {a.tokens.start} | set(a.tokens.reads)
 
 
-def _backward_segment(captured, env, seg, gbuf, grad, grad_nodes, kept):
+def _backward_segment(captured, env, seg, gbuf, grad, grad_nodes, kept, compute=None):
     """Recompute one segment with autograd from its inputs in ``env``, propagate the gradients in
     ``gbuf`` (at its outgoing values) back to its incoming values (added to ``gbuf``) and to the
     nodes of ``grad_nodes`` it holds (into ``grad``); leave its values, detached, in ``env``."""
@@ -126,7 +128,7 @@ def _backward_segment(captured, env, seg, gbuf, grad, grad_nodes, kept):
     inside = set(fn_nodes)
     with torch.enable_grad():
         for node in fn_nodes:
-            out = evaluate(node, val)
+            out = evaluate(node, val, compute=compute)
             if node in sources:
                 out = out.detach().requires_grad_(True)
             senv[node] = out

@@ -2,8 +2,9 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
-from typing import Any, Mapping
+from typing import Any, Mapping, Optional
 
 import torch
 
@@ -17,6 +18,9 @@ MEMORY_MODES = ("default", "low", "high")
 #: the values of ``explain(..., unsupported=...)``: raise for an op without a rule, or apply the
 #: generic gradient × input rule to it
 UNSUPPORTED_MODES = ("error", "z_rule")
+#: the values of ``explain(..., precision=...)``: a half-precision model evaluated in float32 (its
+#: weights cast layer by layer as the graph reads them), or in its own dtype (less memory)
+PRECISIONS = ("float32", "model")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,6 +45,7 @@ class Request:
     input_gradient : take the gradient at the input (``Trace.input_gradient``). False (no method
         reads it) lets the gradient pass stop at the first block's input, below which only the
         input gradient needs it: e.g. a vision transformer's patch embedding is not back-propagated.
+    precision : ``"float32"`` or ``"model"`` (:data:`PRECISIONS`); see :attr:`compute`.
     """
 
     captured: Captured
@@ -54,13 +59,32 @@ class Request:
     memory: str = "default"
     stream: tuple = ()
     input_gradient: bool = True
+    precision: str = "float32"
+
+    @property
+    def compute(self) -> Optional[torch.dtype]:
+        """The dtype the graph is evaluated in when it is not the model's own: float32 for a model
+        whose floating parameters or buffers are float16/bfloat16 under ``precision="float32"``
+        (every forward value, gradient and relevance in float32; the weights are cast as the graph
+        reads them, never all at once), else None (the model's own dtype)."""
+        if self.precision != "float32":
+            return None
+        return torch.float32 if model_in_half(self.model) else None
 
     def but(self, **changes) -> "Request":
         """A copy with some fields changed."""
         return dataclasses.replace(self, **changes)
 
 
-def check_options(*, eps: Any, unsupported: Any, memory: Any) -> None:
+def model_in_half(model: torch.nn.Module) -> bool:
+    """Whether some floating parameter or buffer of ``model`` is float16 or bfloat16."""
+    for t in itertools.chain(model.parameters(), model.buffers()):
+        if t.is_floating_point() and t.dtype in (torch.float16, torch.bfloat16):
+            return True
+    return False
+
+
+def check_options(*, eps: Any, unsupported: Any, memory: Any, precision: Any = "float32") -> None:
     """Raise :class:`OptionError` naming the choices when an engine option has a value it does not take."""
     if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not math.isfinite(eps) or eps < 0:
         raise OptionError(f"eps={eps!r} is not a choice here: the denominators' stabilizer is a finite number >= 0 "
@@ -69,3 +93,6 @@ def check_options(*, eps: Any, unsupported: Any, memory: Any) -> None:
         raise OptionError(f"unsupported={unsupported!r} is not a choice here. Choices: {list(UNSUPPORTED_MODES)}")
     if not isinstance(memory, str) or memory not in MEMORY_MODES:
         raise OptionError(f"memory={memory!r} is not a choice here. Choices: {list(MEMORY_MODES)}")
+    if not isinstance(precision, str) or precision not in PRECISIONS:
+        raise OptionError(f"precision={precision!r} is not a choice here. Choices: {list(PRECISIONS)} ('float32': a "
+                          "float16/bfloat16 model is evaluated in float32; 'model': in its own dtype, less memory)")

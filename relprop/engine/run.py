@@ -20,6 +20,7 @@ from ..graph.nodes import live_outputs
 from ..graph.tokens import token_positions
 from ..graph.windows import globalize, locate_windows
 from ..targets import find_logits, fixed, require_input_dependence
+from ..rules.registry import get_preset
 from .forward import forward, output_seed
 from .low_memory import run_low
 from .memory import rematerializable
@@ -76,7 +77,7 @@ def run(request: Request) -> Trace:
     # without a method that reads Trace.input_gradient the gradient pass stops at the blocks
     wrt = gradient_nodes(a, out_nodes, sources=request.input_gradient)
     with torch.enable_grad():
-        env, outputs = forward(captured, request.model, request.kwargs, discard=remat)
+        env, outputs = forward(captured, request.model, request.kwargs, discard=remat, compute=request.compute)
         scores = request.target.score(outputs)
         target = request.target.classes(outputs)
         require_input_dependence(scores)
@@ -90,7 +91,8 @@ def run(request: Request) -> Trace:
     result.tokens = token_positions(a.tokens, env, batch)
     if request.relevance:
         with torch.no_grad():
-            seed = {**grad, **output_seed(captured, env, request.target.score, out_nodes)}
+            seed = {**grad, **output_seed(captured, env, request.target.score, out_nodes,
+                                          seed=get_preset(request.preset).seed)}
             walker = Walker(request, env, seed, out_nodes, batch, remat)
             result.rel_at, result.conservation, result.input_relevance = walk(walker)
             result.stream_relevance = walker.stream_relevance
@@ -119,7 +121,7 @@ def build_trace(request: Request, result: Pass, notes: List[str]) -> Trace:
     logits = find_logits(outputs)
     score = request.target.score if result.target is None else fixed(result.target, captured.primary).score
     session = Session(captured, request.model, request.kwargs, score,
-                      env[a.sources[0]].detach() if a.sources else None)
+                      env[a.sources[0]].detach() if a.sources else None, compute=request.compute)
     am = request.kwargs.get("attention_mask")
     if torch.is_tensor(am) and am.dim() == 2 and n_tok == am.shape[1]:
         token_mask = am.to(result.scores.device) != 0

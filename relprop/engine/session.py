@@ -19,8 +19,9 @@ class Session:
     (value zeroing). The target stays the one explained (``score_fn``)."""
 
     def __init__(self, captured: Captured, model: torch.nn.Module, kwargs: dict, score_fn: Callable,
-                 source_value: Optional[torch.Tensor]):
+                 source_value: Optional[torch.Tensor], compute: Optional[torch.dtype] = None):
         self.captured = captured
+        self.compute = compute  # the precision of the explained run (Request.compute): re-runs use it too
         self.model = model
         self.kwargs = kwargs
         self.score_fn = score_fn
@@ -38,12 +39,13 @@ class Session:
         kwargs = {k: (v.index_select(0, rows.to(v.device))
                       if torch.is_tensor(v) and v.dim() > 0 and v.shape[0] == b else v)
                   for k, v in self.kwargs.items()}
-        return Session(self.captured, self.model, kwargs, fixed(classes, self.captured.primary).score, None)
+        return Session(self.captured, self.model, kwargs, fixed(classes, self.captured.primary).score, None,
+                       compute=self.compute)
 
     def source_gradient(self, perturb: Optional[Callable] = None):
         """(source value, d score / d source) with the source replaced by ``perturb(source)``."""
         with torch.enable_grad():
-            env, outputs = forward(self.captured, self.model, self.kwargs, perturb=perturb,
+            env, outputs = forward(self.captured, self.model, self.kwargs, compute=self.compute, perturb=perturb,
                                    discard=transient(self.captured))
             scores = self.score_fn(outputs)
             srcs = self.captured.analysis.sources
@@ -54,7 +56,7 @@ class Session:
     def source_scores(self, perturb: Callable) -> torch.Tensor:
         """[batch] target scores with the source replaced by ``perturb(source)`` (no gradients)."""
         with torch.no_grad():
-            _, outputs = forward(self.captured, self.model, self.kwargs, perturb=perturb,
+            _, outputs = forward(self.captured, self.model, self.kwargs, compute=self.compute, perturb=perturb,
                                  discard=transient(self.captured))
             return promote(self.score_fn(outputs).detach())
 
@@ -70,7 +72,8 @@ class Session:
                 v = v.to(old.dtype)  # e.g. float32 masks applied to a half-precision model's pixels
             kwargs[k] = v
         with torch.no_grad():
-            _, outputs = forward(self.captured, self.model, kwargs, discard=transient(self.captured))
+            _, outputs = forward(self.captured, self.model, kwargs, compute=self.compute,
+                                 discard=transient(self.captured))
             return promote(self.score_fn(outputs).detach())
 
     def block_output_with_value_scaled(self, base_env: dict, block_index: int, scale: torch.Tensor) -> torch.Tensor:
@@ -80,14 +83,14 @@ class Session:
         scope = self._scope(block_index)
         v = base_env[b.value]
         with torch.no_grad():
-            env, _ = forward(self.captured, self.model, self.kwargs, overrides={b.value: v * scale.to(v.dtype)},
-                             env=base_env, only=scope)
+            env, _ = forward(self.captured, self.model, self.kwargs, compute=self.compute,
+                             overrides={b.value: v * scale.to(v.dtype)}, env=base_env, only=scope)
         return promote(env[b.output].detach())
 
     def base_env(self) -> dict:
         """Every node's value on this batch (one forward pass without gradients)."""
         with torch.no_grad():
-            env, _ = forward(self.captured, self.model, self.kwargs)
+            env, _ = forward(self.captured, self.model, self.kwargs, compute=self.compute)
         return env
 
     def _scope(self, block_index):

@@ -24,11 +24,10 @@ from ..graph.aliasing import shares_memory
 from ..graph.capture import Captured
 from ..graph.nodes import (evaluate, is_live, module_path, module_paths, module_type, output_leaves,
                           relevance_path)
-from ..rules import registry
 from ..rules.context import WRITES_OUT, RuleContext
-from ..rules.generic import gradient_times_input
 from ..rules.stabilize import promote, relevance_dtype
 from .memory import read_after_walk
+from .node_rules import rule_finder
 from .streams import per_stream, primary_parts
 from .trace import BlockConservation, Conservation
 
@@ -36,22 +35,11 @@ from .trace import BlockConservation, Conservation
 STABILIZER = "eps stabilizer (the ε-rules' denominators z + ε·sign z)"
 
 
-def rule_finder(preset: str, unsupported: str):
-    """``node -> rule`` under ``preset``: its registered rule, else the generic z-rule when
-    ``unsupported="z_rule"``, else None."""
-    p = registry.get_preset(preset)
-
-    def rule_of(node):
-        fn = p.lookup(node.target)
-        return gradient_times_input if fn is None and unsupported == "z_rule" else fn
-    return rule_of
-
-
 def check_rules(captured: Captured, preset: str, unsupported: str) -> None:
     """Raise :class:`UnsupportedOperation` for the first op on the relevance path with no rule in
     ``preset`` (unless ``unsupported="z_rule"``)."""
     a = captured.analysis
-    rule_of = rule_finder(preset, unsupported)
+    rule_of = rule_finder(captured, preset, unsupported)
     for node in relevance_path(captured.graph, a.live, a.sources, rule_of):
         if node.op == "call_function" and node not in a.sources and node.target is not operator.getitem \
                 and rule_of(node) is None:
@@ -87,7 +75,8 @@ class Walker:
         captured = request.captured
         a = captured.analysis
         self.captured, self.a, self.env, self.preset, self.eps = captured, a, env, request.preset, request.eps
-        self.rule_of = rule_finder(request.preset, request.unsupported)
+        self.rule_of = rule_finder(captured, request.preset, request.unsupported)
+        self.compute = request.compute
         self.unsupported, self.batch, self.remat = request.unsupported, batch, remat
         weight_cache = captured.weight_cache if request.memory == "high" else None
         self.sources = set(a.sources)
@@ -143,7 +132,7 @@ class Walker:
             return env[n]
         self._check_remat(n)
         with torch.no_grad():
-            v = evaluate(n, self.value)
+            v = evaluate(n, self.value, compute=self.compute)
         env[n] = v  # freed when the walk passes n
         return v
 
@@ -215,9 +204,12 @@ class Walker:
             raise UnsupportedOperation(node.target, module_path(node), module_type(node), preset)
         # rules compute in float32 at least: half-precision activations are upcast, float64 kept
         value = self.value
-        args, kw = torch.fx.node.map_arg((node.args, node.kwargs),
+        # a rule explaining a subgraph as a whole names its operands (an element-wise function: its input)
+        operands = getattr(fn, "operands", None)
+        arg_nodes, kw_nodes = (node.args, node.kwargs) if operands is None else (tuple(operands), {})
+        args, kw = torch.fx.node.map_arg((arg_nodes, kw_nodes),
                                          lambda n: promote(value(n)) if n in a.live else value(n))
-        live = tuple(is_live(x, a.live) for x in node.args)
+        live = tuple(is_live(x, a.live) for x in arg_nodes)
         lost = getattr(getattr(fn, "gradient_form", None), "lost", None)
         ctx = RuleContext(node=node, args=tuple(args), kwargs=kw, out=pytree.tree_map(promote, out_val), live=live,
                           batch_dim=bdim.get(node), batch_size=batch, eps=self.eps, preset=preset,
@@ -226,15 +218,22 @@ class Walker:
         shares = fn(ctx, r)
         if lost is not None and shares is not None:  # an ε-rule: book what its stabilizer keeps
             kept = lost(node, ctx.args, ctx.out, r, self.eps)
-            if kept is not None:
+            if isinstance(kept, tuple):  # (label, share): what a rule does not pass on, under its own label
+                self.absorb(kept[0], kept[1], node, None)
+            elif kept is not None:
                 self.absorb(STABILIZER, kept, node, None)
         del ctx, args, kw, r
         if shares is None:
             raise UnsupportedOperation(node.target, module_path(node), module_type(node), preset,
                                        detail="Its rule does not apply to these operands.")
-        for i, arg in enumerate(node.args):
+        held = getattr(fn, "constant_positions", ())  # arguments a rule holds constant (selection parameters)
+        for i, arg in enumerate(arg_nodes):
             share = shares[i] if i < len(shares) else None
             if share is None:
+                continue
+            if i in held and torch.is_tensor(share):
+                self.absorb(f"{module_path(node) or 'model'}:{arg.name} (held constant)", promote(share), node,
+                            self.bdim.get(arg))
                 continue
             if isinstance(arg, (list, tuple)):
                 for el, sh in zip(arg, share):

@@ -28,6 +28,7 @@ from . import disk_cache
 from .analysis import GraphAnalysis, analyze
 from .export import ATTEMPTS, export_program
 from .inputs import batch_size_of, primary_input
+from .parameters import model_tensor
 from .program import Program
 from .specialize import Concretizer, batch_axes, specialize
 
@@ -74,10 +75,8 @@ class Captured:
         lifted constants and the user's inputs."""
         env = {}
         for node, kind, target in self.bindings:
-            if kind == "param":
-                env[node] = model.get_parameter(target).detach()
-            elif kind == "buffer":
-                env[node] = model.get_buffer(target).detach()
+            if kind in ("param", "buffer"):  # (a piece of a quantized weight: relprop.graph.parameters)
+                env[node] = model_tensor(model, target, kind).detach()
             elif kind == "constant":
                 env[node] = self.program.constants[target]
             else:

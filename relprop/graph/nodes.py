@@ -100,10 +100,12 @@ def relevance_path(graph: torch.fx.Graph, live, sources, rule_of: Callable[[torc
     From the live outputs back: a source (pixels, an embedding lookup) or a placeholder ends a
     branch; an element of a list output (``getitem``) leads to the list; any other node leads to
     its live arguments except the positions its rule declares in ``no_relevance_to`` (the divisor
-    of a normalization). ``rule_of(node)`` returns the node's rule, or None when it has none: such
-    a node is on the path but the walk does not go past it, unless ``through_missing`` (the
-    coverage report), which goes on as if relevance reached every live argument of it, so that the
-    ops upstream of a missing one are labelled too.
+    of a normalization), or to the nodes its rule declares in ``operands`` (a rule that explains a
+    whole subgraph, e.g. an element-wise function written out op by op, applied to its input).
+    ``rule_of(node)`` returns the node's rule, or None when it has none: such a node is on the path
+    but the walk does not go past it, unless ``through_missing`` (the coverage report), which goes
+    on as if relevance reached every live argument of it, so that the ops upstream of a missing one
+    are labelled too.
     """
     sources = set(sources)
     stack = [n for n in output_leaves(graph) if isinstance(n, torch.fx.Node) and n in live]
@@ -122,7 +124,8 @@ def relevance_path(graph: torch.fx.Graph, live, sources, rule_of: Callable[[torc
         if fn is None and not through_missing:
             continue
         blocked = getattr(fn, "no_relevance_to", ())
-        for i, arg in enumerate(node.args):
+        operands = getattr(fn, "operands", None)  # a rule applied to other nodes than the arguments
+        for i, arg in enumerate(node.args if operands is None else operands):
             if i in blocked:
                 continue
             stack.extend(m for m in pytree.tree_leaves(arg) if isinstance(m, torch.fx.Node) and m in live)
@@ -131,16 +134,39 @@ def relevance_path(graph: torch.fx.Graph, live, sources, rule_of: Callable[[torc
 
 # --------------------------------------------------------------------------------------- evaluation
 
-def evaluate(node: torch.fx.Node, value: Callable[[torch.fx.Node], Any], fn: Optional[Callable] = None) -> Any:
+#: the floating dtypes :func:`evaluate` computes in ``compute`` precision instead
+HALF_DTYPES = (torch.float16, torch.bfloat16)
+#: ops whose flag converts half-precision input to float32 output (meaningless in float32 precision)
+_HALF_TO_FLOAT = {torch.ops.aten._softmax.default: 2, torch.ops.aten._log_softmax.default: 2}
+
+
+def evaluate(node: torch.fx.Node, value: Callable[[torch.fx.Node], Any], fn: Optional[Callable] = None,
+             compute: Optional[torch.dtype] = None) -> Any:
     """The value of ``node`` computed from ``value(arg)`` of each argument node, by ``node.target``
     (or by ``fn``, a replacement that takes the same arguments). The op runs through
     :func:`~relprop.graph.torch_fixes.safe_target`; a ``full_like`` or ``where`` of the decomposed
     safe softmax runs without its copy, and its row test without boolean copies, where the node's
-    users allow it (:data:`_BY_USE`)."""
+    users allow it (:data:`_BY_USE`). With ``compute`` (float32), a model in half precision is
+    evaluated in that precision: its half-precision tensors (parameters, buffers, inputs) are cast
+    for the op and the half dtypes the graph names (casts, created tensors, dtype checks) become
+    ``compute``."""
     args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), value)
+    if compute is not None:
+        args, kwargs = pytree.tree_map(lambda v: _in_precision(v, compute), (args, kwargs))
+        flag = _HALF_TO_FLOAT.get(node.target)
+        if flag is not None and len(args) > flag and args[flag] is True:
+            args = args[:flag] + (False,) + args[flag + 1:]
     if fn is None and node.target in _BY_USE:
         fn = _BY_USE[node.target](node)
     return (fn or safe_target(node.target))(*args, **kwargs)
+
+
+def _in_precision(v: Any, compute: torch.dtype) -> Any:
+    if torch.is_tensor(v):
+        return v.to(compute) if v.dtype in HALF_DTYPES else v
+    if isinstance(v, torch.dtype) and v in HALF_DTYPES:
+        return compute
+    return v
 
 
 #: ops of the safe softmax that an exported SDPA decomposes into (``where(row all masked,

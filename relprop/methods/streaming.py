@@ -41,6 +41,10 @@ from .query import causal_block, row_zero_only, support_of, weighted_rows, weigh
 from .identity import flat_cause, fold_step, merge_rows, with_identity
 from .rollout_utils import check_mixing, check_neighbours, check_square
 
+#: a block's map is built and multiplied into the row in chunks of query rows whose per-head maps
+#: take at most this many bytes (below glibc's mmap threshold, so the heap reuses them)
+FOLD_CHUNK_BYTES = 16 << 20
+
 #: the methods whose result a :class:`RowFold` computes: name -> the per-head maps of a block record
 #: (the same function the method passes to :func:`relprop.methods.aggregation.aggregate`)
 STREAM_MAPS: Dict[str, Callable] = {}
@@ -165,6 +169,9 @@ class RowFold:
             check_neighbours(rec, self.prev, self.name)
         self.prev = types.SimpleNamespace(index=rec.index, name=rec.name,
                                           attention=torch.empty(rec.attention.shape, device="meta"))
+        if self.row is not None:  # not the last block of the range (whose head rows need whole maps)
+            self.row = self._fold_in_chunks(rec)
+            return
         maps = self.head_maps(rec)
         agg = self.agg
         if agg.positive and agg.head_fusion != "gradient" and not shares_memory(
@@ -182,6 +189,37 @@ class RowFold:
             self.excluded, self.path = fold_step(self.excluded, self.path, fused, self.agg.normalize_rows)
         a = with_identity(fused, self.agg.normalize_rows)
         self.row = torch.matmul(self.row, a)  # [batch, k, N] · [batch, N, N]: row ← row · (I + M_b)
+
+    def _fold_in_chunks(self, rec) -> torch.Tensor:
+        """row · (I + M_b) with I + M_b built in chunks of query rows: row · A = Σ_chunks
+        row[:, :, chunk] · A[chunk, :]. Every step of M_b (the per-head maps of Eq. 13 or of the
+        rollouts, their positive part, the head fusion, the identity, ``normalize_rows``) is row by
+        row, so a chunk's rows are those of the whole map; only the order of the sums of the
+        product differs (float rounding). The maps of one chunk take at most
+        :data:`FOLD_CHUNK_BYTES`, so no per-head tensor as large as the attention map is formed."""
+        a = rec.attention
+        n = a.shape[-2]
+        per_row = max(1, a.numel() // n) * a.element_size()
+        step = max(1, FOLD_CHUNK_BYTES // per_row)
+        out = None
+        for lo in range(0, n, step):
+            hi = min(n, lo + step)
+            part = types.SimpleNamespace(**{k: None if getattr(rec, k) is None else getattr(rec, k)[..., lo:hi, :]
+                                            for k in ("attention", "gradient", "relevance")})
+            maps, agg = self.head_maps(part), self.agg
+            if agg.positive and agg.head_fusion != "gradient" and not shares_memory(
+                    maps, part.attention, part.gradient, part.relevance):
+                maps, agg = maps.clamp_(min=0), dataclasses.replace(agg, positive=False)
+            fused = fuse_heads(maps, part.gradient, agg)  # [batch, rows of the chunk, N]
+            rows = torch.arange(hi - lo, device=fused.device)
+            eye = torch.zeros(fused.shape[-2:], dtype=fused.dtype, device=fused.device)
+            eye[rows, rows + lo] = 1
+            chunk = fused + eye
+            if self.agg.normalize_rows:
+                chunk = chunk / chunk.sum(-1, keepdim=True)
+            term = torch.matmul(self.row[..., lo:hi], chunk)  # [batch, k, rows] · [batch, rows, N]
+            out = term if out is None else out.add_(term)
+        return out
 
     def _head_rows(self, rec, maps: torch.Tensor, agg: Aggregation) -> Optional[torch.Tensor]:
         """[batch, k, heads, N]: each head's map of the last block of the range at the query rows

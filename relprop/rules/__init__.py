@@ -18,12 +18,13 @@ module              ops
 ``norm_layers``     BatchNorm in inference and GroupNorm (hybrid and convolutional models), every preset
 ``pooling``         average/max pooling and upsampling of feature maps, every preset
 ``scatter``         writes (index_put with masks, slice_scatter, select_scatter); norms, amax, max.dim
+``moe``             mixture-of-experts layers: top-k routing, the experts' grouped products, gate weights
 ``gradient_forms``  rules as modified gradients (autograd functions) for the one-backward fast path
 ==================  ======================================================================
 """
 # the rule modules register their rules when imported; a preset's table is complete after the last
 from . import routing, passthrough, linear, products, residual, convolution, reductions
-from . import pointwise, normalization, windows, attnlrp, cp_lrp, norm_layers, pooling, scatter
+from . import pointwise, normalization, windows, moe, attnlrp, cp_lrp, norm_layers, pooling, scatter
 from .context import RuleContext
 from .gradient_forms import gradient_form
 from .registry import Preset, describe, get_preset, lookup, override, presets, rule, seal_builtins
@@ -33,5 +34,5 @@ seal_builtins(presets())
 __all__ = ["Preset", "RuleContext", "describe", "get_preset", "gradient_form", "lookup", "override", "presets",
            "rule",
            # the rule modules, one per op family
-           "attnlrp", "convolution", "cp_lrp", "linear", "norm_layers", "normalization", "passthrough", "pointwise",
-           "pooling", "products", "reductions", "residual", "routing", "scatter", "windows"]
+           "attnlrp", "convolution", "cp_lrp", "linear", "moe", "norm_layers", "normalization", "passthrough",
+           "pointwise", "pooling", "products", "reductions", "residual", "routing", "scatter", "windows"]

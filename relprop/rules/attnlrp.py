@@ -12,7 +12,9 @@ sum / mean pooling                         ε-rule on a sum (Eq. 8)
 multiplication / division by a constant    linear map without bias: ε-rule = R unchanged
 GELU, SiLU, tanh, sigmoid, ReLU, erf,      identity rule (Eq. 9): R_x = R_y
 x^p, √x, 1/√x, hardswish, clamp, ...
-(element-wise, one input)
+(element-wise, one input); element-wise
+functions written out op by op (gelu_new,
+quick_gelu, SiLU, softcapping, softplus)
 softmax                                    Prop. 3.1 (Taylor decomposition at x with bias):
                                            R_x = x ⊙ (R − s ⊙ Σ R); the rest is absorbed (bias)
 attention products A·V and Q·Kᵀ (two      Prop. 3.3: ε-rule, then the uniform rule (Eq. 7):
@@ -44,22 +46,24 @@ import types
 import torch
 
 from .convolution import conv_input_adjoint
-from .gradient_forms import (constant_operand, epsilon_linear_form, epsilon_stabilized, gradient_form,
-                             identity_rule, half_gradient, layer_norm_const_std, plain, rms_norm_const_rms,
-                             uniform_product)
-from .linear import require_constant_weight
+from .gradient_forms import (constant_operand, epsilon_linear_form, epsilon_stabilized, function_identity,
+                             gradient_form, identity_rule, half_gradient, layer_norm_const_std, plain,
+                             rms_norm_const_rms, uniform_product)
+from .linear import require_constant_weight, with_formula
+from .moe import GROUPED_MM, grouped_linear, is_routing_weight, renormalization_shares, renormalized_dims, renormalizing
 from .normalization import is_statistic
 from .reductions import pooling_z_rule
-from .registry import BASE, Preset, rule
+from .registry import BASE, ELEMENTWISE_FUNCTION, Preset, rule
 from .stabilize import finite, promote, safe_divide
 
 aten = torch.ops.aten
 
 ATTNLRP = Preset(
-    "attnlrp", extends=BASE, modified_gradient=True,
+    "attnlrp", extends=BASE, modified_gradient=True, seed="score",
     description="AttnLRP (Achtibat et al., ICML 2024): epsilon-rule linear layers and sums, identity rule on "
                 "element-wise non-linearities and normalization statistics, uniform rule on bilinear products, "
-                "the softmax rule of Prop. 3.1; conservative up to absorbed (bias) relevance")
+                "the softmax rule of Prop. 3.1; relevance starts at the target logit's value; conservative up to "
+                "absorbed (bias) relevance")
 PRESET = "attnlrp"
 
 
@@ -70,8 +74,15 @@ _f = promote
 # ------------------------------------------------------------------------------------------------
 # ε-rule: linear maps (Eq. 8)
 # ------------------------------------------------------------------------------------------------
+def epsilon_formula(x, w, relevance, eps):
+    """The ε-rule (Eq. 8) of ``z = x @ w`` without bias (``w`` [in, out]): R_x = x ⊙ (R / z) wᵀ; what
+    other rules apply to linear maps that are not ``aten.linear`` (a MoE layer's experts)."""
+    return x * (safe_divide(relevance, x @ w, eps) @ w.transpose(-1, -2))
+
+
 @rule(aten.linear.default, preset=PRESET)
 @gradient_form(epsilon_linear_form)
+@with_formula(epsilon_formula)
 def epsilon_linear(ctx, relevance):
     """``y = x Wᵀ + b``: ε-rule (AttnLRP Eq. 8; Bach et al. 2015 Eq. 58),
     R_x = x ⊙ (R / y) W with y including the bias; the bias absorbs b ⊙ R / y."""
@@ -154,6 +165,10 @@ def uniform_matmul(ctx, relevance):
     return (ra, None) if live_a else (None, rb)
 
 
+# the experts of a MoE layer: the ε-rule on each expert's rows (relprop.rules.moe)
+rule(*GROUPED_MM, preset=PRESET)(grouped_linear)
+
+
 # ------------------------------------------------------------------------------------------------
 # ε-rule: sums (Eq. 8)
 # ------------------------------------------------------------------------------------------------
@@ -223,6 +238,17 @@ def identity(ctx, relevance):
     return (relevance,) + (None,) * (len(ctx.args) - 1)
 
 
+@rule(ELEMENTWISE_FUNCTION, preset=PRESET)
+@gradient_form(function_identity)
+def identity_function(ctx, relevance):
+    """An element-wise function of one tensor that the graph computes op by op (tanh-GELU
+    ``gelu_new``, ``quick_gelu``, a SiLU written ``x·sigmoid(x)``, softcapping ``c·tanh(x/c)``, a
+    softplus; :mod:`relprop.graph.elementwise`): the identity rule of the whole function (AttnLRP
+    Eq. 9), R_x = R_y, as LXT applies it to the activation module (``identity_rule_implicit``).
+    ``ctx.args`` is ``(x,)``, ``ctx.out`` the function's output."""
+    return (relevance,)
+
+
 # ------------------------------------------------------------------------------------------------
 # softmax (Prop. 3.1)
 # ------------------------------------------------------------------------------------------------
@@ -288,6 +314,8 @@ def product_kind(ctx) -> str:
     live_a, live_b = ctx.live[0] is True, ctx.live[1] is True
     if not (live_a and live_b):
         return "constant"
+    if any(is_routing_weight(a) for a in ctx.node.args[:2]):  # a MoE gate weight: Prop. 3.2, as LXT does
+        return "uniform"
     if is_statistic(ctx, 1):
         return "statistic1"
     if is_statistic(ctx, 0):
@@ -344,11 +372,16 @@ def uniform_multiply(ctx, relevance):
 
 
 @rule(aten.div.Tensor, preset=PRESET)
-@gradient_form(constant_operand(1))
+@gradient_form(renormalizing(constant_operand(1)))
 def divide(ctx, relevance):
     """x / d with d a constant or a statistic of the input (a norm, a standard deviation): AttnLRP
     Prop. 3.4, d is a constant, so y = x / d is linear without bias and R_x = R (ε-rule, Eq. 8);
-    the divisor gets none. (A constant numerator absorbs R.)"""
+    the divisor gets none. (A constant numerator absorbs R.) The renormalization w / Σ w of a MoE
+    router's top-k weights is explained as a whole by the ε-rule, as the AttnLRP authors' code does
+    (:func:`relprop.rules.moe.renormalization_shares`)."""
+    dims = renormalized_dims(ctx.node)
+    if dims is not None and ctx.live[0] is True:
+        return (renormalization_shares(_f(ctx.out), relevance, dims)[0], None)
     return (relevance,) + (None,) * (len(ctx.args) - 1)
 
 

@@ -27,6 +27,7 @@ import torch.fx
 from ..graph.blocks import SOFTMAX_OPS, TRANSPARENT_OPS
 from . import attnlrp
 from .gradient_forms import constant_operand, epsilon_stabilized, gradient_form, half_gradient
+from .moe import is_routing_weight
 from .registry import Preset, rule
 
 aten = torch.ops.aten
@@ -69,14 +70,14 @@ def attention_position(node: torch.fx.Node):
 def _is_gate(arg, hops: int = 4) -> bool:
     if not isinstance(arg, torch.fx.Node) or arg.op != "call_function" or hops < 0:
         return False
-    if arg.target in _ACTIVATIONS:
+    if arg.target in _ACTIVATIONS or is_routing_weight(arg):  # MoE gate weights: constants, as in LXT's CP-LRP
         return True
     return arg.target in _VIEWS and _is_gate(arg.args[0], hops - 1)
 
 
 def gate_position(node: torch.fx.Node):
     """0 or 1: the factor of an element-wise product that comes out of an activation function
-    (the gate of a gated MLP), when exactly one does; else None."""
+    (the gate of a gated MLP) or is a MoE router's gate weight, when exactly one does; else None."""
     gates = [i for i, arg in enumerate(node.args[:2]) if _is_gate(arg)]
     return gates[0] if len(gates) == 1 else None
 

@@ -18,6 +18,7 @@ interpreter then agree to float rounding for every ε.
 gradient form               backward (g: incoming gradient)
 ==========================  ====================================================================
 :func:`identity_rule`       g · f(x) / x: the identity rule R_x = R_y (AttnLRP Eq. 9)
+:func:`function_identity`   the same for a function written out op by op (its input and output)
 :func:`epsilon_stabilized`  g · z / (z + ε·sign z) at the output z of an ε-rule node (Eq. 8's ε)
 :func:`uniform_product`     g / 2 to both factors: the uniform rule (AttnLRP Eq. 7, Props. 3.2-3.3)
 :func:`constant_operand`    no gradient into one operand: it is a constant of the linearization
@@ -85,6 +86,22 @@ def _stabilizer(z: torch.Tensor, eps: float, scale: float = 1) -> torch.Tensor:
     are NaN, set to 0 as safe_divide does."""
     den = (z * scale).abs_() if scale != 1 else z.abs()
     return torch.nan_to_num_(den.div_(den + eps), nan=0.0)
+
+
+class _FunctionIdentity(Function):
+    """``y``, the output of an element-wise function of ``x`` computed op by op, as the output of
+    the function; backward g · y / x to ``x`` (0 where x = 0), nothing to ``y``: the identity rule
+    of the whole function (:func:`function_identity`)."""
+
+    @staticmethod
+    def forward(ctx, x, y):
+        ctx.save_for_backward(safe_divide(y, x, 0.0))
+        return y.view_as(y)
+
+    @staticmethod
+    def backward(ctx, g):
+        (ratio,) = ctx.saved_tensors
+        return g * ratio, None
 
 
 class _Stabilize(Function):
@@ -212,6 +229,16 @@ def identity_rule(node, live, eps):
 
     def call(x, *args, **kwargs):
         return _IdentityRule.apply(x, lambda t: op(t, *args, **kwargs), eps)
+    return call
+
+
+def function_identity(node, live, eps):
+    """An element-wise function of one tensor written out op by op (a region of
+    :mod:`relprop.graph.elementwise`) with the identity rule (AttnLRP Eq. 9). Unlike the forms of
+    single ops, its replacement is called as ``call(x, y)`` with the function's input ``x`` and
+    its output ``y`` computed by the graph, and returns ``y`` with backward g · y / x to ``x``."""
+    def call(x, y):
+        return _FunctionIdentity.apply(x, y.detach())
     return call
 
 

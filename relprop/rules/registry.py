@@ -47,6 +47,10 @@ from ..errors import PresetError, RelpropWarning
 
 RuleFn = Callable[..., Sequence]
 
+#: where relevance starts at the outputs (:attr:`Preset.seed`): "gradient" R = ∂s/∂y (relevance 1 at
+#: the target logit, CVPR 2021 §3.3) or "score" R = y ⊙ ∂s/∂y (the target logit's value, sign included)
+SEEDS = ("gradient", "score")
+
 _PRESETS: Dict[str, "Preset"] = {}
 #: the rules each built-in preset had when relprop finished loading (see :func:`seal_builtins`)
 _BUILTIN: Dict[str, Dict[object, RuleFn]] = {}
@@ -55,10 +59,38 @@ _LOCK = threading.RLock()
 _OVERRIDES: "contextvars.ContextVar[tuple]" = contextvars.ContextVar("relprop_rule_overrides", default=())
 
 
+class PseudoOp:
+    """A key of a preset's table that is not an aten op but a pattern of the graph that one rule
+    explains as a whole (:data:`ELEMENTWISE_FUNCTION`)."""
+
+    def __init__(self, name: str, description: str):
+        self.__name__ = name
+        self.description = description
+
+    def __repr__(self) -> str:
+        return self.__name__
+
+
+#: an element-wise function of one tensor written out op by op (GPT-2's ``gelu_new``, CLIP's
+#: ``quick_gelu``, softcapping, a softplus; :mod:`relprop.graph.elementwise`): a preset with a rule
+#: for it applies that rule to the whole function, ``rule(ctx, R)`` with ``ctx.args == (x,)`` and
+#: ``ctx.out`` the function's output; a preset without one explains its ops one by one
+ELEMENTWISE_FUNCTION = PseudoOp("elementwise_function", "y = f(x) computed element-wise by several ops")
+
+
 def _overloads(op) -> list:
     if isinstance(op, torch._ops.OpOverloadPacket):
         return [getattr(op, o) for o in op.overloads()]
     return [op]
+
+
+def qualified_name(op) -> Optional[str]:
+    """``"namespace::name.overload"`` of an op overload (``"transformers::grouped_mm_fallback.default"``),
+    the key under which a rule for an op that may not exist when relprop loads is registered."""
+    schema = getattr(op, "_schema", None)
+    if schema is None:
+        return None
+    return f"{schema.name}.{schema.overload_name or 'default'}"
 
 
 class Preset:
@@ -76,10 +108,19 @@ class Preset:
     modified_gradient : whether its rules are meant to have modified-gradient forms, so that
         ``explain(method="lrp", preset=...)`` runs as one backward pass (``"attnlrp"``,
         ``"cp_lrp"``); a rule registered in it without a form then warns. Inherited.
+    seed : where relevance starts at the model's outputs (:data:`SEEDS`): ``"gradient"``, the
+        derivative of the explained score by each output (the one-hot of the target logit, CVPR
+        2021 §3.3: relevance 1), or ``"score"``, that derivative times the output (the target
+        logit's value, sign included: Bach et al. 2015, AttnLRP and LXT). None: inherited
+        (``"gradient"`` at ``"base"``).
     """
 
     def __init__(self, name: str, *, extends: Union[str, "Preset", Sequence[Union[str, "Preset"]]],
-                 description: str = "", conservative: bool = True, modified_gradient: bool = False):
+                 description: str = "", conservative: bool = True, modified_gradient: bool = False,
+                 seed: Optional[str] = None):
+        if seed is not None and seed not in SEEDS:
+            raise PresetError(f"seed={seed!r} is not a choice. Choices: {list(SEEDS)} (None: the seed of the preset "
+                              "it extends)")
         if not isinstance(name, str) or not name:
             raise PresetError(f"a preset's name must be a non-empty str, not {name!r}")
         parents = (extends,) if isinstance(extends, (str, Preset)) else tuple(extends)
@@ -98,6 +139,7 @@ class Preset:
             self.description = description or f"user preset '{name}', extending {', '.join(names)}"
             self.conservative = conservative
             self._modified_gradient = modified_gradient
+            self._seed = seed
             self.rules: Dict[object, RuleFn] = {}
             _PRESETS[name] = self
 
@@ -106,6 +148,15 @@ class Preset:
     def modified_gradient(self) -> bool:
         """True when this preset or one it extends runs as a modified gradient."""
         return self._modified_gradient or any(_PRESETS[p].modified_gradient for p in self.parents)
+
+    @property
+    def seed(self) -> str:
+        """Where relevance starts (:data:`SEEDS`): this preset's own choice, else the first found in
+        the presets it extends, else ``"gradient"``."""
+        for p in self.lineage():
+            if p._seed is not None:
+                return p._seed
+        return "gradient"
 
     def lineage(self) -> Tuple["Preset", ...]:
         """This preset and every preset it extends, in lookup order (depth first, no repeats)."""
@@ -122,22 +173,33 @@ class Preset:
         return self.rules.get(op)
 
     def lookup(self, op) -> Optional[RuleFn]:
-        """The rule for ``op``: this preset's own, else the first found in the presets it extends."""
+        """The rule for ``op``: this preset's own, else the first found in the presets it extends.
+        An op overload without one is looked up by its :func:`qualified_name` too (rules for ops of
+        other libraries, registered by name: ``rule("transformers::grouped_mm_fallback.default")``)."""
+        found = self._lookup(op)
+        if found is None:
+            name = qualified_name(op)
+            if name is not None:
+                found = self._lookup(name)
+        return found
+
+    def _lookup(self, op) -> Optional[RuleFn]:
         found = self.own_rule(op)
         if found is not None:
             return found
         for parent in self.parents:
-            found = _PRESETS[parent].lookup(op)
+            found = _PRESETS[parent]._lookup(op)
             if found is not None:
                 return found
         return None
 
     def describe(self, op) -> Optional[str]:
         """``'<rule module>.<function> (<preset it is registered in>)'`` for ``op``, or None."""
-        for p in self.lineage():
-            fn = p.own_rule(op)
-            if fn is not None:
-                return f"{fn.__module__.rsplit('.', 1)[-1]}.{fn.__name__} ({p.name})"
+        for key in (op, qualified_name(op)):
+            for p in self.lineage():
+                fn = p.own_rule(key) if key is not None else None
+                if fn is not None:
+                    return f"{fn.__module__.rsplit('.', 1)[-1]}.{fn.__name__} ({p.name})"
         return None
 
     # -- writing ---------------------------------------------------------------------------------
@@ -292,7 +354,7 @@ def seal_builtins(names: Iterable[str]) -> None:
         _BUILTIN[name] = dict(_PRESETS[name].rules)
 
 
-BASE = Preset("base", extends=(), description="shape-only routing shared by every preset")
+BASE = Preset("base", extends=(), description="shape-only routing shared by every preset", seed="gradient")
 CHEFER2021 = Preset(
     "chefer2021", extends=BASE,
     description="Chefer, Gur & Wolf, CVPR 2021, as its authors' code applies it: LRP-alpha1beta0 linear layers, "
