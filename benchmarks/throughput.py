@@ -176,7 +176,8 @@ def main(argv=None):
                 export_before = capture.CACHE.traces
                 capture.CACHE.attempts = attempts
                 try:
-                    row.append((pass_over(model, few, "single", lm, method, opts), capture.CACHE.traces - export_before))
+                    seconds = pass_over(model, few, "single", lm, method, opts)
+                    row.append((seconds, capture.CACHE.traces - export_before))
                 finally:
                     capture.CACHE.attempts = export.ATTEMPTS
             (old, n_old), (new, n_new) = row

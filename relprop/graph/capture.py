@@ -265,8 +265,9 @@ def capture_notes(event: Optional[CaptureEvent], captured: Captured, model_name:
     notes = []
     if pattern is not None and pattern.tensor and not pattern.dtype.is_floating_point and len(pattern.dims) >= 2 \
             and isinstance(pattern.dims[-1], int) and pattern.dims[-1] > 1:
-        notes.append(f"torch.export fixed {model_name}'s sequence length to {pattern.dims[-1]} tokens (its code does "
-                     f"not trace with a dynamic length), so each new length is captured again (this one: {took:.1f} s); "
+        notes.append(f"torch.export fixed {model_name}'s sequence length to {pattern.dims[-1]} tokens (its code "
+                     "does not trace with a dynamic length), so each new length is captured again "
+                     f"(this one: {took:.1f} s); "
                      "to capture once, pad the texts to a few fixed lengths")
     elif event.programs > 1:
         shape = ", ".join(f"{k}: [{', '.join(_axis(d, program) for d in p.dims)}]"

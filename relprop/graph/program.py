@@ -162,7 +162,8 @@ class Program:
                 else:
                     compound.append((d, int(s)))
         for d, s in compound:  # e.g. an axis exported as 2*s0: checked once its symbols are known
-            if not d.free_symbols <= set(sizes) or int(d.xreplace({k: sympy.Integer(v) for k, v in sizes.items()})) != s:
+            bound = {k: sympy.Integer(v) for k, v in sizes.items()}
+            if not d.free_symbols <= set(sizes) or int(d.xreplace(bound)) != s:
                 return None
         out = {}
         for sym, s in sizes.items():
