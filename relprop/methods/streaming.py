@@ -201,7 +201,8 @@ class RowFold:
         n = a.shape[-2]
         per_row = max(1, a.numel() // n) * a.element_size()
         step = max(1, FOLD_CHUNK_BYTES // per_row)
-        out = None
+        out = excluded = None
+        path = self.path.clone() if self.agg.identity == "exclude" and self.agg.normalize_rows else self.path
         for lo in range(0, n, step):
             hi = min(n, lo + step)
             part = types.SimpleNamespace(**{k: None if getattr(rec, k) is None else getattr(rec, k)[..., lo:hi, :]
@@ -216,9 +217,17 @@ class RowFold:
             eye[rows, rows + lo] = 1
             chunk = fused + eye
             if self.agg.normalize_rows:
-                chunk = chunk / chunk.sum(-1, keepdim=True)
+                sums = chunk.sum(-1, keepdim=True)
+                chunk, fused = chunk / sums, fused / sums  # Ā_b's rows and their map part N_b
             term = torch.matmul(self.row[..., lo:hi], chunk)  # [batch, k, rows] · [batch, rows, N]
             out = term if out is None else out.add_(term)
+            if self.agg.identity == "exclude":  # relprop.methods.identity.fold_step, chunk by chunk
+                term = torch.matmul(self.excluded[..., lo:hi], chunk) + torch.matmul(self.path[..., lo:hi], fused)
+                excluded = term if excluded is None else excluded.add_(term)
+                if self.agg.normalize_rows:
+                    path[..., lo:hi] = self.path[..., lo:hi] / sums[:, None, :, 0]
+        if self.agg.identity == "exclude":
+            self.excluded, self.path = excluded, path
         return out
 
     def _head_rows(self, rec, maps: torch.Tensor, agg: Aggregation) -> Optional[torch.Tensor]:
