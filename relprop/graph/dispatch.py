@@ -11,10 +11,10 @@ module runs and drops them after it.
 relprop runs the captured graph itself, so it never calls the hooks. Instead:
 
 * **Capture** (:func:`export_offloaded`): a *structural copy* of the model (:func:`structure_of`:
-  the same modules and code, every parameter and buffer a ``meta`` tensor, no accelerate hook;
-  nothing is copied but the module tree) is exported on ``meta`` inputs, and the devices written
-  into the graph (``arange(..., device=meta)``) become the execution device. The model itself is
-  neither called nor changed.
+  the same modules and code, no accelerate hook, each offloaded weight replaced by a stand-in on
+  the execution device that holds one element broadcast to the weight's shape; every other tensor
+  shared, not copied) is exported on the inputs. The graph is the one of the model on that device;
+  the model itself is neither called nor changed.
 * **Run** (:class:`OffloadedWeights`, :class:`LazyEnv`): the graph's parameter and buffer inputs are
   not bound up front; each is read from the hook's ``weights_map`` (moved to the execution device,
   cast to the parameter's dtype as accelerate does) when a node needs it, and dropped after that
@@ -40,7 +40,7 @@ import torch.fx
 
 from ..errors import DispatchError
 from .export import ATTEMPTS, export_program
-from .program import Program, TensorMeta
+from .program import Program
 
 #: what to do about a model on several devices, for the message of :class:`DispatchError`
 SUPPORTED = ("relprop explains a dispatched model whose modules all execute on one device (one GPU or the CPU), "
@@ -174,19 +174,26 @@ def _holds(weights_map: Any, key: str) -> bool:
         return False
 
 
-def structure_of(model: torch.nn.Module) -> torch.nn.Module:
-    """A copy of ``model``'s module tree (same classes, code, attributes and config) whose
-    parameters and buffers are ``meta`` tensors and whose modules carry no accelerate hook. No
-    weight is read or copied (tied parameters stay tied); ``model`` is not changed."""
+def structure_of(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
+    """A copy of ``model``'s module tree (same classes, code, attributes and config) without its
+    accelerate hooks, whose ``meta`` parameters and buffers are stand-ins on ``device``: one element
+    broadcast to the tensor's shape (stride 0), so that the model's code takes the branches it takes
+    on that device. Every other tensor is shared with ``model``, not copied (tied parameters stay
+    tied); no offloaded weight is read, and ``model`` is not changed."""
     memo: Dict[int, Any] = {}
     for m in model.modules():
         for k in ("_hf_hook", "_old_forward", "forward"):
             if k in m.__dict__:
                 memo[id(m.__dict__[k])] = None
-    for _, p in model.named_parameters(remove_duplicate=False):
-        memo.setdefault(id(p), torch.nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad))
-    for _, b in model.named_buffers(remove_duplicate=False):
-        memo.setdefault(id(b), torch.empty_like(b, device="meta"))
+    for _, t in (*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)):
+        if id(t) in memo:
+            continue
+        if t.device.type == "meta":
+            stand_in = torch.zeros((), dtype=t.dtype, device=device).expand(t.shape)
+            is_param = isinstance(t, torch.nn.Parameter)
+            memo[id(t)] = torch.nn.Parameter(stand_in, t.requires_grad) if is_param else stand_in
+        else:
+            memo[id(t)] = t
     try:
         twin = copy.deepcopy(model, memo)
     except Exception as e:  # noqa: BLE001 - any object the model holds may refuse a copy
@@ -196,32 +203,6 @@ def structure_of(model: torch.nn.Module) -> torch.nn.Module:
         for k in ("_hf_hook", "_old_forward", "forward"):
             m.__dict__.pop(k, None)
     return twin
-
-
-def on_meta(kwargs: Dict[str, Any]) -> Dict[str, Any]:
-    """The inputs as storage-less ``meta`` tensors (plain values as they are)."""
-    return {k: (v.to("meta") if torch.is_tensor(v) else v) for k, v in kwargs.items()}
-
-
-def retarget_devices(graph: torch.fx.Graph, device: torch.device) -> int:
-    """Replace every ``meta`` device written in the graph's arguments by ``device``; returns how
-    many were replaced."""
-    count = 0
-
-    def fix(a):
-        nonlocal count
-        if isinstance(a, torch.device) and a.type == "meta":
-            count += 1
-            return device
-        if isinstance(a, (list, tuple)):
-            return type(a)(fix(x) for x in a)
-        if isinstance(a, dict):
-            return {k: fix(v) for k, v in a.items()}
-        return a
-
-    for node in graph.nodes:
-        node.args, node.kwargs = fix(node.args), fix(node.kwargs)
-    return count
 
 
 class LazyEnv(dict):
@@ -288,27 +269,8 @@ def _fetcher(weights: OffloadedWeights, name: str) -> Callable[[], torch.Tensor]
 def export_offloaded(model: torch.nn.Module, weights: OffloadedWeights, kwargs: Dict[str, Any], primary: str,
                      state: tuple, timings: Dict[str, float], attempts=ATTEMPTS) -> Program:
     """The :class:`Program` of a dispatched model with offloaded weights: its structural copy
-    (:func:`structure_of`) exported on ``meta`` inputs, the graph's devices set to the execution
-    device, and the inputs' patterns on that device. Never read by the disk cache."""
-    program = export_program(structure_of(model), on_meta(kwargs), primary, state, timings, attempts)
-    retarget_devices(program.graph, weights.device)
-    stray = [k for k, v in program.constants.items() if v.device.type == "meta"]
-    if stray:
-        raise DispatchError(f"{type(model).__name__}'s code creates tensors from data during its forward pass "
-                            f"({', '.join(stray[:3])}), which a capture on meta tensors cannot hold: explain it "
-                            "with all its weights on one device (device_map={'': 'cpu'} or one GPU)")
-    device = str(weights.device)
-    program.metas = {k: _on(m, device) for k, m in program.metas.items()}
-    for p in program.patterns.values():
-        if p.tensor:
-            p.device = weights.device.type
+    (:func:`structure_of`: stand-ins for the offloaded weights on the execution device) exported on
+    the inputs. Never read from or written to the disk cache."""
+    program = export_program(structure_of(model, weights.device), kwargs, primary, state, timings, attempts)
     program.offloaded = True
     return program
-
-
-def _on(meta: Any, device: str) -> Any:
-    if isinstance(meta, TensorMeta) and meta.device == "meta":
-        return dataclasses.replace(meta, device=device)
-    if isinstance(meta, (list, tuple)):
-        return type(meta)(_on(m, device) for m in meta)
-    return meta
