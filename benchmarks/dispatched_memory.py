@@ -89,7 +89,8 @@ def main() -> None:
     print(f"method {args.method}; weights {rows['plain']['weights_mb']:.0f} MB (float32)")
     for mode, r in rows.items():
         print(f"{mode:6s} on {','.join(r['placed']):5s} RSS before loading {r['before_mb']:5.0f} MB, loaded "
-              f"{r['loaded_mb']:5.0f} MB (loading peak {r['load_peak_mb']:5.0f} MB); explain peak {r['peak_mb']:5.0f} MB "
+              f"{r['loaded_mb']:5.0f} MB (loading peak {r['load_peak_mb']:5.0f} MB); "
+              f"explain peak {r['peak_mb']:5.0f} MB "
               f"= {r['peak_mb'] - r['before_mb']:4.0f} MB over the RSS before loading")
     print(f"max relative difference of the scores, disk vs plain: {diff:.2e}")
 

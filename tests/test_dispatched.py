@@ -13,6 +13,10 @@ from tests import models
 
 accelerate = pytest.importorskip("accelerate")
 
+#: the tests that load and explain models take seconds each: slow suite (CI runs it); the refusals
+#: stop before any explanation and stay in the fast suite
+slow = pytest.mark.slow
+
 
 def _mixtral():
     torch.manual_seed(0)
@@ -81,6 +85,7 @@ def _rel(a, b):
     return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
 
 
+@slow
 def test_the_fixture_offloads_to_cpu_and_disk(loaded):
     for name, (_, dm) in loaded.items():
         places = set(dm.hf_device_map.values())
@@ -88,6 +93,7 @@ def test_the_fixture_offloads_to_cpu_and_disk(loaded):
         assert any(p.device.type == "meta" for p in dm.parameters())
 
 
+@slow
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 @pytest.mark.parametrize("method,memory", [("transformer_attribution", "default"), ("transformer_attribution", "low"),
                                            ("lrp", "default"), ("gradient_rollout", "default")])
@@ -100,6 +106,7 @@ def test_offloaded_model_gives_the_plain_models_numbers(loaded, family, method, 
     assert _rel(got.scores, want.scores) <= 1e-5, (family, method, memory)
 
 
+@slow
 def test_lrp_presets_and_input_gradient_agree(loaded):
     plain, dm = loaded["llama"]
     for opts in ({"method": "lrp", "preset": "attnlrp", "fast_path": False}, {"method": "lrp", "preset": "cp_lrp"},
@@ -119,6 +126,7 @@ def _snapshot(model):
     }
 
 
+@slow
 def test_model_untouched(loaded):
     plain, dm = loaded["llama"]
     with torch.no_grad():  # (accelerate's hooks put new Parameter objects in the modules at each call)
@@ -131,6 +139,7 @@ def test_model_untouched(loaded):
         assert torch.equal(dm(**_ids()).logits, logits)  # the hooks still load the same weights
 
 
+@slow
 def test_weights_are_never_all_loaded_at_once(tmp_path, monkeypatch):
     """Each offloaded weight is read when a node needs it and dropped after; autograd keeps the ones
     it saves as names. Count the fetched weights alive at once through a whole explanation of a
@@ -178,6 +187,7 @@ def test_meta_weights_without_a_holder_refused():
         relprop.explain(model, _ids())
 
 
+@slow
 def test_cpu_offload_and_disk_offload(tmp_path):
     """accelerate's own helpers: every weight in a CPU state dict, or every weight on disk."""
     plain = models.hf_llama()
@@ -191,6 +201,7 @@ def test_cpu_offload_and_disk_offload(tmp_path):
         assert _rel(got.scores, want.scores) <= 1e-5
 
 
+@slow
 def test_dispatched_models_stay_off_the_disk_cache(loaded):
     _, dm = loaded["llama"]
     assert disk_cache.key_of(dm, _ids(), "input_ids", ()) is None
