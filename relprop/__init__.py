@@ -19,8 +19,8 @@ module this way; ``tests/layering.py`` reads :data:`LAZY_IMPORTS` and counts its
 import importlib
 from typing import TYPE_CHECKING
 
-from .errors import (CaptureError, InputError, MethodError, OptionError, PresetError, RelpropError, RelpropWarning,
-                     TargetError, UnsupportedOperation)
+from .errors import (CaptureError, DispatchError, InputError, MethodError, OptionError, PresetError, RelpropError,
+                     RelpropWarning, TargetError, UnsupportedOperation)
 from .version import __version__
 
 if TYPE_CHECKING:  # what type checkers and editors see; at run time, __getattr__ below
@@ -59,8 +59,8 @@ __all__ = [
     # the capture cache (in memory and on disk)
     "CACHE_SIZE", "clear_cache", "set_cache_dir",
     # errors and warnings
-    "RelpropError", "CaptureError", "InputError", "MethodError", "OptionError", "PresetError", "TargetError",
-    "UnsupportedOperation", "RelpropWarning",
+    "RelpropError", "CaptureError", "DispatchError", "InputError", "MethodError", "OptionError", "PresetError",
+    "TargetError", "UnsupportedOperation", "RelpropWarning",
     "__version__",
 ]
 

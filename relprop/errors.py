@@ -41,6 +41,11 @@ class CaptureError(RelpropError):
     """torch.export could not capture the model's graph."""
 
 
+class DispatchError(CaptureError):
+    """A model dispatched by accelerate (``device_map``, offloading) in a way relprop cannot run,
+    e.g. over several devices; the message says which setups are supported."""
+
+
 class TargetError(RelpropError, ValueError):
     """The ``target`` argument does not fit the model's output."""
 

@@ -17,6 +17,7 @@ from typing import Any, Dict, Iterable
 import torch
 
 from .errors import CaptureError, InputError, RelpropError, RelpropWarning
+from .graph.dispatch import offloaded_weights
 from .graph.state import eval_mode
 
 #: inputs that hold one row per sample and one column per token, like ``input_ids``
@@ -44,6 +45,8 @@ def check_inputs(model: torch.nn.Module, kwargs: Dict[str, Any], primary: str) -
     if x.shape[0] == 0:
         raise InputError(f"input '{primary}' is an empty batch (shape {tuple(x.shape)}): nothing to explain")
     param = _first_parameter(model)
+    offloaded = offloaded_weights(model)  # accelerate's offloaded weights are meta tensors
+    device = offloaded.device if offloaded is not None else (param.device if param is not None else None)
     embeddings = _input_embeddings(model)
     if primary == "input_ids" or (embeddings is not None and not x.is_floating_point()):
         _check_token_ids(primary, x, embeddings)
@@ -57,9 +60,10 @@ def check_inputs(model: torch.nn.Module, kwargs: Dict[str, Any], primary: str) -
     for name, v in kwargs.items():
         if not torch.is_tensor(v):
             continue
-        if param is not None and v.device != param.device:
-            raise InputError(f"input '{name}' is on {v.device} but the model is on {param.device}: "
-                             f"move one of them, e.g. inputs['{name}'].to('{param.device}')")
+        if device is not None and v.device != device:
+            where = "runs on" if offloaded is not None else "is on"
+            raise InputError(f"input '{name}' is on {v.device} but the model {where} {device}: "
+                             f"move one of them, e.g. inputs['{name}'].to('{device}')")
         if v.is_floating_point():
             if param is not None and param.is_floating_point() and v.dtype != param.dtype and name == primary:
                 raise InputError(f"input '{name}' is {v.dtype} but the model's parameters are {param.dtype}: "

@@ -28,6 +28,7 @@ import torch.utils._pytree as pytree
 
 from ..errors import RelpropError
 from ..graph.capture import Captured
+from ..graph.dispatch import saving_by_name
 from ..graph.nodes import evaluate, is_live, live_outputs, module_path, output_leaves, relevance_path
 from ..rules import registry
 from ..rules.stabilize import on_nonzero_rows, promote, relevance_dtype, safe_divide
@@ -150,16 +151,17 @@ def run_fast(request: Request) -> Trace:
         for s in a.sources:  # a second stream's float input (two-stream models)
             if s.op == "placeholder" and s is not a.primary:
                 env[s] = env[s].detach().requires_grad_(True)
-        for node in captured.graph.nodes:
-            if node.op != "call_function":
-                continue
-            out = evaluate(node, env.__getitem__, p.replacements.get(node), compute=compute)
-            if node in p.functions:
-                operands, call = p.functions[node]
-                out = call(*(env[m] for m in operands), out)
-            if node in sources:
-                out = out.detach().requires_grad_(True)
-            env[node] = out
+        with saving_by_name(env):  # offloaded weights: autograd saves their names, not their values
+            for node in captured.graph.nodes:
+                if node.op != "call_function":
+                    continue
+                out = evaluate(node, env.__getitem__, p.replacements.get(node), compute=compute)
+                if node in p.functions:
+                    operands, call = p.functions[node]
+                    out = call(*(env[m] for m in operands), out)
+                if node in sources:
+                    out = out.detach().requires_grad_(True)
+                env[node] = out
         src_vals = [env[s] for s in a.sources]
         if any(v.dtype in (torch.float16, torch.bfloat16) for v in src_vals):
             raise FastPathUnavailable("half-precision activations: the interpreter accumulates relevance in float32")

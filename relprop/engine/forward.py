@@ -15,6 +15,7 @@ import torch.fx
 import torch.utils._pytree as pytree
 
 from ..graph.capture import Captured
+from ..graph.dispatch import saving_by_name
 from ..graph.nodes import HALF_DTYPES, evaluate, output_leaves, output_values
 from ..rules.stabilize import on_nonzero_rows
 from ..targets import require_input_dependence
@@ -60,25 +61,26 @@ def forward(captured: Captured, model, kwargs, *, perturb: Optional[Callable] = 
             if s.op == "placeholder" and s is not a.primary:
                 env[s] = env[s].detach().requires_grad_(True)
     else:
-        env = dict(env)
+        env = env.copy()  # (a LazyEnv stays one: offloaded weights are read on demand)
     last = last_uses(captured) if discard else {}
-    for node in captured.graph.nodes:
-        if node.op != "call_function":
-            continue
-        if node in overrides:
-            env[node] = overrides[node]
-            continue
-        if only is not None and node not in only:
-            continue
-        out = evaluate(node, env.__getitem__, compute=compute)
-        if node in sources:
-            if perturb is not None:
-                out = perturb(out)
-            out = out.detach().requires_grad_(True)
-        env[node] = out
-        for m in last.get(node, ()):
-            if m in discard:
-                env.pop(m, None)
+    with saving_by_name(env):  # offloaded weights: autograd saves their names, not their values
+        for node in captured.graph.nodes:
+            if node.op != "call_function":
+                continue
+            if node in overrides:
+                env[node] = overrides[node]
+                continue
+            if only is not None and node not in only:
+                continue
+            out = evaluate(node, env.__getitem__, compute=compute)
+            if node in sources:
+                if perturb is not None:
+                    out = perturb(out)
+                out = out.detach().requires_grad_(True)
+            env[node] = out
+            for m in last.get(node, ()):
+                if m in discard:
+                    env.pop(m, None)
     return env, output_values(captured.graph, captured.out_spec, env.__getitem__)
 
 

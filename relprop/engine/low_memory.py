@@ -14,6 +14,7 @@ import torch
 import torch.fx
 
 from ..graph.aliasing import shares_memory
+from ..graph.dispatch import saving_by_name
 from ..graph.nodes import evaluate
 from ..graph.tokens import token_positions
 from ..rules.registry import get_preset
@@ -121,12 +122,14 @@ def _backward_segment(captured, env, seg, gbuf, grad, grad_nodes, kept, compute=
         if n in a.live and torch.is_tensor(v) and v.is_floating_point():
             v = v.detach().requires_grad_(True)
             leaves.append(n)
+        elif n.op == "placeholder":
+            return v  # a weight: read from env at each use (an offloaded one is fetched, then dropped)
         senv[n] = v
         return v
 
     fn_nodes = [n for n in seg if n.op == "call_function"]
     inside = set(fn_nodes)
-    with torch.enable_grad():
+    with torch.enable_grad(), saving_by_name(env):  # offloaded weights: saved by name, not value
         for node in fn_nodes:
             out = evaluate(node, val, compute=compute)
             if node in sources:

@@ -78,7 +78,8 @@ class Walker:
         self.rule_of = rule_finder(captured, request.preset, request.unsupported)
         self.compute = request.compute
         self.unsupported, self.batch, self.remat = request.unsupported, batch, remat
-        weight_cache = captured.weight_cache if request.memory == "high" else None
+        # (no memo of |W| for offloaded weights: it would hold them all, keyed by reused addresses)
+        weight_cache = captured.weight_cache if request.memory == "high" and not captured.offloaded else None
         self.sources = set(a.sources)
         self.bdim = a.batch_dim
         self.placeholders = {n: (kind, tgt) for n, kind, tgt in captured.bindings}

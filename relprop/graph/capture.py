@@ -25,6 +25,7 @@ import torch
 import torch.fx
 
 from . import disk_cache
+from .dispatch import bind_offloaded, export_offloaded, offloaded_weights
 from .analysis import GraphAnalysis, analyze
 from .export import ATTEMPTS, export_program
 from .inputs import batch_size_of, primary_input
@@ -61,6 +62,12 @@ class Captured:
         return self.program.user_names
 
     @property
+    def offloaded(self) -> bool:
+        """Captured from a model dispatched by accelerate with offloaded weights: its weights are
+        read when a node needs them and never memoized (:mod:`relprop.graph.dispatch`)."""
+        return self.program.offloaded
+
+    @property
     def batch_dynamic(self) -> bool:
         """True when one graph takes every batch size."""
         return self.program.batch_dynamic
@@ -72,7 +79,12 @@ class Captured:
     def bind(self, model: torch.nn.Module, kwargs: Dict[str, Any]) -> Dict[torch.fx.Node, Any]:
         """Placeholder values: the model's *current* parameters and buffers (detached, read by name
         at each call, so a fine-tuned model is explained with its current weights), the program's
-        lifted constants and the user's inputs."""
+        lifted constants and the user's inputs. For a model dispatched by accelerate with offloaded
+        weights, a :class:`relprop.graph.dispatch.LazyEnv` that reads each of them when a node needs it."""
+        if self.program.offloaded:
+            weights = offloaded_weights(model)
+            if weights is not None:
+                return bind_offloaded(self.bindings, weights, self.program.constants, model, kwargs)
         env = {}
         for node, kind, target in self.bindings:
             if kind in ("param", "buffer"):  # (a piece of a quantized weight: relprop.graph.parameters)
@@ -162,8 +174,13 @@ class CaptureCache:
     def _new_program(self, model, kwargs, primary, state, entries):
         timings: Dict[str, float] = {}
         t0 = time.perf_counter()
-        program = disk_cache.load(model, kwargs, primary, state) if self.disk else None
-        if program is not None:
+        weights = offloaded_weights(model)  # a model dispatched by accelerate: never on disk
+        program = disk_cache.load(model, kwargs, primary, state) if self.disk and weights is None else None
+        if weights is not None:
+            program = export_offloaded(model, weights, kwargs, primary, state, timings, self.attempts)
+            self.traces += 1
+            event = CaptureEvent("exported", timings)
+        elif program is not None:
             self.loads += 1
             timings["load"] = time.perf_counter() - t0
             event = CaptureEvent("loaded", timings)

@@ -142,6 +142,8 @@ def key_of(model: torch.nn.Module, kwargs: Dict[str, Any], primary: str, state: 
 
 
 def _has_hooks(m: torch.nn.Module) -> bool:
+    if "_hf_hook" in m.__dict__:  # accelerate's hooks replace forward (relprop.graph.dispatch)
+        return True
     return any(getattr(m, attr, None) for attr in (
         "_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks",
         "_state_dict_hooks", "_load_state_dict_pre_hooks"))

@@ -109,6 +109,9 @@ class Program:
     batch_hint: int = 2
     #: the model's parameter dtypes and devices when it was captured
     state: tuple = ()
+    #: captured from a model dispatched by accelerate with offloaded weights
+    #: (:mod:`relprop.graph.dispatch`): its weights are read on demand, and it never goes to disk
+    offloaded: bool = False
 
     @property
     def user_names(self) -> List[str]:
