@@ -202,7 +202,7 @@ def _read_target(t: List):
         _, module, qualname = t
         if module not in PY_MODULES:
             raise ValueError(f"function of module {module} refused")
-        obj = importlib.import_module(module)
+        obj = importlib.import_module(PY_MODULES[PY_MODULES.index(module)])  # only these modules
         for part in qualname.split("."):
             obj = getattr(obj, part)
         if not callable(obj):
