@@ -100,7 +100,8 @@ class Visualization:
     input : the optimized model input ([1, C, H, W] normalized pixels, or [1, length, hidden]
         relaxed word embeddings for text).
     image : [H, W, 3] float array in [0, 1] (images; None for text).
-    values : the unit's value at every step (before the step's update), then at the result.
+    values : the unit's value at every step (before the step's update; with ``jitter``, on that
+        step's shifted copy), then at the result (``input`` itself, never shifted).
     start_value : the unit's value on the random start (``values[0]``).
     tokens : text models: the nearest token of each relaxed position (None for images).
     """
@@ -253,7 +254,8 @@ def visualize(model: torch.nn.Module, unit: Any, *, steps: int = 200, lr: float 
     with tqdm(total=steps, desc=f"relprop visualize {u}", disable=not progress) as bar:
         for step in range(steps + 1):
             inp = x
-            if jitter and embedding is None:
+            # the last evaluation (step == steps) scores the returned input itself, never a shifted copy
+            if jitter and embedding is None and step < steps:
                 dy, dx = (int(v) for v in torch.randint(-jitter, jitter + 1, (2,), generator=gen))
                 inp = torch.roll(x, shifts=(dy, dx), dims=(2, 3))
             with torch.enable_grad():

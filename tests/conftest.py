@@ -1,3 +1,4 @@
+import collections
 import os
 import sys
 
@@ -58,3 +59,24 @@ def pytest_collection_modifyitems(config, items):
     if whole_suite and listed - seen:
         raise pytest.UsageError(f"tests/slow_tests.txt names tests that do not exist (renamed or deleted? "
                                 f"update the list): {sorted(listed - seen)}")
+
+
+def pytest_terminal_summary(terminalreporter):
+    """The closing note of tests/test_bad_input.py: how many bad-input cases were tried and how each
+    ended, counted from the outcomes its tests record on their reports (``record_property``), which
+    pytest-xdist sends back from every worker."""
+    outcomes = collections.Counter()
+    for reports in terminalreporter.stats.values():
+        for rep in reports:
+            if getattr(rep, "when", None) != "call":
+                continue
+            for key, value in getattr(rep, "user_properties", ()):
+                if key == "bad_input_outcome":
+                    outcomes[str(value).rsplit(":", 1)[1]] += 1
+    if outcomes:
+        total = sum(outcomes.values())
+        errors = {k: n for k, n in sorted(outcomes.items()) if k != "result"}
+        terminalreporter.write_line(
+            f"bad-input cases tried: {total}; {outcomes['result']} ended in a correct result, "
+            f"{total - outcomes['result']} in a clear relprop error {errors}; none in NaN, a torch crash or a "
+            "changed model")

@@ -6,10 +6,11 @@ never in NaN, never in an exception from deep inside torch, and the model is nev
 parameters, buffers, modes and hooks are snapshotted around each call).
 
 Each case is tried once by name (``test_each_case``), then hypothesis draws cases with random
-batch sizes, lengths, positions and values (``test_fuzz``). ``test_zz_report`` prints how many cases
-were tried and how each ended.
+batch sizes, lengths, positions and values (``test_fuzz``). Each case's outcome is recorded on its
+test report (``record_property``, which pytest-xdist sends back from its workers); the closing note
+of the run counts them (``pytest_terminal_summary`` in ``conftest.py``), so the count does not depend
+on which worker ran which case or in what order.
 """
-import collections
 
 import pytest
 import torch
@@ -19,12 +20,8 @@ import models
 import relprop
 from snapshot import assert_same, snapshot
 
-# under pytest-xdist (--dist loadgroup) every test of this module runs in one worker, in order, so that
-# test_zz_report sees the outcomes of the cases tried before it
-pytestmark = pytest.mark.xdist_group("bad_input")
-
-#: how every case tried in this module ended: (case, "result" | error class name) -> count
-OUTCOMES = collections.Counter()
+#: the name under which each case's outcome is recorded on its test report (read by conftest.py)
+OUTCOME_PROPERTY = "bad_input_outcome"
 
 _MODELS = {}
 
@@ -211,8 +208,10 @@ def _resolve_model(kind):
     return _model(kind), False
 
 
-def try_case(name, p):
-    """Run one case and check how it ended; returns the outcome label."""
+def try_case(name, p, record=None):
+    """Run one case and check how it ended; returns the outcome label ("result" or the error class
+    name), also passed to ``record(OUTCOME_PROPERTY, "case:outcome")`` when given (pytest's
+    ``record_property``)."""
     kind, inputs, kwargs, expected, needle = CASES[name](p)
     model, train = _resolve_model(kind)
     if train:
@@ -244,7 +243,8 @@ def try_case(name, p):
             if train:
                 assert model.training
                 model.eval()
-    OUTCOMES[(name, outcome)] += 1
+    if record is not None:
+        record(OUTCOME_PROPERTY, f"{name}:{outcome}")
     return outcome
 
 
@@ -252,8 +252,8 @@ DEFAULTS = {"batch": 2, "length": 5, "seed": 1, "position": 3, "value": float("n
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
-def test_each_case(name):
-    try_case(name, DEFAULTS)
+def test_each_case(name, record_property):
+    try_case(name, DEFAULTS, record_property)
 
 
 @pytest.mark.slow  # fuzzing: 40 drawn cases (each named case also runs in the fast suite, test_each_case)
@@ -261,20 +261,7 @@ def test_each_case(name):
 @given(name=st.sampled_from(sorted(CASES)), batch=st.integers(1, 3), length=st.sampled_from([3, 6]),
        seed=st.integers(0, 1000), position=st.integers(0, 10_000),
        value=st.sampled_from([float("nan"), float("inf"), float("-inf")]))
-def test_fuzz(name, batch, length, seed, position, value):
-    try_case(name, {"batch": batch, "length": length, "seed": seed, "position": position, "value": value})
+def test_fuzz(record_property, name, batch, length, seed, position, value):
+    try_case(name, {"batch": batch, "length": length, "seed": seed, "position": position, "value": value},
+             record_property)
 
-
-def test_zz_report(capsys):
-    """Print how many bad-input cases were tried and how they ended (for the closing note)."""
-    total = sum(OUTCOMES.values())
-    assert total >= len(CASES)
-    results = sum(n for (_, o), n in OUTCOMES.items() if o == "result")
-    by_error = collections.Counter()
-    for (_, o), n in OUTCOMES.items():
-        if o != "result":
-            by_error[o] += n
-    with capsys.disabled():
-        print(f"\nbad-input cases tried: {total} ({len(CASES)} kinds); {results} ended in a correct result, "
-              f"{total - results} in a clear relprop error {dict(by_error)}; none in NaN, a torch crash or a "
-              "changed model")

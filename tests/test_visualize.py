@@ -40,6 +40,14 @@ def test_same_seed_same_image(vit):
     assert not torch.equal(a.input, c.input)
 
 
+def test_last_value_is_the_returned_input_with_jitter(vit):
+    """With jitter the steps score shifted copies; the last value is the unit on ``vis.input`` itself
+    (it was the score of a shifted copy: -0.0040 reported where vis.input scores +0.0162)."""
+    vis = relprop.visualize(vit, "class:1", steps=4, jitter=3, seed=7, progress=False)
+    with torch.no_grad():
+        assert vis.values[-1] == pytest.approx(float(vit(vis.input).logits[0, 1]), abs=1e-5)
+
+
 @pytest.mark.parametrize("unit", ["neuron:1:5", "neuron:0:2:3", "channel:0:3", "head:1:1", "norm:-1:0", "layer:0"])
 def test_every_unit_kind_rises(vit, unit):
     vis = relprop.visualize(vit, unit, steps=6, lr=0.1, progress=False)
