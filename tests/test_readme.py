@@ -80,8 +80,11 @@ def test_readme_is_a_landing_page():
     for command in ('pip install -e ".[test,demo]"', "python -m pytest -q", "relprop demo",
                     "--index-url https://download.pytorch.org/whl/cpu"):
         assert command in top
+    # timm needs torchvision, which pins one torch release: the CPU-only line takes both from the CPU index
+    assert "pip install torch torchvision --index-url https://download.pytorch.org/whl/cpu" in top
     ci = open(os.path.join(os.path.dirname(README), ".ci", "run")).read()
     assert "\npython -m pytest -q\n" in ci  # the README's test command is what CI runs
+    assert '-m venv "$VENV"' in ci and 'pip install' in ci and '-e ".[test,demo' in ci  # in a fresh environment
 
 
 def test_readme_links_exist():
