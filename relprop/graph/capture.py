@@ -24,6 +24,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 import torch.fx
 
+from ..errors import CaptureError
 from . import disk_cache
 from .analysis import GraphAnalysis, analyze
 from .export import ATTEMPTS, export_program
@@ -152,7 +153,7 @@ class CaptureCache:
                 event = event or CaptureEvent("cached")
             else:
                 t0 = time.perf_counter()
-                captured = self._specialize(model, entry, dict(skey), kwargs, primary)
+                captured = self._specialize(model, entry, skey, kwargs, primary)
                 event = event or CaptureEvent("specialized")
                 event.seconds["analysis"] = time.perf_counter() - t0
             event.programs = sum(1 for e in entries.values() if _same_structure(e.program, entry.program))
@@ -183,12 +184,13 @@ class CaptureCache:
             entries.popitem(last=False)
         sizes = program.match(kwargs, primary, state)
         if sizes is None:  # an export always fits the inputs it was made from
-            raise RuntimeError(f"relprop: the program captured for {type(model).__name__} does not take the inputs "
+            raise CaptureError(f"relprop: the program captured for {type(model).__name__} does not take the inputs "
                                f"it was captured from (patterns {program.patterns})")
         return entry, sizes, event
 
-    def _specialize(self, model, entry: _Entry, sizes: Dict[str, int], kwargs, primary) -> Captured:
-        program = entry.program
+    def _specialize(self, model, entry: _Entry, key: tuple, kwargs, primary) -> Captured:
+        """A new specialization of ``entry``'s program at the sizes ``key`` (sorted (symbol, size) pairs)."""
+        program, sizes = entry.program, dict(key)
         graph, bindings = specialize(program, entry.values, sizes)
         static_batch = None if program.batch_dynamic else batch_size_of(kwargs, primary)
         axes = batch_axes(program, graph, sizes) if program.batch_dynamic else None
@@ -196,7 +198,6 @@ class CaptureCache:
         captured = Captured(program, graph, bindings, analysis, primary, sizes,
                             weight_cache=self._memos.setdefault(model, {}))  # one memo per model
         self.specializations += 1
-        key = tuple(sorted(sizes.items()))
         entry.specializations[key] = captured
         while len(entry.specializations) > self.specializations_per_program:
             entry.specializations.popitem(last=False)
