@@ -127,6 +127,11 @@ class CaptureCache:
         self.loads = 0  # programs read from the disk cache
         self.specializations = 0  # specializations made (new input sizes)
 
+    @property
+    def captures(self) -> int:
+        """Programs made so far: exported by torch.export or read from the disk cache."""
+        return self.traces + self.loads
+
     def get(self, model: torch.nn.Module, kwargs: Dict[str, Any], primary: Optional[str] = None,
             events: Optional[List[CaptureEvent]] = None) -> Captured:
         """The captured graph of ``model`` on inputs like ``kwargs`` explained onto ``primary``
