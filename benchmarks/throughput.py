@@ -155,9 +155,9 @@ def main(argv=None):
                 fwd_bwd(model, batch, lm)
             base = time.perf_counter() - t
             relprop.clear_cache(model)
-            traces, specs = capture.CACHE.traces + capture.CACHE.loads, capture.CACHE.specializations
+            traces, specs = capture.CACHE.captures, capture.CACHE.specializations
             cold = pass_over(model, samples, mode, lm, method, opts)
-            exports = capture.CACHE.traces + capture.CACHE.loads - traces
+            exports = capture.CACHE.captures - traces
             sizes = capture.CACHE.specializations - specs
             warm = pass_over(model, samples, mode, lm, method, opts)
             print(f"| {mode} | {label} | {base:.1f} | {cold:.1f} | {warm:.1f} | {cold / warm:.2f} | "

@@ -196,11 +196,11 @@ def explain_generation(model, tokenizer=None, prompt: Union[str, torch.Tensor, S
     -------
     GenerationExplanation (a list of them for a list of prompts)
     """
-    before = CACHE.traces + CACHE.loads
+    before = CACHE.captures
     many = isinstance(prompt, (list, tuple)) and not torch.is_tensor(prompt)
     results = [_explain_one(model, tokenizer, p, max_new_tokens, method, preset, target, contrast, batch_size, options)
                for p in (prompt if many else [prompt])]
-    captures = CACHE.traces + CACHE.loads - before
+    captures = CACHE.captures - before
     lengths = {int(r.columns.numel()) for r in results}
     for r in results:
         r.notes.append(f"{captures} graph capture(s) (torch.export or the disk cache) for {len(results)} prompt(s) "

@@ -182,3 +182,32 @@ def test_a_new_process_reads_the_graph(tmp_path):
         outs.append((r.stdout.split()[-2:], torch.load(path)))
     assert outs[0][0] == ["1", "0"] and outs[1][0] == ["0", "1"]
     assert torch.equal(outs[0][1], outs[1][1])
+
+
+class _Named(torch.nn.Module):
+    """A model whose input is called ``input``: fx renames a node of that name (a Python builtin)
+    when a graph is copied or rebuilt, which neither the specialization nor the reader may lose."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b = torch.nn.Linear(6, 8), torch.nn.Linear(8, 3)
+
+    def forward(self, input):
+        return self.b(torch.relu(self.a(input)))
+
+
+def test_an_input_named_like_a_builtin_survives_specialization_and_disk(cache_dir):
+    model = _Named().eval()
+    relprop.clear_cache(model)
+    x = torch.randn(2, 6)
+    kwargs = dict(target=1, method="input_x_gradient")
+    exported = relprop.explain(model, x, **kwargs)
+    relprop.clear_cache(model)
+    traces, loads = _counts()
+    loaded = relprop.explain(model, x, **kwargs)
+    assert _counts() == (traces, loads + 1)
+    assert torch.equal(exported.scores, loaded.scores)
+    x.requires_grad_(True)
+    (model(x)[:, 1].sum()).backward()
+    torch.testing.assert_close(loaded.scores, (x.grad * x).detach(), rtol=1e-5, atol=1e-6)

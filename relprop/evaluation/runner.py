@@ -129,7 +129,7 @@ def evaluate(model: torch.nn.Module, data: Any, methods: Sequence[str] = ("trans
     has_masks = has_rationales = False
 
     bar = tqdm(total=total, unit="sample", desc="relprop evaluate", disable=not cfg.progress)
-    captures = (CACHE.traces + CACHE.loads, CACHE.specializations)
+    captures = (CACHE.captures, CACHE.specializations)
     sizes = set()
     try:
         for batch in batches:
@@ -211,7 +211,7 @@ def evaluate(model: torch.nn.Module, data: Any, methods: Sequence[str] = ("trans
                 kendall_tau=cat(taus[m]))
     described = {"target": target, "steps": [float(s) for s in steps], "modes": list(modes),
                 "batch_size": batch_size,
-                "captures": f"{CACHE.traces + CACHE.loads - captures[0]} graph capture(s) (torch.export or the disk "
+                "captures": f"{CACHE.captures - captures[0]} graph capture(s) (torch.export or the disk "
                             f"cache) and {CACHE.specializations - captures[1]} specialization(s) for {len(sizes)} "
                             "distinct input size(s)"}
     if modality == "vision":

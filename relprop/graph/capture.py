@@ -24,6 +24,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 import torch.fx
 
+from ..errors import CaptureError
 from . import disk_cache
 from .dispatch import bind_offloaded, export_offloaded, offloaded_weights
 from .analysis import GraphAnalysis, analyze
@@ -137,6 +138,11 @@ class CaptureCache:
         self.loads = 0  # programs read from the disk cache
         self.specializations = 0  # specializations made (new input sizes)
 
+    @property
+    def captures(self) -> int:
+        """Programs made so far: exported by torch.export or read from the disk cache."""
+        return self.traces + self.loads
+
     def get(self, model: torch.nn.Module, kwargs: Dict[str, Any], primary: Optional[str] = None,
             events: Optional[List[CaptureEvent]] = None) -> Captured:
         """The captured graph of ``model`` on inputs like ``kwargs`` explained onto ``primary``
@@ -163,7 +169,7 @@ class CaptureCache:
                 event = event or CaptureEvent("cached")
             else:
                 t0 = time.perf_counter()
-                captured = self._specialize(model, entry, dict(skey), kwargs, primary)
+                captured = self._specialize(model, entry, skey, kwargs, primary)
                 event = event or CaptureEvent("specialized")
                 event.seconds["analysis"] = time.perf_counter() - t0
             event.programs = sum(1 for e in entries.values() if _same_structure(e.program, entry.program))
@@ -199,12 +205,13 @@ class CaptureCache:
             entries.popitem(last=False)
         sizes = program.match(kwargs, primary, state)
         if sizes is None:  # an export always fits the inputs it was made from
-            raise RuntimeError(f"relprop: the program captured for {type(model).__name__} does not take the inputs "
+            raise CaptureError(f"relprop: the program captured for {type(model).__name__} does not take the inputs "
                                f"it was captured from (patterns {program.patterns})")
         return entry, sizes, event
 
-    def _specialize(self, model, entry: _Entry, sizes: Dict[str, int], kwargs, primary) -> Captured:
-        program = entry.program
+    def _specialize(self, model, entry: _Entry, key: tuple, kwargs, primary) -> Captured:
+        """A new specialization of ``entry``'s program at the sizes ``key`` (sorted (symbol, size) pairs)."""
+        program, sizes = entry.program, dict(key)
         graph, bindings = specialize(program, entry.values, sizes)
         static_batch = None if program.batch_dynamic else batch_size_of(kwargs, primary)
         axes = batch_axes(program, graph, sizes) if program.batch_dynamic else None
@@ -212,7 +219,6 @@ class CaptureCache:
         captured = Captured(program, graph, bindings, analysis, primary, sizes,
                             weight_cache=self._memos.setdefault(model, {}))  # one memo per model
         self.specializations += 1
-        key = tuple(sorted(sizes.items()))
         entry.specializations[key] = captured
         while len(entry.specializations) > self.specializations_per_program:
             entry.specializations.popitem(last=False)

@@ -4,10 +4,11 @@
   mode (the flags are restored afterwards, see :mod:`relprop.graph.state`); nothing of the model is
   patched.
 * **Dynamic axes.** The batch axis of every input that shares the explained input's batch is one
-  named dimension (``Dim("batch")``); every other axis of every input is ``Dim.AUTO``: torch keeps
-  it dynamic where the model's code allows (the sequence length of a text model, the image size
-  of a timm model with ``dynamic_img_size=True`` or of an HF ViT called with
-  ``interpolate_pos_encoding=True``) and fixes it where the code needs one size (hidden sizes,
+  named dimension (``Dim("batch")``); every other axis of an integer input (token ids, masks) is
+  ``Dim.AUTO``, and of a floating-point input when the model takes several sizes (a timm model with
+  ``dynamic_img_size=True``, an HF ViT called with ``interpolate_pos_encoding=True``;
+  :func:`_sizes_may_vary`): torch keeps it dynamic where the model's code allows (the sequence
+  length of a text model, the image size) and fixes it where the code needs one size (hidden sizes,
   colour channels, a ViT's 224×224), without an error either way. torch specializes sizes 0 and 1,
   so an input of batch 1 is exported as a batch of copies. If that export fails, the batch alone is
   made dynamic, then nothing (:data:`ATTEMPTS`); :class:`relprop.graph.program.Program` records
@@ -116,11 +117,25 @@ def _export(model, kwargs, primary: str, dynamic_batch: bool, dynamic_rest: bool
         if not torch.is_tensor(v) or v.dim() == 0:
             shapes[k] = None
             continue
-        axes = {i: Dim.AUTO for i in range(1 if k in keys else 0, v.dim())} if dynamic_rest else {}
+        rest = dynamic_rest and _sizes_may_vary(model, kwargs, v)
+        axes = {i: Dim.AUTO for i in range(1 if k in keys else 0, v.dim())} if rest else {}
         if k in keys and dynamic_batch:
             axes[0] = batch
         shapes[k] = axes or None
     return torch.export.export(model, (), tensors, strict=False, dynamic_shapes=shapes), list(tensors), hint
+
+
+def _sizes_may_vary(model, kwargs, value: torch.Tensor) -> bool:
+    """Whether the axes past the batch of one input are exported as ``Dim.AUTO``: always for
+    integer inputs (token ids, masks, positions: texts come in every length); for floating-point
+    inputs (pixels, features) only when the model says it takes several sizes (timm's
+    ``dynamic_img_size=True``, HF's ``interpolate_pos_encoding=True``). Image processors resize to
+    one size, and a symbolic image size costs minutes of torch's shape reasoning on windowed models
+    (Swin's padding and window partition), so their size is fixed and a new size is a new capture,
+    which ``exp.notes`` then reports."""
+    if not value.dtype.is_floating_point:
+        return True
+    return getattr(model, "dynamic_img_size", False) is True or kwargs.get("interpolate_pos_encoding") is True
 
 
 def _program(ep, names: List[str], primary: str, batch_hint, state: tuple, kwargs: Dict[str, Any]) -> Program:

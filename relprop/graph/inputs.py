@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Mapping
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, Optional
 
 import torch
 
@@ -80,24 +80,6 @@ def batch_size_of(kwargs: Dict[str, Any], primary: str) -> int:
     if t.dim() == 0:
         raise InputError(f"input '{primary}' is a scalar; it needs a batch dimension first")
     return t.shape[0]
-
-
-def signature(kwargs: Dict[str, Any], batch_dynamic: bool, primary: str) -> Tuple:
-    """Hashable description of the inputs: names, dtypes, devices and shapes (batch as -1 when the
-    captured graph takes any batch size), and which input is explained."""
-    b = batch_size_of(kwargs, primary)
-    sig = []
-    for name in sorted(kwargs):
-        v = kwargs[name]
-        if torch.is_tensor(v):
-            shape = tuple(-1 if (batch_dynamic and i == 0 and v.dim() > 0 and s == b) else s
-                          for i, s in enumerate(v.shape))
-            sig.append((name, str(v.dtype), v.device.type, shape))
-        else:
-            plain = isinstance(v, (int, float, bool, str, type(None)))
-            sig.append((name, type(v).__name__, repr(v) if plain else id(v)))
-    sig.append(("<explained input>", primary))  # one capture per choice of wrt
-    return tuple(sig)
 
 
 def _sig(model) -> str:

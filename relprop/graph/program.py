@@ -164,8 +164,8 @@ class Program:
                         return None
                 else:
                     compound.append((d, int(s)))
+        bound = {k: sympy.Integer(v) for k, v in sizes.items()}
         for d, s in compound:  # e.g. an axis exported as 2*s0: checked once its symbols are known
-            bound = {k: sympy.Integer(v) for k, v in sizes.items()}
             if not d.free_symbols <= set(sizes) or int(d.xreplace(bound)) != s:
                 return None
         out = {}

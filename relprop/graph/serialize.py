@@ -164,6 +164,7 @@ def loads(data: bytes) -> tuple:
     symbols: Dict[str, sympy.Symbol] = {}
     graph = torch.fx.Graph()
     made: Dict[str, torch.fx.Node] = {}
+    renamed: Dict[str, str] = {}
     metas = {}
     for rec in raw["nodes"]:
         args = _read_value(rec["args"], made)
@@ -173,18 +174,17 @@ def loads(data: bytes) -> tuple:
             node = graph.output(args[0])
         else:
             node = graph.create_node(rec["op"], target, tuple(args), kwargs, name=rec["name"])
-        if node.name != rec["name"]:
-            raise ValueError(f"node {rec['name']} was renamed {node.name}")
+        renamed[rec["name"]] = node.name  # fx may rename (it avoids builtins such as `input`)
         if rec["stack"]:
             node.meta["nn_module_stack"] = {k: (p, t) for k, p, t in rec["stack"]}
         metas[node.name] = _read_meta(rec["meta"], symbols)
-        made[node.name] = node
+        made[rec["name"]] = node
     patterns = {}
     for k, (tensor, dtype, device, dims, value) in raw["patterns"].items():
         patterns[k] = InputPattern(bool(tensor), _dtype(dtype) if dtype is not None else None, device,
                                    tuple(_read_dim(d, symbols) for d in dims), value)
     program = Program(
-        graph, metas, [tuple(s) for s in raw["specs"]], dict(raw["constants"]),
+        graph, metas, [(renamed.get(s[0], s[0]),) + tuple(s[1:]) for s in raw["specs"]], dict(raw["constants"]),
         pytree.treespec_loads(raw["out_spec"]), raw["primary"], patterns,
         {k: (v[0], v[1]) for k, v in raw["ranges"].items()}, raw["batch_symbol"], int(raw["batch_hint"]),
         tuple(tuple(s) for s in raw["state"]))
@@ -202,7 +202,7 @@ def _read_target(t: List):
         _, module, qualname = t
         if module not in PY_MODULES:
             raise ValueError(f"function of module {module} refused")
-        obj = importlib.import_module(module)
+        obj = importlib.import_module(PY_MODULES[PY_MODULES.index(module)])  # only these modules
         for part in qualname.split("."):
             obj = getattr(obj, part)
         if not callable(obj):

@@ -83,8 +83,10 @@ def specialize(program: Program, values: Concretizer, sizes: Dict[str, int]
         new = graph.node_copy(node, copies.__getitem__)
         new.meta = {k: v for k, v in node.meta.items() if not k.startswith("relprop_")}
         new.meta["val"] = values.value(program.metas.get(node.name), sizes)
+        new.meta["program_name"] = node.name  # the copy may be renamed (fx avoids builtins such as `input`)
         copies[node] = new
-    by_name = {n.name: n for n in graph.nodes if n.op == "placeholder"}
+    # by the program's names: a copy may be renamed (fx avoids builtins such as `input`)
+    by_name = {n.name: copies[n] for n in program.graph.nodes if n.op == "placeholder"}
     bindings = [(by_name[name], kind, target) for name, kind, target in program.specs]
     return graph, bindings
 
@@ -104,7 +106,7 @@ def batch_axes(program: Program, graph: torch.fx.Graph, sizes: Dict[str, int]
         return axes, folds
     factors: Dict[Any, Optional[int]] = {}
     for node in graph.nodes:
-        meta = program.metas.get(node.name)
+        meta = program.metas.get(node.meta.get("program_name", node.name))
         if not isinstance(meta, TensorMeta):
             continue
         for i, d in enumerate(meta.shape):
