@@ -371,8 +371,11 @@ def test_vit_cx_callable_target_matches_index_target(zoo):
 
 def test_vit_cx_rejects_text(zoo):
     """vit_cx on a text model: a MethodError naming the vision-only requirement and text methods."""
-    with pytest.raises(relprop.MethodError, match=r"vision models only.*transformer_attribution.*attcat"):
+    expected = (r"vision models only.*Methods that apply to BertForSequenceClassification: "
+                r".*'attcat'.*'transformer_attribution'")
+    with pytest.raises(relprop.MethodError, match=expected) as info:
         relprop.explain(zoo("hf_bert_eager"), models.text_batch(), target=0, method="vit_cx")
+    assert "'vit_cx'" not in str(info.value).split("Methods that apply")[1]
 
 
 # ------------------------------------------------------------------ shared properties

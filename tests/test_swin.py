@@ -142,9 +142,11 @@ def test_every_applicable_method_runs(swin, name):
 @pytest.mark.parametrize("method", sorted(NOT_APPLICABLE))
 def test_methods_that_do_not_apply_say_so(swin, method):
     model = swin("timm_swin")
-    expected = "does not apply.*windows.*Methods that apply: .*transformer_attribution"
-    with pytest.raises(relprop.MethodError, match=expected):
+    expected = "does not apply.*windows.*Methods that apply to SwinTransformer: .*transformer_attribution"
+    with pytest.raises(relprop.MethodError, match=expected) as info:
         relprop.explain(model, models.swin_images(model), target=0, method=method)
+    listed = str(info.value).split("Methods that apply to SwinTransformer:")[1]
+    assert repr(method) not in listed  # the list names only methods that run on this model
 
 
 def test_transformer_attribution_rolls_out_across_stages(swin):

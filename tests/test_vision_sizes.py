@@ -136,8 +136,13 @@ def test_pooled_model_without_class_token_reads_the_mean_of_its_patches(sized):
     w = query_weights(_trace(model, x, 1))
     assert torch.equal(w[:, :4], torch.zeros(2, 4))
     assert torch.allclose(w[:, 4:], torch.full((2, 16), 1 / 16))
+    keep = relprop.explain(model, x, target=1, identity="keep")
+    assert torch.allclose(keep.scores, keep.matrix[:, 4:, 4:].mean(1))  # the rows of the 16 patches, averaged
+    # the default leaves out each query row's own identity share (1/16 of each patch's score), as Eq. 14's
+    # map leaves out [CLS]'s; what remains is the blocks' terms (~1e-8 on this random model), kept exactly
     e = relprop.explain(model, x, target=1)
-    assert torch.allclose(e.scores, e.matrix[:, 4:, 4:].mean(1))  # the rows of the 16 patches, averaged
+    assert torch.allclose(keep.scores - e.scores, torch.full((2, 16), 1 / 16), rtol=0, atol=1e-7)
+    assert (e.scores > 0).all() and e.scores.max() < 1e-6
     hf = sized("hf_dinov2_registers")
     w = query_weights(_trace(hf, models.sized_images(hf), 1))
     expected = torch.zeros(2, 21)
