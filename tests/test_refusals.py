@@ -36,7 +36,7 @@ CASES = {
     "perceiver_ids": (zm.perceiver_text, lambda m: zm.perceiver_text_inputs(m), None, "transformer_attribution",
                       r"maps 6 tokens to 8 queries", "raw_attention"),
     "jamba": (jamba, lambda m: zm.ids_only(m), "next_token", "gradient_rollout",
-              r"mix outside them: a convolution over the tokens in 'model\.layers\.0\.mamba'", "lrp"),
+              r"mix outside them: a convolution over the tokens in 'model\.layers\.0\.mamba'", "rollout"),
     "bigbird_sparse": (zm.bigbird, lambda m: zm.bigbird_inputs(m), None, "raw_attention",
                        r"4 separate softmax-times-values products", "rollout"),
 }

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import logging
 import os
 import sys
 import warnings
@@ -49,6 +50,10 @@ def quiet(debug: bool) -> None:
     if debug:
         return
     warnings.filterwarnings("ignore")
+    # torch's pytree module logs a deprecation note when a library (torchao, imported by transformers when installed)
+    # registers its enums; it would be printed on stderr before relprop's one-line error. The level is set on that
+    # module's logger: importing torch resets the level of the "torch" logger itself
+    logging.getLogger("torch.utils._pytree").setLevel(logging.ERROR)
     try:
         from transformers.utils import logging as tlog
         tlog.set_verbosity_error()

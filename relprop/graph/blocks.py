@@ -31,7 +31,7 @@ from typing import Callable, Dict, List, Optional, Set, Tuple
 import torch
 import torch.fx
 
-from .nodes import ancestors, descendants, module_path, module_paths
+from .nodes import ancestors, descendants, module_call, module_path, module_paths
 
 aten = torch.ops.aten
 
@@ -192,10 +192,12 @@ def find_blocks(graph, live: Set[torch.fx.Node], fold_of: Callable[[torch.fx.Nod
                 found.append((sm, *hit))
     found.sort(key=lambda t: order[t[0]])
     blocks, left_out = [], []
-    per_module = collections.Counter(module_path(attn) for _, attn, _ in found)
+    # counted per call of a module, not per module: a module called twice (LXMERT's cross-attention, once per
+    # direction) computes two whole attentions, one per call
+    per_call = collections.Counter(module_call(attn) for _, attn, _ in found)
     for sm, attn, product in found:
-        parts = per_module[module_path(attn)]
-        if parts > 1:  # block-sparse attention (BigBird): one module, several softmax-times-values products
+        parts = per_call[module_call(attn)]
+        if parts > 1:  # block-sparse attention (BigBird): one call of a module, several softmax-times-values products
             why = (f"'{module_path(attn)}': attention computed as {parts} {SEPARATE} (block-sparse attention, "
                    f"as BigBird's), which relprop does not assemble into one token-to-token map")
             if why not in left_out:

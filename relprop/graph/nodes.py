@@ -41,6 +41,14 @@ def module_path(node: torch.fx.Node) -> str:
     return _clean_path(path)
 
 
+def module_call(node: torch.fx.Node) -> str:
+    """The innermost ``nn_module_stack`` key of ``node`` ('' if none): one call of a module. A module
+    called twice (LXMERT's cross-attention, used in both directions) has one path and two keys (the
+    second ends in ``@1``)."""
+    stack = node.meta.get("nn_module_stack") or {}
+    return list(stack.keys())[-1] if stack else ""
+
+
 def module_type(node: torch.fx.Node) -> str:
     """The class name of the innermost module ``node`` came from (``"top level"`` if none)."""
     stack = node.meta.get("nn_module_stack") or {}
