@@ -66,101 +66,64 @@ def explain(model: torch.nn.Module, inputs: Any, target: Any = None, method: Any
             records_budget: Optional[float] = None, **options):
     """Explain the score of class ``target`` of an unmodified ``model`` on ``inputs``.
 
+    Captures the model's graph (``torch.export``, cached per model), runs it forward and back, walks
+    relevance back through it with the rules of ``preset`` and aggregates the per-block records with
+    ``method``; the default is Transformer Attribution (Chefer, Gur & Wolf, *Transformer
+    Interpretability Beyond Attention Visualization*, CVPR 2021, Eq. 13-14). The model's parameters,
+    buffers, mode and hooks are the same afterwards, also when this function raises.
+
     Parameters
     ----------
-    model : a HuggingFace ``transformers`` or ``timm`` model (or any ``nn.Module`` that
-        ``torch.export`` can capture), or a HuggingFace ``pipeline`` (text or image classification:
-        its model is explained, its tokenizer / image processor prepares raw inputs; zero-shot text or
-        image classification: the input it builds for the label ``target=`` names, see
-        :mod:`relprop.zero_shot`). The model is not
-        modified; its parameters, buffers, mode and hooks are the same afterwards, also when this
-        function raises.
-    inputs : what the model's forward takes: a tensor (pixels), a tuple of positional arguments,
-        or a dict of tensors such as a tokenizer's output. Also raw inputs (:mod:`relprop.raw_inputs`):
-        a string or a list of strings (with ``tokenizer=`` or a pipeline), a PIL image, an image file
-        path or a list of them (prepared by ``image_processor=``, the pipeline's, or a timm model's
-        own pretrained transform).
-    target : None (each sample's predicted class), an int, one int per sample, a label name from the
-        model's ``config.id2label`` (or one per sample), a callable ``target(outputs) -> [batch]`` scores,
-        or :func:`relprop.contrast` ``(a, b)`` for the difference of two classes' scores. For a language
-        model (``model.can_generate()``) targets are next tokens at the last non-padding position: None
-        and ``"next_token"`` the predicted one (chosen once on the inputs and kept by methods that rerun
-        the model), an int / a one-token string (with ``tokenizer=``) a given one (:func:`relprop.targets.next_token`).
-    method : an explanation method (``relprop.methods()`` lists them), or a list of methods: they
-        share one forward pass (and one relevance pass per preset) and a list of Explanations is
-        returned. Default: the paper's Transformer Attribution (Chefer et al., CVPR 2021, Eq. 13–14).
-    preset : the relevance rules, a name or a :class:`relprop.Preset` (``relprop.presets()`` lists
-        them): ``"chefer2021"`` (the paper's rules as its authors' code applies them), ``"lrp"``
-        (the plain-LRP baseline, not conservative), ``"attnlrp"`` (Achtibat et al., ICML 2024),
-        ``"cp_lrp"`` (Ali et al., ICML 2022). Default None: each method's own preset (``"lrp"`` for
-        the LRP baselines), else ``"chefer2021"``. An explicit preset applies to every method, e.g.
-        ``method="lrp", preset="attnlrp"`` is AttnLRP's input relevance.
-    eps : denominator stabilizer of the rules (a finite number >= 0).
-    unsupported : ``"error"`` (default) raises :class:`relprop.UnsupportedOperation` for an op
-        with no rule; ``"z_rule"`` applies the generic gradient × input rule to such ops.
-    special_tokens_mask : [batch, positions] bool, True at positions to exclude from text scores.
-        Default: the batch's own ``special_tokens_mask`` when it carries one (a tokenizer called with
-        ``return_special_tokens_mask=True``), else the special ids of ``tokenizer``, else those the
-        model's config names (cls/sep/bos/eos/pad). Padding is always left out. ``exp.notes`` says
-        which positions were left out and where that came from.
-    tokenizer : the model's tokenizer, whose special ids (the unknown token excepted) mark the
-        positions to leave out of text scores (see ``special_tokens_mask``); it also tokenizes raw text
-        and turns a language model's string targets into token ids.
-    image_processor : a HuggingFace image processor that prepares raw images (PIL or paths).
-    fast_path : when every method only reads the input relevance (``"lrp"``) and the preset's
-        rules have modified-gradient forms (``"attnlrp"``, ``"cp_lrp"``), compute it with one
-        backward pass (:mod:`relprop.engine.fast_path`); the Explanation then has no per-block
-        records and ``conservation`` is None. None (default): take it when it applies, and say in
-        ``Explanation.notes`` why when it does not; True: the same, and warn (a
-        :class:`relprop.RelpropWarning` with the reason) when it is not taken; False: always walk
-        the graph rule by rule (the reference, with the conservation bookkeeping).
-    memory : ``"default"`` keeps the forward values the rules read from one forward pass (the
-        attention scores, masks and softmax are computed again during the walk rather than kept).
-        ``"low"`` bounds the peak for long inputs: a forward pass without autograd keeps only the
-        hidden states between attention blocks, then each block is recomputed, from the output
-        back, for its gradients and its part of the relevance walk, and freed; the memo of split
-        weights is not kept. Same results (to float rounding of the gradients), about one more
-        forward pass of time plus the weight splits; the peak holds the block records (A, dA, R_A)
-        and one block. Window attention (Swin) falls back to ``"default"`` with a warning.
-        ``"high"`` is ``"default"`` plus a memo, kept with the model (one per model, shared by all
-        input shapes) for the next calls, of the positive and negative parts of every linear weight
-        that the alpha1-beta0 rule splits (Eq. 5): 2x the linear weights in float32 (~680 MiB for
-        BERT-base), saving the splits' time on every later call. ``"default"`` splits each weight
-        when the walk reaches it and drops the split at once.
-    keep_blocks : None (default): as True while the attention-sized records (A, dA, R_A of every
-        block: blocks × batch × heads × tokens² × 3 floats) fit ``records_budget``, else as False
-        where folding applies, and ``exp.notes`` says so (:mod:`relprop.methods.fold_choice`).
-        True keeps every attention block's records (A, dA, R_A, h, dh, ...) in
-        ``exp.blocks`` and the rollout-style methods' aggregated matrix in ``exp.matrix``. False
-        lets the rollout-style methods (``transformer_attribution``, ``rollout``,
-        ``gradient_rollout``, with ``layers="rollout"`` and ``discard_ratio=0``) fold each block
-        into the query's row during the reverse walk, output block first (row ← row · (I + Ā_b):
-        CVPR 2021 Eq. 13–14 associated from the query; :mod:`relprop.methods.streaming`), and drop
-        the block's records at once: the peak memory no longer grows with blocks × heads × tokens²,
-        the scores equal the full path's to float32 rounding, and reading ``exp.blocks`` or
-        ``exp.matrix`` raises a :class:`relprop.MethodError` naming this option. Where folding does
-        not apply (other methods in the call, window attention, two token streams, other
-        aggregations) the full path runs, as with True, and ``exp.notes`` says why.
-    records_budget : bytes the kept block records may take when ``keep_blocks=None``. None
-        (default): 1 GiB, or a quarter of the memory available on the model's device when that is
-        less (:func:`relprop.engine.budget.default_budget`).
-    precision : ``"float32"`` (default): a float16 or bfloat16 model is evaluated in float32 (every
-        forward value, gradient and relevance; its weights are cast one op at a time, as the graph
-        reads them), so that the explanation of a half-precision checkpoint ranks its tokens as the
-        same weights in float32 do; the outputs and target scores are then float32 values.
-        ``"model"``: the forward pass and the gradients in the model's own dtype (half the memory of
-        the activations; the rules still accumulate relevance in float32). No effect on float32 and
-        float64 models.
-    wrt : the input to explain onto, by name, when the model takes several (default: the first of
-        ``input_ids``, ``pixel_values``, ``inputs_embeds``, ...). For a CLIP model,
-        ``wrt="pixel_values"`` explains the image tower and ``wrt="input_ids"`` (the default) the
-        text tower; the other tower is then a constant of the explanation.
-    **options : options of the method (e.g. ``start_block=``, ``normalize_rows=``). With several
-        methods, each option goes to the methods that take it (and one that none takes is an error).
+    model : a ``transformers`` or ``timm`` model (any ``nn.Module`` ``torch.export`` can capture), or a
+        HuggingFace text/image classification or zero-shot ``pipeline`` (docs/inputs-and-targets.md).
+    inputs : what the model's forward takes (a tensor, a tuple, a dict such as a tokenizer's output), or
+        raw inputs: strings, PIL images or image paths (:mod:`relprop.raw_inputs`).
+    target : None (the predicted class; a language model's next token), a class index or one per sample,
+        a label name, :func:`relprop.contrast`, or a callable ``target(outputs) -> [batch]``.
+    method : a name from ``relprop.methods()``, or a list of names sharing one forward pass.
+    preset : relevance rules, a name from ``relprop.presets()`` or a :class:`relprop.Preset`; None: each
+        method's own preset, else ``"chefer2021"``.
+    eps : denominator stabilizer of the rules (finite, >= 0).
+    unsupported : ``"error"`` refuses an op without a rule; ``"z_rule"`` gives it gradient x input.
+    special_tokens_mask : [batch, positions] bool, True at positions left out of text scores; None: from
+        the batch, ``tokenizer`` or the model's config (``exp.notes`` says which).
+    tokenizer : tokenizes raw text, marks special tokens, turns string targets into token ids.
+    fast_path : None takes AttnLRP/CP-LRP's one-backward form when it applies; True also warns when it
+        does not; False always walks rule by rule (with the conservation ledger).
+    memory : ``"default"``, ``"low"`` (block by block, lower peak, about one more forward pass) or
+        ``"high"`` (keeps a memo of |W| with the model for later calls).
+    wrt : name of the input to explain onto when the model takes several (CLIP: ``"pixel_values"``).
+    image_processor : a HuggingFace image processor for raw images.
+    keep_blocks : None keeps the per-block records while they fit ``records_budget`` and folds the
+        rollout-style methods block by block beyond it; True always keeps them, False always folds.
+    precision : ``"float32"`` evaluates a half-precision model in float32; ``"model"`` keeps its dtype.
+    records_budget : bytes the kept records may take; None: 1 GiB or a quarter of the free memory.
+    **options : method options (``start_block=``, ``normalize_rows=``, ...), each given to the methods
+        that take it.
 
     Returns
     -------
-    Explanation (or a list of them, one per method, when ``method`` is a list)
+    Explanation
+        Scores per token or patch, the per-block records and the conservation ledger; a list of
+        Explanations, one per method, when ``method`` is a list.
+
+    Raises
+    ------
+    RelpropError
+        Every error that leaves this function (its subclasses ``InputError``, ``TargetError``,
+        ``MethodError``, ``UnsupportedOperation``, ... say what was wrong and what to do).
+
+    Notes
+    -----
+    What each argument does in detail: docs/inputs-and-targets.md (inputs, targets, special tokens),
+    docs/methods.md and docs/presets.md (methods, presets, ``fast_path``), docs/performance.md
+    (``memory``, ``keep_blocks``, ``records_budget``, ``precision``), docs/models.md (``wrt``).
+
+    Examples
+    --------
+    >>> exp = relprop.explain(model, tokenizer("a fine film", return_tensors="pt"), target="positive")
+    >>> exp.scores          # [batch, tokens], special tokens and padding at 0
+    >>> exps = relprop.explain(vit, pixels, method=["transformer_attribution", "rollout"])
     """
     model, inputs, tokenizer, target, wrt = raw_inputs.adapt(model, inputs, tokenizer, image_processor, target, wrt)
     infos, many = opt.check_methods(method)

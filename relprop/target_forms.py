@@ -118,7 +118,7 @@ def _bind(target: Any, mask: Optional[torch.Tensor]) -> Any:
 def specify(target: Any, model: Any, tokenizer: Any = None, inputs: Any = None) -> Any:
     """The ``target=`` of :func:`relprop.explain` in the form :func:`relprop.targets.resolve` takes,
     for the model's head (:func:`head_kind`, the module docstring); ``inputs`` are the model's
-    keyword inputs (or, as before, the attention mask itself), from which the positions' mask is
+    keyword inputs (or the attention mask itself), from which the positions' mask is
     read (:func:`positions_mask`).
 
     For a language model (decoder or encoder–decoder) None and ``"next_token"`` are the token

@@ -1,7 +1,8 @@
 """mkdocs hook: pages that are generated from the library itself, so they cannot go stale.
 
 A page starting with ``<!-- relprop-readme`` (the home page) is the repository's README.md with its links
-made relative to docs/ (a link to a file outside docs/ becomes its path in the repository, as text).
+made relative to docs/ (a link to a file outside docs/ becomes its path in the repository, as text; a link
+to a page of docs/ keeps its #anchor).
 
 ``<!-- relprop-methods-table -->`` in a page is replaced by the table of :func:`relprop.methods`
 (the same table ``relprop methods --format markdown`` prints).
@@ -38,7 +39,7 @@ def readme_page(config) -> str:
     text = open(os.path.join(root, "README.md"), encoding="utf-8").read()
     text = text.replace("[`docs/`](docs/)", "`docs/`").replace("](docs/", "](")
     outside = r"\[([^\]]+)\]\((?!https?:|#)([^)]+)\)"
-    return re.sub(outside, lambda m: m.group(0) if os.path.exists(os.path.join(root, "docs", m.group(2)))
+    return re.sub(outside, lambda m: m.group(0) if os.path.exists(os.path.join(root, "docs", m.group(2).split("#")[0]))
                   else m.group(1) if m.group(1) == f"`{m.group(2)}`" else f"{m.group(1)} (`{m.group(2)}`)", text)
 
 

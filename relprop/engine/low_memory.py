@@ -70,7 +70,7 @@ def run_low(request: Request, out_nodes: List[torch.fx.Node], wrt: List[torch.fx
     gbuf: Dict[torch.fx.Node, torch.Tensor] = dict(seed)  # gradient arriving at each crossing value
     grad: Dict[torch.fx.Node, torch.Tensor] = {}
     walker = None
-    if request.relevance:  # (no memo of 2x every weight here: memory="high" only)
+    if request.relevance:  # (no memo of |W| here: memory="high" only)
         walker = Walker(request, env, relevance_seed(seed, env, get_preset(request.preset).seed), out_nodes, batch,
                         remat)
     needed_later = read_after_walk(a)

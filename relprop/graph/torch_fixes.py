@@ -4,7 +4,7 @@
 ``aten._native_batch_norm_legit_no_training`` returns wrong values when the batch has one sample and
 the incoming gradient is strided unusually (batch stride smaller than the sample's size, as after a
 ``flatten(2).transpose(1, 2)`` of the tokens, e.g. EfficientFormer, LeViT): up to the whole gradient's
-scale, so a single image was explained unlike the same image in a batch. Computing the op as it is and
+scale, so without this a single image would be explained unlike the same image in a batch. Computing the op as it is and
 handing its backward a contiguous gradient gives the exact gradient, a ⊙ g per channel.
 
 **Safe softmax.** ``aten._safe_softmax`` (what ``torch.export`` makes of a fused attention's softmax)
