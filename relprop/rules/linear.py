@@ -158,18 +158,7 @@ def require_constant_weight(ctx, weight_pos):
                                    detail="Its weight depends on the input, so it is not a linear layer.")
 
 
-def with_formula(formula):
-    """Decorator: record on a linear rule the formula ``formula(x, w, relevance, eps) -> R_x`` it
-    applies (``w`` [in, out]), so that other rules apply the active preset's linear rule to linear
-    maps that are not ``aten.linear`` (a product with a constant matrix)."""
-    def attach(fn):
-        fn.formula = formula
-        return fn
-    return attach
-
-
-@rule(aten.linear.default, preset="chefer2021")
-@with_formula(alpha1_beta0)
+@rule(aten.linear.default, preset="chefer2021", formula=alpha1_beta0)
 def linear(ctx, relevance):
     """``y = x Wᵀ + b``: LRP-alpha1beta0 with a joint denominator (CVPR 2021, Eq. 5); bias ignored."""
     require_constant_weight(ctx, 1)
@@ -181,8 +170,7 @@ def linear(ctx, relevance):
     return (rx,) + (None,) * (len(ctx.args) - 1)
 
 
-@rule(aten.linear.default, preset="lrp")
-@with_formula(lrp_baseline)
+@rule(aten.linear.default, preset="lrp", formula=lrp_baseline)
 def linear_lrp_baseline(ctx, relevance):
     """``y = x Wᵀ + b``: the authors' LRP-baseline linear rule, separate denominators for x⁺W⁺ and x⁻W⁻
     (``layers_lrp.Linear`` at c3e578f; :func:`lrp_baseline`); bias ignored."""
@@ -191,16 +179,14 @@ def linear_lrp_baseline(ctx, relevance):
     return (rx,) + (None,) * (len(ctx.args) - 1)
 
 
-@rule(aten.addmm.default, preset="chefer2021")
-@with_formula(alpha1_beta0)
+@rule(aten.addmm.default, preset="chefer2021", formula=alpha1_beta0)
 def addmm(ctx, relevance):
     """``y = b + x @ W`` (GPT-2's Conv1D): LRP-alpha1beta0 (Eq. 5), bias ignored."""
     require_constant_weight(ctx, 2)
     return (None, alpha1_beta0(promote(ctx.args[1]), promote(ctx.args[2]), relevance, ctx.eps), None)
 
 
-@rule(aten.addmm.default, preset="lrp")
-@with_formula(lrp_baseline)
+@rule(aten.addmm.default, preset="lrp", formula=lrp_baseline)
 def addmm_lrp_baseline(ctx, relevance):
     """``y = b + x @ W`` (GPT-2's Conv1D): the authors' LRP-baseline linear rule (``layers_lrp.Linear`` at
     c3e578f; :func:`lrp_baseline`), bias ignored."""
@@ -209,13 +195,15 @@ def addmm_lrp_baseline(ctx, relevance):
 
 
 def linear_formula(ctx):
-    """The formula of the active preset's rule for ``aten.linear`` (see :func:`with_formula`)."""
-    fn = getattr(ctx.rule_for(aten.linear.default), "formula", None)
+    """The formula the active preset's rule for ``aten.linear`` declares (``@rule(..., formula=...)``,
+    :attr:`relprop.rules.spec.RuleSpec.formula`)."""
+    spec = ctx.rule_for(aten.linear.default)
+    fn = spec.formula if spec is not None else None
     if fn is None:
         raise UnsupportedOperation(ctx.node.target, ctx.module_path, module_type(ctx.node), ctx.preset,
                                    detail="It multiplies by a constant matrix, and the preset's rule for "
                                           "aten.linear.default declares no formula (x, w, relevance, eps) -> R_x to "
-                                          "apply to it (relprop.rules.linear.with_formula).")
+                                          "apply to it (@relprop.rule(..., formula=...)).")
     return fn
 
 
