@@ -35,7 +35,7 @@ the input plus the relevance absorbed by constants (biases, LayerNorm's β, posi
 the class token, masks, the softmax's bias term) equals the relevance injected at the target.
 
 Every rule also declares its modified-gradient form (:mod:`relprop.rules.gradient_forms`), so
-that :mod:`relprop.graph.modified_gradient` computes the same input relevance with one backward
+that :mod:`relprop.engine.fast_path` computes the same input relevance with one backward
 pass. The shape-only routing rules come from ``"base"``. Not part of this preset: the γ-rule that
 the AttnLRP authors tune on the linear layers of vision transformers (ε everywhere here).
 """

@@ -391,6 +391,6 @@ CHEFER2021 = Preset(
                 "normalized residual adds (Lemma 2), halved attention products (Lemma 1), z^B patch embedding")
 LRP = Preset(
     "lrp", extends=BASE, conservative=False,
-    description="the paper's plain-LRP baseline as the authors' layers_lrp.py computes it (newest commit, c3e578f): "
+    description="the paper's plain-LRP baseline as the authors' layers_lrp.py computes it: "
                 "plain z-rule sums, linear layers and convolutions with separate denominators for x+W+ and x-W-; "
                 "NOT conservative (a linear layer fed by both signs returns about twice its relevance)")

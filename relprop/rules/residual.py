@@ -8,7 +8,7 @@ we take them per sample, so a batch explains like its samples one by one.
 A constant operand (position embedding, class-token bias, attention mask) keeps its share: it is
 reported as absorbed.
 
-``"lrp"`` (the authors' LRP baseline: ``Add`` of ``modules/layers_lrp.py`` at c3e578f, a
+``"lrp"`` (the authors' LRP baseline: ``Add`` of ``modules/layers_lrp.py``, a
 ``RelPropSimple``, i.e. gradient × input): the z-rule alone, not normalized. The authors'
 stabilizer adds +1e-9 to every non-zero z, also a negative one; ours moves z 1e-9 away from 0 in the
 direction of its sign (:mod:`relprop.rules.stabilize`), which differs only where |z| is within a few
@@ -88,13 +88,13 @@ def residual_sub(ctx, relevance):
 @rule(aten.add.Tensor, preset="lrp", writes_out=True)  # _sum_rule computes u ⊙ S into z when allowed
 def add_z_rule(ctx, relevance):
     """u + v: plain z-rule shares, not normalized (CVPR 2021 Eq. 6 alone; the authors' LRP baseline,
-    ``layers_lrp.Add`` at c3e578f)."""
+    ``layers_lrp.Add``)."""
     return _sum_rule(ctx, relevance, 1.0, normalize=False)
 
 
 @rule(aten.sub.Tensor, preset="lrp", writes_out=True)  # _sum_rule computes u ⊙ S into z when allowed
 def sub_z_rule(ctx, relevance):
-    """u - v, as u + (-v): plain z-rule shares, not normalized (as ``layers_lrp.Add`` at c3e578f)."""
+    """u - v, as u + (-v): plain z-rule shares, not normalized (as ``layers_lrp.Add``)."""
     return _sum_rule(ctx, relevance, -1.0, normalize=False)
 
 
