@@ -9,7 +9,8 @@ import torch.nn.functional as F
 
 import models
 import relprop
-from relprop.methods.windowed import NOT_APPLICABLE, applicable_methods
+from relprop.methods.registry import all_methods
+from relprop.methods.windowed import applicable_methods
 from relprop.rules import registry
 from relprop.rules.context import RuleContext
 from snapshot import assert_same, snapshot
@@ -139,7 +140,7 @@ def test_every_applicable_method_runs(swin, name):
         assert torch.isfinite(e.scores).all() and torch.isfinite(e.map).all(), e.method
 
 
-@pytest.mark.parametrize("method", sorted(NOT_APPLICABLE))
+@pytest.mark.parametrize("method", sorted(n for n, m in all_methods().items() if m.no_windows is not None))
 def test_methods_that_do_not_apply_say_so(swin, method):
     model = swin("timm_swin")
     expected = "does not apply.*windows.*Methods that apply to SwinTransformer: .*transformer_attribution"

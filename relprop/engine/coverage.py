@@ -39,7 +39,7 @@ from ..graph.capture import Captured
 from ..graph.nodes import module_path, module_type, relevance_path
 from ..rules import registry
 from ..rules.registry import ELEMENTWISE_FUNCTION
-from .node_rules import OnOperands, WithConstants, rule_finder
+from .node_rules import rule_finder
 
 STATUSES = ("rule", "shape-only", "missing", "source", "no relevance", "constant")
 
@@ -179,15 +179,15 @@ def report(captured: Captured, preset: str, model_name: str = "model") -> Covera
             status, rule = "shape-only", "element of a list output"
         else:
             rule = registry.describe(preset, node.target)
-            fn = rule_of(node)
+            spec = rule_of(node)
             if rule is None:
                 status = "missing"
             else:
                 status = "shape-only" if rule.endswith("(base)") else "rule"
-            if isinstance(fn, OnOperands):  # the output of an element-wise function explained as a whole
+            if spec is not None and spec.operands is not None:  # an element-wise function explained as a whole
                 status, rule = "rule", (f"{registry.describe(preset, ELEMENTWISE_FUNCTION)} on the element-wise "
-                                        f"function of {fn.operands[0].name} ({len(fn.region.nodes)} ops)")
-            elif isinstance(fn, WithConstants):
+                                        f"function of {spec.operands[0].name} ({len(spec.region.nodes)} ops)")
+            elif spec is not None and spec.constant_positions:
                 rule = f"{rule}, with selection parameters of a selective scan held constant"
         ops.append(OpReport(node.name, op_name(node.target), module_path(node), module_type(node), status, rule))
     blocks = []

@@ -89,18 +89,18 @@ def _plan(captured: Captured, preset: str, eps: float) -> Plan:
     for node in relevance_path(captured.graph, a.live, a.sources, rule_of):
         if node in a.sources or node.op != "call_function" or node.target is operator.getitem:
             continue
-        fn = rule_of(node)
-        if fn is None:
+        spec = rule_of(node)
+        if spec is None:
             raise FastPathUnavailable(f"no rule for {node.target} (in '{module_path(node)}') in preset '{preset}'")
-        if fn in _ADJOINT_RULES:  # routing rules give relevance exactly as the gradient does
+        if spec in _ADJOINT_RULES:  # routing rules give relevance exactly as the gradient does
             continue
-        form = getattr(fn, "gradient_form", None)
+        form = spec.gradient_form
         if form is None:
-            raise FastPathUnavailable(f"the rule {fn.__name__} of {node.target} (in '{module_path(node)}') in "
+            raise FastPathUnavailable(f"the rule {spec.name} of {node.target} (in '{module_path(node)}') in "
                                       f"preset '{preset}' has no gradient form")
-        operands = getattr(fn, "operands", None)
+        operands = spec.operands
         if operands is not None:  # a subgraph explained as a whole: its output from its operands and itself
-            functions[node] = (tuple(operands), form(node, tuple(is_live(x, a.live) for x in operands), eps))
+            functions[node] = (operands, form(node, tuple(is_live(x, a.live) for x in operands), eps))
             continue
         rep = form(node, tuple(is_live(x, a.live) for x in node.args), eps)
         if rep is not None:

@@ -7,14 +7,15 @@ whole instead, found structurally by :mod:`relprop.graph` and cached on the capt
 * an element-wise function of one tensor written out op by op
   (:func:`relprop.graph.elementwise.find_regions`): when the preset has a rule for
   :data:`relprop.rules.registry.ELEMENTWISE_FUNCTION`, the function's output node gets that rule,
-  applied to the function's input (:class:`OnOperands`); the nodes inside the function receive no
+  applied to the function's input (:func:`on_operands`); the nodes inside the function receive no
   relevance. Presets without such a rule explain the ops one by one;
 * a product with a selection parameter of a selective state-space scan
   (:func:`relprop.graph.selective_scan.selection_parameters`): the parameter is a constant of the
-  product (:class:`WithConstants`; Jafari et al., NeurIPS 2024, MambaLRP), in every preset.
+  product (:func:`with_constants`; Jafari et al., NeurIPS 2024, MambaLRP), in every preset.
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Callable, Dict, FrozenSet, Optional
 
 import torch
@@ -26,41 +27,33 @@ from ..graph.torch_fixes import safe_target
 from ..graph.selective_scan import selection_parameters
 from ..rules import registry
 from ..rules.generic import gradient_times_input
+from ..rules.gradient_forms import stabilizer_ledger
 from ..rules.registry import ELEMENTWISE_FUNCTION
+from ..rules.spec import RuleSpec, as_spec
 
 
-class OnOperands:
-    """A rule applied to ``operands`` (nodes) instead of the node's own arguments: ``rule(ctx, R)``
-    sees them as ``ctx.args`` and returns one share per operand. ``gradient_form`` is the rule's
-    form (called ``form(node, live, eps)(*operand values, output)`` by the fast path)."""
-
-    def __init__(self, fn, operands: tuple, region: Region):
-        self.fn, self.operands, self.region = fn, operands, region
-        self.__name__ = getattr(fn, "__name__", "rule")
-        self.__module__ = getattr(fn, "__module__", __name__)
-        self.gradient_form = getattr(fn, "gradient_form", None)
-
-    def __call__(self, ctx, relevance):
-        return self.fn(ctx, relevance)
+def on_operands(spec: RuleSpec, operands: tuple, region: Region) -> RuleSpec:
+    """``spec`` applied to ``operands`` (nodes) instead of the node's own arguments: ``rule(ctx, R)``
+    sees them as ``ctx.args`` and returns one share per operand; its gradient form is called
+    ``form(node, live, eps)(*operand values, output)`` by the fast path."""
+    return dataclasses.replace(spec, operands=tuple(operands), region=region)
 
 
-class WithConstants:
-    """A rule applied with the arguments at ``positions`` held constant (not live): it gives them
-    no relevance, and its gradient form sees them detached."""
+def with_constants(spec: RuleSpec, positions: FrozenSet[int]) -> RuleSpec:
+    """``spec`` with the arguments at ``positions`` held constant (not live): it gives them no
+    relevance, a share it gives them anyway is booked as absorbed, and its gradient form sees them
+    detached."""
+    positions = frozenset(positions)
+    fn = spec.fn
 
-    def __init__(self, fn, positions: FrozenSet[int]):
-        self.fn, self.positions = fn, positions
-        #: the walk books a share the rule gives these arguments as absorbed, as for any constant
-        self.constant_positions = frozenset(positions)
-        self.no_relevance_to = frozenset(positions) | frozenset(getattr(fn, "no_relevance_to", ()))
-        self.__name__ = getattr(fn, "__name__", "rule")
-        self.__module__ = getattr(fn, "__module__", __name__)
-        form = getattr(fn, "gradient_form", None)
-        self.gradient_form = None if form is None else _detaching(form, positions)
-
-    def __call__(self, ctx, relevance):
-        ctx.live = tuple(False if i in self.positions else x for i, x in enumerate(ctx.live))
-        return self.fn(ctx, relevance)
+    def held(ctx, relevance):
+        ctx.live = tuple(False if i in positions else x for i, x in enumerate(ctx.live))
+        return fn(ctx, relevance)
+    form = spec.gradient_form
+    return dataclasses.replace(spec, fn=held, name=spec.name, module=spec.module,
+                               constant_positions=spec.constant_positions | positions,
+                               no_relevance_to=spec.no_relevance_to | positions,
+                               gradient_form=None if form is None else _detaching(form, positions))
 
 
 def _detaching(form, positions):
@@ -72,7 +65,7 @@ def _detaching(form, positions):
             args = tuple(a.detach() if i in positions and torch.is_tensor(a) else a for i, a in enumerate(args))
             return (op or safe_target(node.target))(*args, **kwargs)
         return call
-    detached.lost = getattr(form, "lost", None)
+    detached.lost = stabilizer_ledger(form)
     detached.inner = form
     return detached
 
@@ -97,8 +90,13 @@ def constants(captured: Captured) -> Dict[torch.fx.Node, FrozenSet[int]]:
     return plans["selection_parameters"]
 
 
-def rule_finder(captured: Captured, preset: str, unsupported: str = "error") -> Callable:
-    """``node -> rule`` under ``preset`` (None when the node has none): the rule of an element-wise
+#: the generic z-rule of ``unsupported="z_rule"``, for ops the preset has no rule for
+_Z_RULE = as_spec(gradient_times_input)
+
+
+def rule_finder(captured: Captured, preset: str, unsupported: str = "error") -> Callable[[torch.fx.Node],
+                                                                                         Optional[RuleSpec]]:
+    """``node -> RuleSpec`` under ``preset`` (None when the node has none): the rule of an element-wise
     function at its output node, the rule of the node's op with selection parameters held constant,
     else the rule of its op; the generic z-rule for an op without one when ``unsupported="z_rule"``."""
     p = registry.get_preset(preset)
@@ -106,15 +104,15 @@ def rule_finder(captured: Captured, preset: str, unsupported: str = "error") -> 
     found = regions(captured) if function_rule is not None else {}
     held = constants(captured)
 
-    def rule_of(node) -> Optional[Callable]:
+    def rule_of(node) -> Optional[RuleSpec]:
         region = found.get(node)
         if region is not None:
-            return OnOperands(function_rule, (region.input,), region)
-        fn = p.lookup(node.target)
-        if fn is None and unsupported == "z_rule":
-            fn = gradient_times_input
+            return on_operands(function_rule, (region.input,), region)
+        spec = p.lookup(node.target)
+        if spec is None and unsupported == "z_rule":
+            spec = _Z_RULE
         positions = held.get(node)
-        if fn is not None and positions:
-            return WithConstants(fn, positions)
-        return fn
+        if spec is not None and positions:
+            return with_constants(spec, positions)
+        return spec
     return rule_of

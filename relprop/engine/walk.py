@@ -24,7 +24,8 @@ from ..graph.aliasing import shares_memory
 from ..graph.capture import Captured
 from ..graph.nodes import (evaluate, is_live, module_path, module_paths, module_type, output_leaves,
                           relevance_path)
-from ..rules.context import WRITES_OUT, RuleContext
+from ..rules.context import RuleContext
+from ..rules.gradient_forms import stabilizer_ledger
 from ..rules.stabilize import promote, relevance_dtype
 from .memory import read_after_walk
 from .node_rules import rule_finder
@@ -200,23 +201,23 @@ class Walker:
                  else r[i]
                  for i, v in enumerate(out_val)]
         preset = self.preset
-        fn = self.rule_of(node)
-        if fn is None:
+        spec = self.rule_of(node)
+        if spec is None:
             raise UnsupportedOperation(node.target, module_path(node), module_type(node), preset)
         # rules compute in float32 at least: half-precision activations are upcast, float64 kept
         value = self.value
         # a rule explaining a subgraph as a whole names its operands (an element-wise function: its input)
-        operands = getattr(fn, "operands", None)
-        arg_nodes, kw_nodes = (node.args, node.kwargs) if operands is None else (tuple(operands), {})
+        operands = spec.operands
+        arg_nodes, kw_nodes = (node.args, node.kwargs) if operands is None else (operands, {})
         args, kw = torch.fx.node.map_arg((arg_nodes, kw_nodes),
                                          lambda n: promote(value(n)) if n in a.live else value(n))
         live = tuple(is_live(x, a.live) for x in arg_nodes)
-        lost = getattr(getattr(fn, "gradient_form", None), "lost", None)
+        lost = stabilizer_ledger(spec.gradient_form)
         ctx = RuleContext(node=node, args=tuple(args), kwargs=kw, out=pytree.tree_map(promote, out_val), live=live,
                           batch_dim=bdim.get(node), batch_size=batch, eps=self.eps, preset=preset,
                           options=self.options,
-                          out_writable=lost is None and getattr(fn, WRITES_OUT, False) and self._dead_after(node))
-        shares = fn(ctx, r)
+                          out_writable=lost is None and spec.writes_out and self._dead_after(node))
+        shares = spec.fn(ctx, r)
         if lost is not None and shares is not None:  # an ε-rule: book what its stabilizer keeps
             kept = lost(node, ctx.args, ctx.out, r, self.eps)
             if isinstance(kept, tuple):  # (label, share): what a rule does not pass on, under its own label
@@ -227,7 +228,7 @@ class Walker:
         if shares is None:
             raise UnsupportedOperation(node.target, module_path(node), module_type(node), preset,
                                        detail="Its rule does not apply to these operands.")
-        held = getattr(fn, "constant_positions", ())  # arguments a rule holds constant (selection parameters)
+        held = spec.constant_positions  # arguments a rule holds constant (selection parameters)
         for i, arg in enumerate(arg_nodes):
             share = shares[i] if i < len(shares) else None
             if share is None:

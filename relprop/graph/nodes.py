@@ -101,7 +101,7 @@ def output_values(graph: torch.fx.Graph, out_spec, value: Callable[[torch.fx.Nod
 
 # ---------------------------------------------------------------------------------- relevance path
 
-def relevance_path(graph: torch.fx.Graph, live, sources, rule_of: Callable[[torch.fx.Node], Optional[Callable]],
+def relevance_path(graph: torch.fx.Graph, live, sources, rule_of: Callable[[torch.fx.Node], Optional[Any]],
                    through_missing: bool = False) -> List[torch.fx.Node]:
     """The nodes relevance reaches, in the order a depth-first walk from the outputs visits them.
 
@@ -110,10 +110,11 @@ def relevance_path(graph: torch.fx.Graph, live, sources, rule_of: Callable[[torc
     its live arguments except the positions its rule declares in ``no_relevance_to`` (the divisor
     of a normalization), or to the nodes its rule declares in ``operands`` (a rule that explains a
     whole subgraph, e.g. an element-wise function written out op by op, applied to its input).
-    ``rule_of(node)`` returns the node's rule, or None when it has none: such a node is on the path
-    but the walk does not go past it, unless ``through_missing`` (the coverage report), which goes
-    on as if relevance reached every live argument of it, so that the ops upstream of a missing one
-    are labelled too.
+    ``rule_of(node)`` returns the node's rule (a :class:`relprop.rules.spec.RuleSpec`, whose
+    ``no_relevance_to`` and ``operands`` fields are read here), or None when it has none: such a
+    node is on the path but the walk does not go past it, unless ``through_missing`` (the coverage
+    report), which goes on as if relevance reached every live argument of it, so that the ops
+    upstream of a missing one are labelled too.
     """
     sources = set(sources)
     stack = [n for n in output_leaves(graph) if isinstance(n, torch.fx.Node) and n in live]
@@ -128,11 +129,11 @@ def relevance_path(graph: torch.fx.Graph, live, sources, rule_of: Callable[[torc
         if node.target is operator.getitem:
             stack.append(node.args[0])
             continue
-        fn = rule_of(node)
-        if fn is None and not through_missing:
+        spec = rule_of(node)
+        if spec is None and not through_missing:
             continue
-        blocked = getattr(fn, "no_relevance_to", ())
-        operands = getattr(fn, "operands", None)  # a rule applied to other nodes than the arguments
+        blocked = spec.no_relevance_to if spec is not None else ()
+        operands = spec.operands if spec is not None else None  # a rule applied to other nodes than the arguments
         for i, arg in enumerate(node.args if operands is None else operands):
             if i in blocked:
                 continue

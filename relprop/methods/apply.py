@@ -8,11 +8,12 @@ from .registry import MethodInfo, all_methods
 from .windowed import check_applicable
 
 
-#: methods defined on models with two token streams (encoder-decoder, co-attention): the bi-modal
-#: rules (gradient_rollout, transformer_attribution), the input relevance of every stream (lrp), and
-#: the gradient methods on the explained input's stream
-TWO_STREAM_METHODS = ("gradient_rollout", "transformer_attribution", "lrp", "input_x_gradient", "smoothgrad",
-                      "integrated_gradients")
+def two_stream_methods():
+    """Names of the registered methods defined on models with two token streams (encoder-decoder,
+    co-attention: ``@method(..., streams=2)``): the bi-modal rules (gradient_rollout,
+    transformer_attribution), the input relevance of every stream (lrp), and the gradient methods
+    on the explained input's stream."""
+    return sorted(n for n, m in all_methods().items() if m.streams == 2)
 
 
 def no_relevance(name: str, preset: Optional[str]) -> str:
@@ -39,10 +40,10 @@ def apply(info: MethodInfo, trace, options: Dict[str, Any], preset: Optional[str
                           f"computes {unmapped}. Methods that apply: {usable}")
     if info.needs_relevance and info.needs_blocks and any(b.relevance is None for b in trace.blocks):
         raise MethodError(no_relevance(info.name, preset))
-    if len(getattr(trace, "streams", None) or []) > 1 and info.name not in TWO_STREAM_METHODS:
+    if len(getattr(trace, "streams", None) or []) > 1 and info.streams < 2:
         raise MethodError(f"method '{info.name}' reads the attention blocks of one token stream, and {model_name} has "
                           f"two ({', '.join(trace.streams)}) connected by cross-attention, which it does not define. "
-                          f"Methods that apply: {sorted(TWO_STREAM_METHODS)}")
+                          f"Methods that apply: {two_stream_methods()}")
     if getattr(trace, "stages", None) is not None:  # window attention (Swin)
         check_applicable(info, model_name)
     return info.fn(trace, **options)

@@ -125,7 +125,8 @@ def _cat_per_block(blocks):
         description="class activation tokens: gradient x hidden states entering each block, summed over the "
                     "hidden size and over the blocks (signed)",
         class_specific=True, signed=True, reference="Qiang et al., AttCAT (NeurIPS 2022), Eq. 10 and 12",
-        needs_relevance=False)
+        needs_relevance=False,
+        no_windows="it sums gradient x hidden states over blocks whose stages have different numbers of tokens")
 def cat(trace):
     """Class Activation Tokens, the AttCAT paper's in-house baseline (Eq. 10, summed as Eq. 12):
 
@@ -146,7 +147,8 @@ def cat(trace):
         description="attentive class activation tokens: per block, gradient x hidden states times the attention "
                     "each token receives (averaged over queries and heads), summed over the blocks (signed)",
         class_specific=True, signed=True, reference="Qiang et al., AttCAT (NeurIPS 2022), Eq. 11-12",
-        needs_relevance=False)
+        needs_relevance=False,
+        no_windows="it sums gradient x hidden states over blocks whose stages have different numbers of tokens")
 def attcat(trace, attention: str = "received"):
     """Attentive Class Activation Tokens (Eq. 11–12)::
 
@@ -213,7 +215,8 @@ def grads(trace, block: int = -1, layer: Optional[str] = None):
                     "each token's row summed",
         class_specific=True, signed=False,
         reference="Barkan et al., Grad-SAM (CIKM 2021); AttCAT (NeurIPS 2022) Fig. 2 'AttGrads'",
-        needs_relevance=False)
+        needs_relevance=False,
+        no_windows="it averages attention maps over blocks whose stages have different numbers of tokens")
 def attgrads(trace, token_scores: str = "rows"):
     """AttGrads / Grad-SAM (Barkan et al. 2021)::
 
@@ -247,7 +250,8 @@ def attgrads(trace, token_scores: str = "rows"):
         class_specific=False, signed=False,
         reference="Kobayashi et al., 'Attention is not only a weight' (EMNLP 2020): "
                   "||Σ_h α_ij f_h(x_j)||; survey §1.5",
-        needs_relevance=False)
+        needs_relevance=False,
+        no_windows="it needs the value vectors of every token, which window attention computes per window")
 def attention_norm(trace, block: int = -1, head_fusion: str = "combined", positive: bool = False,
                    discard_ratio: float = 0.0, start_block: int = 0, end_block: Optional[int] = None,
                    layers: str = "last", last_k: int = 1, normalize_rows: bool = True, query: str = "cls",
@@ -303,7 +307,8 @@ def attention_norm(trace, block: int = -1, head_fusion: str = "combined", positi
                     "channel weights = mean gradient over the tokens, ReLU of the weighted sum per token",
         class_specific=True, signed=False,
         reference="Selvaraju et al., Grad-CAM (ICCV 2017), Eq. 1-2, on ViT tokens as in the survey §2.2",
-        needs_relevance=False)
+        needs_relevance=False,
+        no_windows="it reads the token features entering the attention, which window attention cuts into windows")
 def gradcam(trace, block: int = -1, layer: Optional[str] = None):
     """Grad-CAM (Selvaraju et al. 2017, Eq. 1–2) on token features, as the survey's §2.2 applies it to
     ViTs (pytorch-grad-cam with ``target_layers = [model.blocks[-1].norm1]``)::

@@ -34,7 +34,6 @@ from .bimodal import check_normalize_self, is_two_stream, two_stream_result
 from .query import query_rows, query_vector
 from .identity import DEFAULT_IDENTITY, flat_cause, treat
 from .rollout_utils import chain, head_mean, query_row, rollout_blocks, stage_transitions
-from .streaming import streamable
 
 #: methods that need no attention blocks (named when a model has none)
 _WITHOUT_ATTENTION = "lrp, input_x_gradient, smoothgrad, integrated_gradients"
@@ -148,7 +147,7 @@ def ta_second_block(trace):
                     "or 'cp_lrp' for AttnLRP/CP-LRP): pixels summed over the colour channels, or the token "
                     "embeddings' relevance",
         class_specific=True, signed=True, reference="Chefer et al., CVPR 2021, Eq. 4 and supplementary §A",
-        needs_relevance=True, preset="lrp", needs_blocks=False)
+        needs_relevance=True, preset="lrp", needs_blocks=False, streams=2)
 def lrp(trace):
     """Full LRP (Eq. 4; supplementary §A, "LRP") under the ``"lrp"`` preset: the rules of the
     authors' LRP baseline as ``layers_lrp.py`` computes them at their newest commit (c3e578f): plain
@@ -227,11 +226,16 @@ def raw_attention(trace, head_fusion: str = "mean", positive: bool = False, disc
     return aggregate(trace, "raw_attention", agg, lambda b: b.attention, query=query)
 
 
+def _rollout_maps(b):
+    """Attention rollout's per-head maps A of a block record (the streamed path folds the same maps)."""
+    return b.attention
+
+
 @method("rollout",
         description="attention rollout: I + E_h A per block, rows normalized, multiplied over the "
                     "blocks (class-agnostic)",
         class_specific=False, signed=False, reference="Abnar & Zuidema, 2020; Chefer et al., CVPR 2021, Eq. 15-16",
-        needs_relevance=False)
+        needs_relevance=False, folds=_rollout_maps)
 def rollout(trace, start_block: int = 0, normalize_rows: bool = True, query: str = "cls",
             end_block: Optional[int] = None, head_fusion: str = "mean", positive: bool = False,
             discard_ratio: float = 0.0, layers: str = "rollout", last_k: int = 1,
@@ -257,11 +261,8 @@ def rollout(trace, start_block: int = 0, normalize_rows: bool = True, query: str
     """
     agg = Aggregation(head_fusion, positive, discard_ratio, start_block, end_block, layers, last_k, normalize_rows,
                       identity)
-    return aggregate(trace, "rollout", agg, _ROLLOUT_MAPS, query=query)
+    return aggregate(trace, "rollout", agg, _rollout_maps, query=query)
 
-
-#: attention rollout's per-head maps A (the streamed path folds the same maps)
-_ROLLOUT_MAPS = streamable("rollout", lambda b: b.attention)
 
 
 def _key_columns(trace, n: int, device) -> torch.Tensor:
@@ -309,12 +310,17 @@ def attention_gradcam(trace):
     return _with_query(trace, m)
 
 
+def _gradient_rollout_maps(b):
+    """The gradient rollout's per-head maps ∇A ⊙ A (ICCV 2021, Eq. 5; the streamed path folds the same maps)."""
+    return b.gradient * b.attention
+
+
 @method("gradient_rollout",
         description="gradient-weighted attention rollout: R <- R + E_h(dA ⊙ A)⁺ R from the input to the "
                     "output block",
         class_specific=True, signed=False, reference="Chefer et al., ICCV 2021 (Generic attention-model "
                                                      "explainability), Eq. 5-6",
-        needs_relevance=False)
+        needs_relevance=False, folds=_gradient_rollout_maps, streams=2)
 def gradient_rollout(trace, query: str = "cls", head_fusion: str = "mean", positive: bool = True,
                      discard_ratio: float = 0.0, start_block: int = 0, end_block: Optional[int] = None,
                      layers: str = "rollout", last_k: int = 1, normalize_rows: bool = False,
@@ -346,8 +352,4 @@ def gradient_rollout(trace, query: str = "cls", head_fusion: str = "mean", posit
         return two_stream_result(trace, "gradient", normalize_self)
     agg = Aggregation(head_fusion, positive, discard_ratio, start_block, end_block, layers, last_k, normalize_rows,
                       identity)
-    return aggregate(trace, "gradient_rollout", agg, _GRADIENT_ROLLOUT_MAPS, query=query)
-
-
-#: the gradient rollout's per-head maps ∇A ⊙ A (ICCV 2021, Eq. 5; the streamed path folds the same maps)
-_GRADIENT_ROLLOUT_MAPS = streamable("gradient_rollout", lambda b: b.gradient * b.attention)
+    return aggregate(trace, "gradient_rollout", agg, _gradient_rollout_maps, query=query)

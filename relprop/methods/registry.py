@@ -1,4 +1,5 @@
-"""The method registry: every explanation method by name, with what it needs and what it is."""
+"""The method registry: every explanation method by name, with what it needs, what it is and
+where it applies (:class:`MethodInfo`, declared by :func:`method` where the method is defined)."""
 from __future__ import annotations
 
 import dataclasses
@@ -11,7 +12,28 @@ from ..errors import MethodError
 
 @dataclasses.dataclass(frozen=True)
 class MethodInfo:
-    """One registered method: ``fn(trace, **options) -> dict`` and what it needs and is."""
+    """One registered method: ``fn(trace, **options) -> dict``, what it needs, what it is and where
+    it applies, all declared by the keywords of :func:`method` where the method is defined.
+
+    Attributes
+    ----------
+    name, fn, description, reference : the method, its one-line description and the paper.
+    class_specific, signed : whether its scores depend on the explained class, and may be negative.
+    needs_relevance : it reads the relevance walk (else gradients and attention only).
+    preset : the preset it uses unless one is given (``"lrp"``); None: the default.
+    needs_blocks : it reads per-block attention records.
+    needs_input_gradient : it reads the gradient at the input (``Trace.input_gradient``).
+    folds : ``head_maps(record) -> [batch, heads, N, N]``, the per-head maps of a block record
+        whose rollout the method computes, when the method can be folded block by block during the
+        reverse walk without keeping the records (:class:`relprop.methods.streaming.RowFold`: the
+        same maps the method passes to :func:`relprop.methods.aggregation.aggregate`); None: it
+        reads the records after the walk.
+    streams : how many token streams it defines its scores on: 2 for a method with a definition
+        on encoder-decoder and co-attention models (two streams joined by cross-attention: the
+        bi-modal rules, or the input relevance of every stream), else 1 (refused on such models).
+    no_windows : why it does not apply to models with window attention (Swin), in words; None:
+        it applies (:mod:`relprop.methods.windowed` says how the methods read such models).
+    """
 
     name: str
     fn: Callable
@@ -19,10 +41,13 @@ class MethodInfo:
     class_specific: bool
     signed: bool
     reference: str
-    needs_relevance: bool  # needs the relevance walk (else gradients/attention only)
-    preset: Optional[str] = None  # preset the method uses unless one is given (e.g. "lrp"); None: the default
-    needs_blocks: bool = True  # reads per-block attention records
-    needs_input_gradient: bool = False  # reads the gradient at the input (Trace.input_gradient)
+    needs_relevance: bool
+    preset: Optional[str] = None
+    needs_blocks: bool = True
+    needs_input_gradient: bool = False
+    folds: Optional[Callable] = None
+    streams: int = 1
+    no_windows: Optional[str] = None
 
     @property
     def options(self) -> List[str]:
@@ -35,11 +60,24 @@ _METHODS: Dict[str, MethodInfo] = {}
 
 def method(name: str, *, description: str, class_specific: bool, signed: bool, reference: str,
            needs_relevance: bool, preset: Optional[str] = None, needs_blocks: bool = True,
-           needs_input_gradient: bool = False):
-    """Register an explanation method under ``name`` (see :class:`MethodInfo` for the fields)."""
+           needs_input_gradient: bool = False, folds: Optional[Callable] = None, streams: int = 1,
+           no_windows: Optional[str] = None, replace: bool = False):
+    """Register an explanation method under ``name`` (see :class:`MethodInfo` for the fields).
+
+    A name registered already is an error unless ``replace=True`` (a second registration never
+    silently changes what a name means); the function is returned unchanged.
+    """
+    if streams not in (1, 2):
+        raise MethodError(f"method '{name}': streams={streams!r} is not a choice. Choices: [1, 2]")
+    if folds is not None and not callable(folds):
+        raise MethodError(f"method '{name}': folds must be a function head_maps(record), not {type(folds).__name__}")
+
     def decorate(fn):
-        _METHODS[name] = MethodInfo(name, fn, description, class_specific, signed, reference, needs_relevance, preset,
-                                    needs_blocks, needs_input_gradient)
+        if name in _METHODS and not replace:
+            raise MethodError(f"a method named '{name}' is registered already ({_METHODS[name].description}); pick "
+                              "another name, or pass replace=True to replace it")
+        _METHODS[name] = MethodInfo(name, fn, description, class_specific, signed, reference, needs_relevance,
+                                    preset, needs_blocks, needs_input_gradient, folds, streams, no_windows)
         return fn
     return decorate
 

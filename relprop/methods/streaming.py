@@ -12,7 +12,9 @@ from the input here), and read the query's row of C: scores = q · C for the que
 
 so a row r ← r · Ā_b, started at q and updated from the output block back, needs one block at a
 time: the engine hands each block's record to a :class:`RowFold` as soon as the reverse walk has
-its A, ∇A and R_A, and frees the record (:mod:`relprop.engine.streaming`). The peak holds one block
+its A, ∇A and R_A, and frees the record (:mod:`relprop.engine.streaming`). A method is folded
+this way when it declares its per-head maps with ``@method(..., folds=head_maps)``
+(:attr:`relprop.methods.registry.MethodInfo.folds`) and its options allow it (:func:`why_not`). The peak holds one block
 instead of blocks × heads × tokens² records, and the products are of a [k, tokens] row with a
 [tokens, tokens] map (k ≤ 2) instead of [tokens, tokens]².
 
@@ -28,7 +30,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import types
-from typing import Any, Callable, Dict, Optional
+from typing import Any, Dict, Optional
 
 import torch
 
@@ -45,18 +47,6 @@ from .rollout_utils import check_mixing, check_neighbours, check_square
 #: take at most this many bytes (below glibc's mmap threshold, so the heap reuses them)
 FOLD_CHUNK_BYTES = 16 << 20
 
-#: the methods whose result a :class:`RowFold` computes: name -> the per-head maps of a block record
-#: (the same function the method passes to :func:`relprop.methods.aggregation.aggregate`)
-STREAM_MAPS: Dict[str, Callable] = {}
-
-
-def streamable(name: str, head_maps: Callable) -> Callable:
-    """Register ``head_maps(record) -> [batch, heads, N, N]`` as method ``name``'s per-head maps,
-    for the streamed path; returns ``head_maps``."""
-    STREAM_MAPS[name] = head_maps
-    return head_maps
-
-
 def settings(info, options: Dict[str, Any]) -> Dict[str, Any]:
     """Every option of method ``info`` with its value: ``options`` over the method's defaults."""
     params = inspect.signature(info.fn).parameters
@@ -66,7 +56,7 @@ def settings(info, options: Dict[str, Any]) -> Dict[str, Any]:
 def why_not(info, options: Dict[str, Any], analysis) -> Optional[str]:
     """None when method ``info`` with ``options`` can be folded block by block on a model with this
     graph ``analysis``, else why not, in words."""
-    if info.name not in STREAM_MAPS:
+    if info.folds is None:
         return f"method '{info.name}' is not a rollout of per-block maps"
     s = settings(info, options)
     if s.get("layers", "rollout") != "rollout":
@@ -102,7 +92,7 @@ class RowFold:
                  preset: Optional[str], token_mixing: Optional[str] = None):
         s = settings(info, options)
         self.name, self.preset, self.needs_relevance = info.name, preset, info.needs_relevance
-        self.head_maps = STREAM_MAPS[info.name]
+        self.head_maps = info.folds
         self.agg = Aggregation(*(s[k] for k in ("head_fusion", "positive", "discard_ratio", "start_block",
                                                 "end_block", "layers", "last_k", "normalize_rows")),
                                identity=s.get("identity", "keep"))

@@ -8,17 +8,17 @@ from .aggregation import Aggregation, aggregate
 from .bimodal import check_normalize_self, is_two_stream, two_stream_result
 from .identity import DEFAULT_IDENTITY
 from .registry import method
-from .streaming import streamable
 
-#: Eq. 13's per-head map ∇A ⊙ R_A of a block record (the streamed path folds the same maps)
-_TA_MAPS = streamable("transformer_attribution", lambda b: b.gradient * b.relevance)
+def _ta_maps(b):
+    """Eq. 13's per-head map ∇A ⊙ R_A of a block record (the streamed path folds the same maps)."""
+    return b.gradient * b.relevance
 
 
 @method("transformer_attribution",
         description="relevance x gradient of each attention map, positive part, averaged over heads, "
                     "rolled out over the blocks",
         class_specific=True, signed=False, reference="Chefer et al., CVPR 2021, Eq. 13-14",
-        needs_relevance=True)
+        needs_relevance=True, folds=_ta_maps, streams=2)
 def transformer_attribution(trace, start_block: int = 0, normalize_rows: bool = False, query: str = "cls",
                             end_block: Optional[int] = None, head_fusion: str = "mean", positive: bool = True,
                             discard_ratio: float = 0.0, layers: str = "rollout", last_k: int = 1,
@@ -74,4 +74,4 @@ def transformer_attribution(trace, start_block: int = 0, normalize_rows: bool = 
         return two_stream_result(trace, "relevance", normalize_self)
     agg = Aggregation(head_fusion, positive, discard_ratio, start_block, end_block, layers, last_k, normalize_rows,
                       identity)
-    return aggregate(trace, "transformer_attribution", agg, _TA_MAPS, query=query)
+    return aggregate(trace, "transformer_attribution", agg, _ta_maps, query=query)

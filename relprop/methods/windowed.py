@@ -17,34 +17,24 @@ maps each block's window attention onto the token grid of its stage
 
 Methods that read per-token records other than the attention maps — the hidden states, V, the
 token features — get them per window and per stage, with no definition on the patch grid; they
-raise :class:`relprop.MethodError` for these models (:data:`NOT_APPLICABLE`).
+raise :class:`relprop.MethodError` for these models: each says why where it is registered,
+``@method(..., no_windows="...")`` (:attr:`relprop.methods.registry.MethodInfo.no_windows`).
 """
 from __future__ import annotations
 
 from ..errors import MethodError
 from .registry import all_methods
 
-#: method → why it does not apply to window attention
-NOT_APPLICABLE = {
-    "cat": "it sums gradient x hidden states over blocks whose stages have different numbers of tokens",
-    "attcat": "it sums gradient x hidden states over blocks whose stages have different numbers of tokens",
-    "attgrads": "it averages attention maps over blocks whose stages have different numbers of tokens",
-    "attention_norm": "it needs the value vectors of every token, which window attention computes per window",
-    "attn_res_ln_norm": "it needs the value vectors of every token, which window attention computes per window",
-    "gradcam": "it reads the token features entering the attention, which window attention cuts into windows",
-    "vit_cx": "it reads the token features entering the attention, which window attention cuts into windows",
-    "value_zeroing": "it zeroes one token's value vector across a block, which window attention holds per window",
-}
-
 
 def applicable_methods():
-    """Names of the registered methods that apply to models with window attention."""
-    return sorted(n for n in all_methods() if n not in NOT_APPLICABLE)
+    """Names of the registered methods that apply to models with window attention (those that
+    declare no ``no_windows`` reason)."""
+    return sorted(n for n, m in all_methods().items() if m.no_windows is None)
 
 
 def check_applicable(info, model_name: str) -> None:
     """Raise :class:`MethodError` when method ``info`` does not apply to a windowed model."""
-    reason = NOT_APPLICABLE.get(info.name)
+    reason = info.no_windows
     if reason is None:
         return
     raise MethodError(f"method '{info.name}' does not apply to {model_name}, whose attention works on "

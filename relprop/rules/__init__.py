@@ -20,6 +20,7 @@ module              ops
 ``scatter``         writes (index_put with masks, slice_scatter, select_scatter); norms, amax, max.dim
 ``moe``             mixture-of-experts layers: top-k routing, the experts' grouped products, gate weights
 ``gradient_forms``  rules as modified gradients (autograd functions) for the one-backward fast path
+``spec``            :class:`RuleSpec`: a rule with what it declares (its gradient form, formula, ...)
 ==================  ======================================================================
 """
 # the rule modules register their rules when imported; a preset's table is complete after the last
@@ -28,11 +29,12 @@ from . import pointwise, normalization, windows, moe, attnlrp, cp_lrp, norm_laye
 from .context import RuleContext
 from .gradient_forms import gradient_form
 from .registry import Preset, describe, get_preset, lookup, override, presets, rule, seal_builtins
+from .spec import RuleSpec
 
 seal_builtins(presets())
 
-__all__ = ["Preset", "RuleContext", "describe", "get_preset", "gradient_form", "lookup", "override", "presets",
-           "rule",
+__all__ = ["Preset", "RuleContext", "RuleSpec", "describe", "get_preset", "gradient_form", "lookup", "override",
+           "presets", "rule",
            # the rule modules, one per op family
            "attnlrp", "convolution", "cp_lrp", "linear", "moe", "norm_layers", "normalization", "passthrough",
            "pointwise", "pooling", "products", "reductions", "residual", "routing", "scatter", "windows"]

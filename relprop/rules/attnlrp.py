@@ -35,7 +35,7 @@ the input plus the relevance absorbed by constants (biases, LayerNorm's β, posi
 the class token, masks, the softmax's bias term) equals the relevance injected at the target.
 
 Every rule also declares its modified-gradient form (:mod:`relprop.rules.gradient_forms`), so
-that :mod:`relprop.graph.modified_gradient` computes the same input relevance with one backward
+that :mod:`relprop.engine.fast_path` computes the same input relevance with one backward
 pass. The shape-only routing rules come from ``"base"``. Not part of this preset: the γ-rule that
 the AttnLRP authors tune on the linear layers of vision transformers (ε everywhere here).
 """
@@ -47,9 +47,9 @@ import torch
 
 from .convolution import conv_input_adjoint
 from .gradient_forms import (constant_operand, epsilon_linear_form, epsilon_stabilized, function_identity,
-                             gradient_form, identity_rule, half_gradient, layer_norm_const_std, plain,
+                             identity_rule, half_gradient, layer_norm_const_std, plain,
                              rms_norm_const_rms, uniform_product)
-from .linear import require_constant_weight, with_formula
+from .linear import require_constant_weight
 from .moe import GROUPED_MM, grouped_linear, is_routing_weight, renormalization_shares, renormalized_dims, renormalizing
 from .normalization import is_statistic
 from .reductions import pooling_z_rule
@@ -80,9 +80,7 @@ def epsilon_formula(x, w, relevance, eps):
     return x * (safe_divide(relevance, x @ w, eps) @ w.transpose(-1, -2))
 
 
-@rule(aten.linear.default, preset=PRESET)
-@gradient_form(epsilon_linear_form)
-@with_formula(epsilon_formula)
+@rule(aten.linear.default, preset=PRESET, gradient_form=epsilon_linear_form, formula=epsilon_formula)
 def epsilon_linear(ctx, relevance):
     """``y = x Wᵀ + b``: ε-rule (AttnLRP Eq. 8; Bach et al. 2015 Eq. 58),
     R_x = x ⊙ (R / y) W with y including the bias; the bias absorbs b ⊙ R / y."""
@@ -96,8 +94,7 @@ def epsilon_linear(ctx, relevance):
     return tuple(out)
 
 
-@rule(aten.addmm.default, preset=PRESET)
-@gradient_form(epsilon_stabilized())
+@rule(aten.addmm.default, preset=PRESET, gradient_form=epsilon_stabilized())
 def epsilon_addmm(ctx, relevance):
     """``y = β b + α x W`` (GPT-2's Conv1D): ε-rule (AttnLRP Eq. 8), the bias absorbs β b ⊙ R / y."""
     require_constant_weight(ctx, 2)
@@ -110,8 +107,7 @@ def epsilon_addmm(ctx, relevance):
     return (rb, rx, None)
 
 
-@rule(aten.convolution.default, preset=PRESET)
-@gradient_form(epsilon_stabilized())
+@rule(aten.convolution.default, preset=PRESET, gradient_form=epsilon_stabilized())
 def epsilon_convolution(ctx, relevance):
     """Convolution (the patch embedding): ε-rule (AttnLRP Eq. 8), R_x = x ⊙ convᵀ(R / y, W); the
     bias absorbs b ⊙ R / y. (Not z^B as in ``"chefer2021"``: AttnLRP applies the ε-rule.)"""
@@ -148,8 +144,8 @@ def _matmul_form(node, live, eps):
     return uniform_product(node, live, eps) if both else None
 
 
-@rule(aten.matmul.default, aten.bmm.default, aten.mm.default, preset=PRESET)
-@gradient_form(epsilon_stabilized(_matmul_form))
+@rule(aten.matmul.default, aten.bmm.default, aten.mm.default, preset=PRESET,
+      gradient_form=epsilon_stabilized(_matmul_form))
 def uniform_matmul(ctx, relevance):
     """Matrix product. Two live operands (A·V, Q·Kᵀ): AttnLRP Prop. 3.3, the ε-rule on every
     product a_ji b_ip followed by the uniform rule (Eq. 7): R_a = a ⊙ (R/z) bᵀ / 2,
@@ -166,7 +162,7 @@ def uniform_matmul(ctx, relevance):
 
 
 # the experts of a MoE layer: the ε-rule on each expert's rows (relprop.rules.moe)
-rule(*GROUPED_MM, preset=PRESET)(grouped_linear)
+rule(*GROUPED_MM, preset=PRESET, gradient_form=epsilon_stabilized())(grouped_linear)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -184,16 +180,14 @@ def epsilon_sum(ctx, relevance, sign: float):
     return (ru, rv) + (None,) * (len(ctx.args) - 2)
 
 
-@rule(aten.add.Tensor, aten.add.Scalar, preset=PRESET)
-@gradient_form(epsilon_stabilized())
+@rule(aten.add.Tensor, aten.add.Scalar, preset=PRESET, gradient_form=epsilon_stabilized())
 def epsilon_add(ctx, relevance):
     """u + v (residual connections, position embeddings, masks, x + ε): ε-rule (AttnLRP Eq. 8),
     R_u = u ⊙ R / (u + v), R_v = v ⊙ R / (u + v); a constant operand absorbs its share."""
     return epsilon_sum(ctx, relevance, 1.0)
 
 
-@rule(aten.sub.Tensor, aten.sub.Scalar, preset=PRESET)
-@gradient_form(epsilon_stabilized())
+@rule(aten.sub.Tensor, aten.sub.Scalar, preset=PRESET, gradient_form=epsilon_stabilized())
 def epsilon_sub(ctx, relevance):
     """u − v, as u + (−v): ε-rule (AttnLRP Eq. 8)."""
     return epsilon_sum(ctx, relevance, -1.0)
@@ -204,15 +198,13 @@ def _pooled_count(node, args, z):
     return args[0].numel() / max(z.numel(), 1) if node.target is aten.mean.dim else 1
 
 
-@rule(aten.sum.dim_IntList, aten.mean.dim, preset=PRESET)
-@gradient_form(epsilon_stabilized(scale=_pooled_count))
+@rule(aten.sum.dim_IntList, aten.mean.dim, preset=PRESET, gradient_form=epsilon_stabilized(scale=_pooled_count))
 def epsilon_pooling(ctx, relevance):
     """Sum/mean over dimensions (pooling): ε-rule on a sum (AttnLRP Eq. 8), R_i = x_i R / Σ_k x_k."""
     return pooling_z_rule(ctx, relevance)
 
 
-@rule(aten.mul.Scalar, aten.div.Scalar, aten.neg.default, preset=PRESET)
-@gradient_form(plain)
+@rule(aten.mul.Scalar, aten.div.Scalar, aten.neg.default, preset=PRESET, gradient_form=plain)
 def epsilon_scaling(ctx, relevance):
     """y = c·x, x / c or −x for a number c: a linear map without bias, whose ε-rule (AttnLRP Eq. 8)
     gives R_x = x c R / (c x) = R."""
@@ -229,8 +221,7 @@ ELEMENTWISE = (aten.gelu.default, aten.tanh.default, aten.relu.default, aten.sil
                aten.clamp_max.default)
 
 
-@rule(*ELEMENTWISE, preset=PRESET)
-@gradient_form(identity_rule)
+@rule(*ELEMENTWISE, preset=PRESET, gradient_form=identity_rule)
 def identity(ctx, relevance):
     """Element-wise non-linearity of one input (GELU, SiLU, tanh, x^p, hardswish, a clamp, ...): the
     identity rule (AttnLRP Eq. 9), R_x = R_y: a function of one variable explains itself entirely by
@@ -238,8 +229,7 @@ def identity(ctx, relevance):
     return (relevance,) + (None,) * (len(ctx.args) - 1)
 
 
-@rule(ELEMENTWISE_FUNCTION, preset=PRESET)
-@gradient_form(function_identity)
+@rule(ELEMENTWISE_FUNCTION, preset=PRESET, gradient_form=function_identity)
 def identity_function(ctx, relevance):
     """An element-wise function of one tensor that the graph computes op by op (tanh-GELU
     ``gelu_new``, ``quick_gelu``, a SiLU written ``x·sigmoid(x)``, softcapping ``c·tanh(x/c)``, a
@@ -258,8 +248,7 @@ def softmax_shares(x: torch.Tensor, s: torch.Tensor, relevance: torch.Tensor, di
     return rx, relevance - rx
 
 
-@rule(aten.softmax.int, aten._softmax.default, aten._safe_softmax.default, preset=PRESET)
-@gradient_form(plain)
+@rule(aten.softmax.int, aten._softmax.default, aten._safe_softmax.default, preset=PRESET, gradient_form=plain)
 def softmax(ctx, relevance):
     """Softmax s = softmax(x): AttnLRP Prop. 3.1 (Deep Taylor decomposition at x, with bias),
     R_x,i = x_i (R_i − s_i Σ_j R_j). What it does not give x is the decomposition's bias term; it
@@ -285,8 +274,7 @@ def layer_norm_shares(x, normalized_shape, weight, bias, eps_ln, out, relevance,
     return rx, rb
 
 
-@rule(aten.layer_norm.default, preset=PRESET)
-@gradient_form(epsilon_stabilized(layer_norm_const_std))
+@rule(aten.layer_norm.default, preset=PRESET, gradient_form=epsilon_stabilized(layer_norm_const_std))
 def layer_norm(ctx, relevance):
     """``layer_norm``: AttnLRP Prop. 3.4 (identity on the standard deviation) with the ε-rule on the
     remaining linear map (centering and gain, Eq. 8); β absorbs β ⊙ R / y. See
@@ -299,8 +287,7 @@ def layer_norm(ctx, relevance):
     return tuple(out[: len(ctx.args)])
 
 
-@rule(aten.rms_norm.default, preset=PRESET)
-@gradient_form(rms_norm_const_rms)
+@rule(aten.rms_norm.default, preset=PRESET, gradient_form=rms_norm_const_rms)
 def rms_norm(ctx, relevance):
     """``rms_norm``: AttnLRP Prop. 3.4, the RMS is a constant, so y = γ ⊙ x / rms is linear without
     bias and its ε-rule (Eq. 8) passes R unchanged: R_x = R_y."""
@@ -351,8 +338,7 @@ def product_form(uniform_call):
     return form
 
 
-@rule(aten.mul.Tensor, preset=PRESET)
-@gradient_form(product_form(lambda node, a, b: half_gradient(a * b)))
+@rule(aten.mul.Tensor, preset=PRESET, gradient_form=product_form(lambda node, a, b: half_gradient(a * b)))
 def uniform_multiply(ctx, relevance):
     """Element-wise product. Two live factors (gates): AttnLRP Prop. 3.2, the uniform rule (Eq. 7),
     R/2 to each. A factor that is a normalizing statistic (RMSNorm written out): Prop. 3.4, it is a
@@ -371,8 +357,7 @@ def uniform_multiply(ctx, relevance):
     return (None, None)
 
 
-@rule(aten.div.Tensor, preset=PRESET)
-@gradient_form(renormalizing(constant_operand(1)))
+@rule(aten.div.Tensor, preset=PRESET, gradient_form=renormalizing(constant_operand(1)), no_relevance_to={1})
 def divide(ctx, relevance):
     """x / d with d a constant or a statistic of the input (a norm, a standard deviation): AttnLRP
     Prop. 3.4, d is a constant, so y = x / d is linear without bias and R_x = R (ε-rule, Eq. 8);
@@ -384,5 +369,3 @@ def divide(ctx, relevance):
         return (renormalization_shares(_f(ctx.out), relevance, dims)[0], None)
     return (relevance,) + (None,) * (len(ctx.args) - 1)
 
-
-divide.no_relevance_to = frozenset({1})

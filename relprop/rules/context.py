@@ -12,8 +12,8 @@ from ..graph.nodes import module_path
 from .registry import lookup
 
 
-#: the attribute a rule function sets to True to be told when it may write into its node's output
-#: (:attr:`RuleContext.out_writable`)
+#: the keyword of ``@rule`` (and field of :class:`relprop.rules.spec.RuleSpec`) by which a rule
+#: declares that it may write into its node's output (:attr:`RuleContext.out_writable`)
 WRITES_OUT = "writes_out"
 
 
@@ -41,7 +41,7 @@ class RuleContext:
         it after the rule, autograd saved none of it, and it shares its memory with no other value
         (an argument, a value read after the walk or returned by the program). A rule may then
         compute into its buffer after its last read of it (one attention-sized allocation fewer on
-        long inputs). Given only to rules that declare :data:`WRITES_OUT`; False otherwise.
+        long inputs). Given only to rules registered with ``writes_out=True``; False otherwise.
     """
 
     node: torch.fx.Node

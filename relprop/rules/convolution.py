@@ -10,7 +10,7 @@ supplementary §B, with per-sample bounds l = min(x), h = max(x)::
 We apply z^B whenever the convolution reads the model's pixel input directly (whatever the number
 of channels). Any other convolution gets the preset's linear rule: alpha1-beta0 with a joint
 denominator for chefer2021 (``layers_ours.Conv2d``), and for lrp the separate denominators of
-``layers_lrp.Conv2d`` at c3e578f (x⁺W⁺ / z⁺ + x⁻W⁻ / z⁻, as :func:`relprop.rules.linear.lrp_baseline`).
+``layers_lrp.Conv2d`` (x⁺W⁺ / z⁺ + x⁻W⁻ / z⁻, as :func:`relprop.rules.linear.lrp_baseline`).
 Both presets share z^B. Its denominator is ≥ 0; the authors add 1e-9 to it, as ``safe_divide`` does
 where it is > 0 (where it is 0, a constant image, we give 0 and they divide by 1e-9).
 """
@@ -96,7 +96,7 @@ def _z_box_patches(x, w, relevance, eps, low, high):
 
 def conv_alpha1_beta0(x, w, p, relevance, eps, joint=True):
     """alpha1-beta0 for a convolution (CVPR 2021 Eq. 5, ``layers_ours.Conv2d``); ``joint=False`` gives the
-    LRP baseline's separate denominators (``layers_lrp.Conv2d`` at c3e578f)."""
+    LRP baseline's separate denominators (``layers_lrp.Conv2d``)."""
     xp, xn = x.clamp(min=0), x.clamp(max=0)
     wp, wn = w.clamp(min=0), w.clamp(max=0)
     z1, z2 = _conv(xp, wp, p), _conv(xn, wn, p)
@@ -129,5 +129,5 @@ def convolution(ctx, relevance):
 @rule(aten.convolution.default, preset="lrp")
 def convolution_lrp_baseline(ctx, relevance):
     """Patch embedding: z^B on pixels (supplementary §B); any other convolution: the LRP
-    baseline's separate denominators for x⁺W⁺ and x⁻W⁻ (``layers_lrp.Conv2d`` at c3e578f)."""
+    baseline's separate denominators for x⁺W⁺ and x⁻W⁻ (``layers_lrp.Conv2d``)."""
     return _convolution(ctx, relevance, joint=False)

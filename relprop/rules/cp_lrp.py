@@ -26,7 +26,7 @@ import torch.fx
 
 from ..graph.blocks import SOFTMAX_OPS, TRANSPARENT_OPS
 from . import attnlrp
-from .gradient_forms import constant_operand, epsilon_stabilized, gradient_form, half_gradient
+from .gradient_forms import constant_operand, epsilon_stabilized, half_gradient
 from .moe import is_routing_weight
 from .registry import Preset, rule
 
@@ -90,8 +90,8 @@ def _matmul_form(node, live, eps):
     return attnlrp._matmul_form(node, live, eps)
 
 
-@rule(aten.matmul.default, aten.bmm.default, aten.mm.default, preset=PRESET)
-@gradient_form(epsilon_stabilized(_matmul_form))
+@rule(aten.matmul.default, aten.bmm.default, aten.mm.default, preset=PRESET,
+      gradient_form=epsilon_stabilized(_matmul_form))
 def attention_head_matmul(ctx, relevance):
     """A·V with A attention probabilities: Ali et al. (ICML 2022) LRP-AH, A is a constant, so the
     head is linear in V: R_V = V ⊙ Aᵀ (R / z) (the ε-rule of :func:`attnlrp.epsilon_matmul_shares`)
@@ -112,8 +112,7 @@ def _gated(node, a, b):
     return half_gradient(a * b)
 
 
-@rule(aten.mul.Tensor, preset=PRESET)
-@gradient_form(attnlrp.product_form(_gated))
+@rule(aten.mul.Tensor, preset=PRESET, gradient_form=attnlrp.product_form(_gated))
 def gated_multiply(ctx, relevance):
     """Element-wise product of two live factors where one is a gate (it came out of an activation):
     the gate is a constant, as attention probabilities are in Ali et al.'s LRP-AH (ICML 2022), so

@@ -28,12 +28,15 @@ gradient form               backward (g: incoming gradient)
 :func:`rms_norm_const_rms`  RMSNorm with the root mean square held constant (AttnLRP Prop. 3.4)
 ==========================  ====================================================================
 
-A rule declares its form with :func:`gradient_form`; the form is a factory
+A rule declares its form where it is registered, ``@rule(op, preset=..., gradient_form=form)``
+(stored in its :class:`relprop.rules.spec.RuleSpec`); the form is a factory
 ``form(node, live, eps) -> callable | None`` that returns a replacement for ``node.target`` (same
 arguments, same forward value) or None when the plain op (its ordinary gradient) *is* the rule.
-:mod:`relprop.graph.modified_gradient` executes a captured graph with these replacements, and one
+:mod:`relprop.engine.fast_path` executes a captured graph with these replacements, and one
 ``torch.autograd.grad`` then gives relevance = input × gradient. Rules without a declared form make
-the fast path unavailable; the interpreter (:mod:`relprop.graph.interpreter`) stays the reference.
+the fast path unavailable; the rule-by-rule walk (:mod:`relprop.engine.walk`) stays the reference.
+A form of an ε-rule also carries ``lost(node, args, out, relevance, eps)``, the relevance its
+stabilizer keeps, which the walk books as absorbed (:func:`stabilizer_ledger`).
 """
 from __future__ import annotations
 
@@ -43,6 +46,7 @@ import torch
 from torch.autograd import Function
 
 from ..graph.torch_fixes import safe_target
+from .spec import RuleSpec, as_spec
 from .stabilize import SPARSE_ROW, on_nonzero_rows, safe_divide
 
 #: signature of a gradient form: (node, live flags of node.args, eps) -> replacement or None
@@ -50,11 +54,18 @@ GradientForm = Callable[..., Optional[Callable]]
 
 
 def gradient_form(form: GradientForm):
-    """Decorator: attach the modified-gradient ``form`` to a relevance rule (see module docstring)."""
-    def attach(fn):
-        fn.gradient_form = form
-        return fn
+    """Decorator, under ``@rule``: the rule as a :class:`RuleSpec` declaring the modified-gradient
+    ``form``; the same as ``@rule(op, preset=..., gradient_form=form)``, which the built-in rules
+    use."""
+    def attach(fn) -> RuleSpec:
+        return as_spec(fn, gradient_form=form)
     return attach
+
+
+def stabilizer_ledger(form: Optional[GradientForm]) -> Optional[Callable]:
+    """The ``lost(node, args, out, relevance, eps)`` a gradient form declares (the relevance an
+    ε-rule's stabilizer keeps from the node's inputs), or None."""
+    return getattr(form, "lost", None) if form is not None else None
 
 
 def plain(node, live, eps):

@@ -13,8 +13,8 @@ Its denominator is computed as ½(xW + |x||W|) and its adjoint as ½(x ⊙ (S W�
 layer instead of four, and neither x nor W split into signed parts.
 
 ``"lrp"`` — the linear rule of the authors' LRP *baseline* (``Linear.relprop`` of
-``modules/layers_lrp.py`` and ``BERT_explainability/modules/layers_lrp.py`` at the newest commit of
-hila-chefer/Transformer-Explainability, c3e578f, called with alpha=1), which the paper's LRP and
+``modules/layers_lrp.py`` and ``BERT_explainability/modules/layers_lrp.py`` of
+hila-chefer/Transformer-Explainability, called with alpha=1), which the paper's LRP and
 partial-LRP numbers come from: the x⁺W⁺ and x⁻W⁻ parts each have their own denominator, bias
 ignored::
 
@@ -22,8 +22,7 @@ ignored::
     R_i   = Σ_j x⁺_i W⁺_ji / z⁺_j · R_j  +  Σ_j x⁻_i W⁻_ji / z⁻_j · R_j
 
 Each part alone passes Σ_j R_j (over the outputs where its z is not 0), so the layer returns about
-2 Σ_j R_j: NOT conservative. (A commit of January 2021, 07d8c72, divided the x⁺W⁺ part by z⁺ + z⁻
-and the x⁻W⁻ part by 2·z⁻; 3c9da22 reverted it two weeks later.) Both z are ≥ 0, so the authors'
+2 Σ_j R_j: NOT conservative. Both z are ≥ 0, so the authors'
 stabilizer (+1e-9 on every non-zero denominator) and ours (1e-9 away from 0 in the sign's
 direction, :mod:`relprop.rules.stabilize`) give the same numbers here.
 """
@@ -139,8 +138,9 @@ def _forward_product(ctx, x):
 
 
 def lrp_baseline(x: torch.Tensor, w: torch.Tensor, relevance: torch.Tensor, eps: float, split=None) -> torch.Tensor:
-    """Relevance of ``x`` for ``z = x @ w`` under the authors' LRP-baseline linear rule (``layers_lrp.Linear``
-    at c3e578f): the x⁺W⁺ part divided by z⁺ = x⁺W⁺, the x⁻W⁻ part by z⁻ = x⁻W⁻ (not conservative).
+    """Relevance of ``x`` for ``z = x @ w`` under the authors' LRP-baseline linear rule
+    (``layers_lrp.Linear``): the x⁺W⁺ part divided by z⁺ = x⁺W⁺, the x⁻W⁻ part by z⁻ = x⁻W⁻ (not
+    conservative).
 
     ``w`` is [in, out] (or batched [..., in, out]); ``x`` is [..., in]; ``relevance`` is [..., out].
     """
@@ -158,18 +158,7 @@ def require_constant_weight(ctx, weight_pos):
                                    detail="Its weight depends on the input, so it is not a linear layer.")
 
 
-def with_formula(formula):
-    """Decorator: record on a linear rule the formula ``formula(x, w, relevance, eps) -> R_x`` it
-    applies (``w`` [in, out]), so that other rules apply the active preset's linear rule to linear
-    maps that are not ``aten.linear`` (a product with a constant matrix)."""
-    def attach(fn):
-        fn.formula = formula
-        return fn
-    return attach
-
-
-@rule(aten.linear.default, preset="chefer2021")
-@with_formula(alpha1_beta0)
+@rule(aten.linear.default, preset="chefer2021", formula=alpha1_beta0)
 def linear(ctx, relevance):
     """``y = x Wᵀ + b``: LRP-alpha1beta0 with a joint denominator (CVPR 2021, Eq. 5); bias ignored."""
     require_constant_weight(ctx, 1)
@@ -181,41 +170,40 @@ def linear(ctx, relevance):
     return (rx,) + (None,) * (len(ctx.args) - 1)
 
 
-@rule(aten.linear.default, preset="lrp")
-@with_formula(lrp_baseline)
+@rule(aten.linear.default, preset="lrp", formula=lrp_baseline)
 def linear_lrp_baseline(ctx, relevance):
     """``y = x Wᵀ + b``: the authors' LRP-baseline linear rule, separate denominators for x⁺W⁺ and x⁻W⁻
-    (``layers_lrp.Linear`` at c3e578f; :func:`lrp_baseline`); bias ignored."""
+    (``layers_lrp.Linear``; :func:`lrp_baseline`); bias ignored."""
     require_constant_weight(ctx, 1)
     rx = lrp_baseline(promote(ctx.args[0]), promote(ctx.args[1]).t(), relevance, ctx.eps)
     return (rx,) + (None,) * (len(ctx.args) - 1)
 
 
-@rule(aten.addmm.default, preset="chefer2021")
-@with_formula(alpha1_beta0)
+@rule(aten.addmm.default, preset="chefer2021", formula=alpha1_beta0)
 def addmm(ctx, relevance):
     """``y = b + x @ W`` (GPT-2's Conv1D): LRP-alpha1beta0 (Eq. 5), bias ignored."""
     require_constant_weight(ctx, 2)
     return (None, alpha1_beta0(promote(ctx.args[1]), promote(ctx.args[2]), relevance, ctx.eps), None)
 
 
-@rule(aten.addmm.default, preset="lrp")
-@with_formula(lrp_baseline)
+@rule(aten.addmm.default, preset="lrp", formula=lrp_baseline)
 def addmm_lrp_baseline(ctx, relevance):
-    """``y = b + x @ W`` (GPT-2's Conv1D): the authors' LRP-baseline linear rule (``layers_lrp.Linear`` at
-    c3e578f; :func:`lrp_baseline`), bias ignored."""
+    """``y = b + x @ W`` (GPT-2's Conv1D): the authors' LRP-baseline linear rule (``layers_lrp.Linear``;
+    :func:`lrp_baseline`), bias ignored."""
     require_constant_weight(ctx, 2)
     return (None, lrp_baseline(promote(ctx.args[1]), promote(ctx.args[2]), relevance, ctx.eps), None)
 
 
 def linear_formula(ctx):
-    """The formula of the active preset's rule for ``aten.linear`` (see :func:`with_formula`)."""
-    fn = getattr(ctx.rule_for(aten.linear.default), "formula", None)
+    """The formula the active preset's rule for ``aten.linear`` declares (``@rule(..., formula=...)``,
+    :attr:`relprop.rules.spec.RuleSpec.formula`)."""
+    spec = ctx.rule_for(aten.linear.default)
+    fn = spec.formula if spec is not None else None
     if fn is None:
         raise UnsupportedOperation(ctx.node.target, ctx.module_path, module_type(ctx.node), ctx.preset,
                                    detail="It multiplies by a constant matrix, and the preset's rule for "
                                           "aten.linear.default declares no formula (x, w, relevance, eps) -> R_x to "
-                                          "apply to it (relprop.rules.linear.with_formula).")
+                                          "apply to it (@relprop.rule(..., formula=...)).")
     return fn
 
 

@@ -43,7 +43,7 @@ import torch.fx
 
 from ..errors import UnsupportedOperation
 from ..graph.nodes import module_type
-from .gradient_forms import epsilon_stabilized, gradient_form
+from .gradient_forms import epsilon_stabilized
 from .linear import linear_formula
 from .registry import rule
 from .stabilize import promote
@@ -83,8 +83,8 @@ def selection_route(ctx, relevance):
 # ------------------------------------------------------------------------------------------------
 # the experts' grouped matrix products: the preset's linear rule, group by group
 # ------------------------------------------------------------------------------------------------
-@rule(*GROUPED_MM, preset=("chefer2021", "lrp"))  # and "attnlrp" (relprop.rules.attnlrp registers it)
-@gradient_form(epsilon_stabilized())
+# (and in "attnlrp", which relprop.rules.attnlrp registers it in)
+@rule(*GROUPED_MM, preset=("chefer2021", "lrp"), gradient_form=epsilon_stabilized())
 def grouped_linear(ctx, relevance):
     """``y[rows of g] = x[rows of g] @ W[g]`` for the groups ending at ``offs`` (the experts of a MoE
     layer, tokens sorted by expert): the active preset's linear rule

@@ -30,7 +30,7 @@ from __future__ import annotations
 import torch
 
 from .attnlrp import ATTNLRP
-from .gradient_forms import epsilon_stabilized, gradient_form, group_norm_const_std
+from .gradient_forms import epsilon_stabilized, group_norm_const_std
 from .registry import rule
 from .stabilize import promote, safe_divide
 
@@ -82,8 +82,7 @@ def batch_norm_scaling_z(ctx, relevance):
     return (rx,) + (None,) * (len(ctx.args) - 1)
 
 
-@rule(*BATCH_NORMS, preset=ATTNLRP)
-@gradient_form(epsilon_stabilized())
+@rule(*BATCH_NORMS, preset=ATTNLRP, gradient_form=epsilon_stabilized())
 def batch_norm_epsilon(ctx, relevance):
     """BatchNorm in inference, y = a ⊙ x + c: the ε-rule (AttnLRP Eq. 8), R_x = a ⊙ x ⊙ R / y; the
     shift c = β − a ⊙ μ absorbs c ⊙ R / y (β's part on the bias, −a ⊙ μ's on the running mean)."""
@@ -118,8 +117,7 @@ def group_norm_shares(x, weight, bias, groups, eps_gn, out, relevance, eps):
     return rx, rb
 
 
-@rule(aten.native_group_norm.default, preset=ATTNLRP)
-@gradient_form(epsilon_stabilized(group_norm_const_std))
+@rule(aten.native_group_norm.default, preset=ATTNLRP, gradient_form=epsilon_stabilized(group_norm_const_std))
 def group_norm(ctx, relevance):
     """``native_group_norm``: AttnLRP Prop. 3.4 (each group's σ constant) with the ε-rule on the
     remaining linear map (Eq. 8), as for LayerNorm; β absorbs β ⊙ R / y. See

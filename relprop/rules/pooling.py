@@ -28,7 +28,7 @@ import torch
 
 from .attnlrp import ATTNLRP
 from .generic import gradient_times_input
-from .gradient_forms import epsilon_stabilized, gradient_form
+from .gradient_forms import epsilon_stabilized
 from .registry import rule
 
 aten = torch.ops.aten
@@ -58,8 +58,7 @@ def pooling_z(ctx, relevance):
     return linear_map_shares(ctx, relevance)
 
 
-@rule(*POOLS, *RESAMPLING, preset=ATTNLRP)
-@gradient_form(epsilon_stabilized())
+@rule(*POOLS, *RESAMPLING, preset=ATTNLRP, gradient_form=epsilon_stabilized())
 def pooling_epsilon(ctx, relevance):
     """Average/max pooling, upsampling: the ε-rule of a linear map without bias (AttnLRP Eq. 8),
     R_x = x ⊙ (∂y/∂x)ᵀ (R / (y + ε·sign y)) (module docstring)."""

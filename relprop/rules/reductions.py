@@ -42,11 +42,9 @@ def pooling_z_rule(ctx, relevance):
     return (x * safe_divide(r, z, ctx.eps),) + (None,) * (len(ctx.args) - 1)
 
 
-@rule(aten.div.Tensor, preset=("chefer2021", "lrp"))
+@rule(aten.div.Tensor, preset=("chefer2021", "lrp"), no_relevance_to={1})
 def divide_by_statistic(ctx, relevance):
     """x / c, c constant or a statistic of the input (a norm): R_x = R_out; the divisor gets none."""
     live_x = ctx.live[0] is True
     return ((relevance if live_x else None),) + (None,) * (len(ctx.args) - 1)
 
-
-divide_by_statistic.no_relevance_to = frozenset({1})

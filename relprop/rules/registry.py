@@ -44,8 +44,7 @@ from typing import Callable, Dict, Iterable, Mapping, Optional, Sequence, Tuple,
 import torch
 
 from ..errors import PresetError, RelpropWarning
-
-RuleFn = Callable[..., Sequence]
+from .spec import RuleFn, RuleSpec, as_spec
 
 #: where relevance starts at the outputs (:attr:`Preset.seed`): "gradient" R = ∂s/∂y (relevance 1 at
 #: the target logit, CVPR 2021 §3.3) or "score" R = y ⊙ ∂s/∂y (the target logit's value, sign included)
@@ -53,7 +52,7 @@ SEEDS = ("gradient", "score")
 
 _PRESETS: Dict[str, "Preset"] = {}
 #: the rules each built-in preset had when relprop finished loading (see :func:`seal_builtins`)
-_BUILTIN: Dict[str, Dict[object, RuleFn]] = {}
+_BUILTIN: Dict[str, Dict[object, RuleSpec]] = {}
 _LOCK = threading.RLock()
 #: scoped overrides of the current context, innermost last: ((preset name, {op: rule}), ...)
 _OVERRIDES: "contextvars.ContextVar[tuple]" = contextvars.ContextVar("relprop_rule_overrides", default=())
@@ -140,7 +139,7 @@ class Preset:
             self.conservative = conservative
             self._modified_gradient = modified_gradient
             self._seed = seed
-            self.rules: Dict[object, RuleFn] = {}
+            self.rules: Dict[object, RuleSpec] = {}
             _PRESETS[name] = self
 
     # -- reading ---------------------------------------------------------------------------------
@@ -165,17 +164,18 @@ class Preset:
             out += [q for q in _PRESETS[p].lineage() if q not in out]
         return tuple(out)
 
-    def own_rule(self, op) -> Optional[RuleFn]:
+    def own_rule(self, op) -> Optional[RuleSpec]:
         """The rule this preset's own table (with the scoped overrides of this context) gives ``op``."""
         for name, table in reversed(_OVERRIDES.get()):
             if name == self.name and op in table:
                 return table[op]
         return self.rules.get(op)
 
-    def lookup(self, op) -> Optional[RuleFn]:
-        """The rule for ``op``: this preset's own, else the first found in the presets it extends.
-        An op overload without one is looked up by its :func:`qualified_name` too (rules for ops of
-        other libraries, registered by name: ``rule("transformers::grouped_mm_fallback.default")``)."""
+    def lookup(self, op) -> Optional[RuleSpec]:
+        """The rule for ``op`` (its :class:`RuleSpec`, called like the function): this preset's
+        own, else the first found in the presets it extends. An op overload without one is looked
+        up by its :func:`qualified_name` too (rules for ops of other libraries, registered by name:
+        ``rule("transformers::grouped_mm_fallback.default")``)."""
         found = self._lookup(op)
         if found is None:
             name = qualified_name(op)
@@ -183,7 +183,7 @@ class Preset:
                 found = self._lookup(name)
         return found
 
-    def _lookup(self, op) -> Optional[RuleFn]:
+    def _lookup(self, op) -> Optional[RuleSpec]:
         found = self.own_rule(op)
         if found is not None:
             return found
@@ -197,43 +197,54 @@ class Preset:
         """``'<rule module>.<function> (<preset it is registered in>)'`` for ``op``, or None."""
         for key in (op, qualified_name(op)):
             for p in self.lineage():
-                fn = p.own_rule(key) if key is not None else None
-                if fn is not None:
-                    return f"{fn.__module__.rsplit('.', 1)[-1]}.{fn.__name__} ({p.name})"
+                spec = p.own_rule(key) if key is not None else None
+                if spec is not None:
+                    return f"{spec.module}.{spec.name} ({p.name})"
         return None
 
     # -- writing ---------------------------------------------------------------------------------
-    def rule(self, *ops, replace: bool = False):
+    def rule(self, *ops, replace: bool = False, gradient_form: Optional[Callable] = None,
+             formula: Optional[Callable] = None, writes_out: Optional[bool] = None,
+             no_relevance_to: Optional[Iterable[int]] = None, constant_positions: Optional[Iterable[int]] = None):
         """Decorator: register the function as this preset's rule for ``ops`` (op overloads such
         as ``torch.ops.aten.gelu.default``, or packets such as ``torch.ops.aten.gelu`` for every
-        overload). An op that already has a rule in this preset's own table is an error unless
-        ``replace=True``; replacing one of relprop's built-in rules warns (:meth:`reset` restores
-        it; :func:`override` changes a rule for a ``with`` block only)."""
+        overload), with what it declares (the keywords, fields of :class:`RuleSpec`; a keyword
+        left None declares nothing). Returns the function unchanged. An op that already has a rule
+        in this preset's own table is an error unless ``replace=True``; replacing one of relprop's
+        built-in rules warns (:meth:`reset` restores it; :func:`override` changes a rule for a
+        ``with`` block only)."""
         if not ops:
             raise PresetError("rule() needs at least one op, e.g. rule(torch.ops.aten.gelu.default)")
+        declared = dict(gradient_form=gradient_form, formula=formula, writes_out=writes_out,
+                        no_relevance_to=no_relevance_to, constant_positions=constant_positions)
 
-        def decorate(fn: RuleFn) -> RuleFn:
+        def decorate(fn):
             if not callable(fn):
                 raise PresetError(f"a rule must be a function fn(ctx, relevance), not {type(fn).__name__}")
-            overloads = [ov for op in ops for ov in _overloads(op)]
-            with _LOCK:
-                for ov in overloads:
-                    old = self.rules.get(ov)
-                    if old is not None and old is not fn and not replace:
-                        raise PresetError(f"{ov} already has a rule in preset '{self.name}' ({old.__name__}); pass "
-                                          "replace=True to replace it for the whole process, or change it for a "
-                                          "block of code with relprop.rules.override(...)")
-                    if old is not None and old is not fn and _BUILTIN.get(self.name, {}).get(ov) is old:
-                        warnings.warn(f"rule {fn.__name__} replaces relprop's built-in rule {old.__name__} for {ov} "
-                                      f"in preset '{self.name}' for the whole process; "
-                                      f"relprop.rules.get_preset('{self.name}').reset({ov}) restores it",
-                                      RelpropWarning, stacklevel=3)
-                self._warn_without_gradient_form(fn, overloads)
-                for ov in overloads:
-                    self.rules[ov] = fn
+            self.register(ops, as_spec(fn, **declared), replace=replace)
             return fn
 
         return decorate
+
+    def register(self, ops: Sequence, spec: RuleSpec, replace: bool = False) -> None:
+        """Put ``spec`` in this preset's table for ``ops`` (see :meth:`rule`)."""
+        overloads = [ov for op in ops for ov in _overloads(op)]
+        with _LOCK:
+            for ov in overloads:
+                old = self.rules.get(ov)
+                new = old is not None and old != spec
+                if new and not replace:
+                    raise PresetError(f"{ov} already has a rule in preset '{self.name}' ({old.name}); pass "
+                                      "replace=True to replace it for the whole process, or change it for a "
+                                      "block of code with relprop.rules.override(...)")
+                if new and _BUILTIN.get(self.name, {}).get(ov) is old:
+                    warnings.warn(f"rule {spec.name} replaces relprop's built-in rule {old.name} for {ov} "
+                                  f"in preset '{self.name}' for the whole process; "
+                                  f"relprop.rules.get_preset('{self.name}').reset({ov}) restores it",
+                                  RelpropWarning, stacklevel=3)
+            self._warn_without_gradient_form(spec, overloads)
+            for ov in overloads:
+                self.rules[ov] = spec
 
     def reset(self, *ops) -> None:
         """Undo registrations in this preset: each op (every op when none is given) gets back the
@@ -247,12 +258,12 @@ class Preset:
                 else:
                     self.rules.pop(ov, None)
 
-    def _warn_without_gradient_form(self, fn, ops) -> None:
-        if self.modified_gradient and getattr(fn, "gradient_form", None) is None:
-            warnings.warn(f"rule {getattr(fn, '__name__', fn)} for {', '.join(map(str, ops))} in preset '{self.name}' "
+    def _warn_without_gradient_form(self, spec: RuleSpec, ops) -> None:
+        if self.modified_gradient and spec.gradient_form is None:
+            warnings.warn(f"rule {spec.name} for {', '.join(map(str, ops))} in preset '{self.name}' "
                           "has no modified-gradient form: explain(method='lrp') under this preset will walk the "
-                          "graph rule by rule instead of one backward pass. Attach one with "
-                          "@relprop.rules.gradient_form(...) (relprop.rules.gradient_forms)",
+                          "graph rule by rule instead of one backward pass. Declare one with "
+                          "@relprop.rule(op, preset=..., gradient_form=...) (relprop.rules.gradient_forms)",
                           RelpropWarning, stacklevel=4)
 
     def __repr__(self) -> str:
@@ -279,32 +290,50 @@ def presets() -> Dict[str, str]:
     return {name: p.description for name, p in _PRESETS.items()}
 
 
-def rule(*ops, preset: Union[str, Preset, Sequence[Union[str, Preset]]] = "chefer2021", replace: bool = False):
+def rule(*ops, preset: Union[str, Preset, Sequence[Union[str, Preset]]] = "chefer2021", replace: bool = False,
+         gradient_form: Optional[Callable] = None, formula: Optional[Callable] = None,
+         writes_out: Optional[bool] = None, no_relevance_to: Optional[Iterable[int]] = None,
+         constant_positions: Optional[Iterable[int]] = None):
     """Register the decorated function as the relevance rule of ``ops`` in ``preset`` (a name or
     :class:`Preset`, or several): ``@relprop.rule(torch.ops.aten.gelu.default, preset="chefer2021")``.
 
     The presets must exist (:class:`Preset` makes a new one). See :meth:`Preset.rule` for
     ``replace``. The function is called as ``fn(ctx, relevance)`` with a
     :class:`relprop.rules.RuleContext` and returns one entry per positional argument of the op (see
-    the module docstring). A rule may set ``fn.no_relevance_to = {positions}`` to declare arguments
-    it never gives relevance to (e.g. the divisor of a normalization), so that ops feeding only
-    those need no rule.
+    the module docstring); it is returned unchanged. The other keywords declare what the rule can
+    do (the fields of :class:`relprop.rules.spec.RuleSpec`, stored with it in every preset named):
+
+    gradient_form : its modified-gradient form (:mod:`relprop.rules.gradient_forms`), for the
+        one-backward fast path of ``explain(method="lrp")``.
+    formula : for a rule of ``aten.linear``, ``formula(x, w, relevance, eps) -> R_x``, applied by
+        other rules to linear maps that are not ``aten.linear``.
+    writes_out : True when the rule may compute into its node's output once the engine says it is
+        dead (``ctx.out_writable``).
+    no_relevance_to : positions of arguments it never gives relevance to (e.g. the divisor of a
+        normalization), so that ops feeding only those need no rule.
+    constant_positions : positions of arguments it holds constant (their shares are absorbed).
     """
     targets = [preset] if isinstance(preset, (str, Preset)) else list(preset)
     if not ops:
         raise PresetError("relprop.rule() needs at least one op, e.g. relprop.rule(torch.ops.aten.gelu.default)")
     objects = [get_preset(p) for p in targets]
+    declared = dict(gradient_form=gradient_form, formula=formula, writes_out=writes_out,
+                    no_relevance_to=no_relevance_to, constant_positions=constant_positions)
 
-    def decorate(fn: RuleFn) -> RuleFn:
+    def decorate(fn):
+        if not callable(fn):
+            raise PresetError(f"a rule must be a function fn(ctx, relevance), not {type(fn).__name__}")
+        spec = as_spec(fn, **declared)  # one spec, the same object in every preset named
         for p in objects:
-            p.rule(*ops, replace=replace)(fn)
+            p.register(ops, spec, replace=replace)
         return fn
 
     return decorate
 
 
-def lookup(preset: Union[str, Preset], op) -> Optional[RuleFn]:
-    """The rule ``preset`` applies to ``op`` (its own or inherited), or None."""
+def lookup(preset: Union[str, Preset], op) -> Optional[RuleSpec]:
+    """The rule ``preset`` applies to ``op`` (its own or inherited) as a :class:`RuleSpec` (called
+    like the function; ``.fn`` is the function), or None."""
     return get_preset(preset).lookup(op)
 
 
@@ -316,7 +345,8 @@ def describe(preset: Union[str, Preset], op) -> Optional[str]:
 @contextlib.contextmanager
 def override(rules: Mapping[object, RuleFn], preset: Union[str, Preset] = "chefer2021"):
     """Within this ``with`` block (in this thread or task only), ``preset`` and every preset
-    extending it use ``rules`` ({op: rule}) in place of their own; everything is as before on exit.
+    extending it use ``rules`` ({op: rule}, a rule a function or a :class:`RuleSpec` with its
+    declarations) in place of their own; everything is as before on exit.
 
     >>> with relprop.rules.override({torch.ops.aten.gelu.default: my_gelu}, preset="chefer2021"):
     ...     exp = relprop.explain(model, x)
@@ -329,8 +359,9 @@ def override(rules: Mapping[object, RuleFn], preset: Union[str, Preset] = "chefe
         if not callable(fn):
             raise PresetError(f"the rule given for {op} is not a function fn(ctx, relevance): {fn!r}")
         overloads = _overloads(op)
-        p._warn_without_gradient_form(fn, overloads)
-        table.update({ov: fn for ov in overloads})
+        spec = as_spec(fn)
+        p._warn_without_gradient_form(spec, overloads)
+        table.update({ov: spec for ov in overloads})
     token = _OVERRIDES.set(_OVERRIDES.get() + ((p.name, table),))
     try:
         yield p
@@ -341,9 +372,8 @@ def override(rules: Mapping[object, RuleFn], preset: Union[str, Preset] = "chefe
 def state(preset: Union[str, Preset]) -> tuple:
     """A fingerprint of the rules ``preset`` sees now (its lineage's tables and the scoped
     overrides): plans cached on a graph are valid while it does not change."""
-    tables = tuple((p.name, tuple(p.rules.keys()), tuple(id(f) for f in p.rules.values()))
-                   for p in get_preset(preset).lineage())
-    overrides = tuple((name, tuple((op, id(fn)) for op, fn in t.items())) for name, t in _OVERRIDES.get())
+    tables = tuple((p.name, tuple(p.rules.items())) for p in get_preset(preset).lineage())
+    overrides = tuple((name, tuple(t.items())) for name, t in _OVERRIDES.get())
     return tables, overrides
 
 
@@ -361,6 +391,6 @@ CHEFER2021 = Preset(
                 "normalized residual adds (Lemma 2), halved attention products (Lemma 1), z^B patch embedding")
 LRP = Preset(
     "lrp", extends=BASE, conservative=False,
-    description="the paper's plain-LRP baseline as the authors' layers_lrp.py computes it (newest commit, c3e578f): "
+    description="the paper's plain-LRP baseline as the authors' layers_lrp.py computes it: "
                 "plain z-rule sums, linear layers and convolutions with separate denominators for x+W+ and x-W-; "
                 "NOT conservative (a linear layer fed by both signs returns about twice its relevance)")

@@ -8,7 +8,7 @@ we take them per sample, so a batch explains like its samples one by one.
 A constant operand (position embedding, class-token bias, attention mask) keeps its share: it is
 reported as absorbed.
 
-``"lrp"`` (the authors' LRP baseline: ``Add`` of ``modules/layers_lrp.py`` at c3e578f, a
+``"lrp"`` (the authors' LRP baseline: ``Add`` of ``modules/layers_lrp.py``, a
 ``RelPropSimple``, i.e. gradient × input): the z-rule alone, not normalized. The authors'
 stabilizer adds +1e-9 to every non-zero z, also a negative one; ours moves z 1e-9 away from 0 in the
 direction of its sign (:mod:`relprop.rules.stabilize`), which differs only where |z| is within a few
@@ -20,7 +20,6 @@ from __future__ import annotations
 import torch
 
 from ..graph.aliasing import shares_memory
-from .context import WRITES_OUT
 from .registry import rule
 from .stabilize import finite, promote, safe_divide, scratch, times_fresh
 
@@ -74,28 +73,28 @@ def _sum_rule(ctx, relevance, sign: float, normalize: bool):
     return (ru, rv) + (None,) * (len(ctx.args) - 2)
 
 
-@rule(aten.add.Tensor, preset="chefer2021")
+@rule(aten.add.Tensor, preset="chefer2021", writes_out=True)  # _sum_rule computes u ⊙ S into z when allowed
 def residual_add(ctx, relevance):
     """u + v: z-rule shares, normalized per sample (Eq. 6 + Lemma 2)."""
     return _sum_rule(ctx, relevance, 1.0, normalize=True)
 
 
-@rule(aten.sub.Tensor, preset="chefer2021")
+@rule(aten.sub.Tensor, preset="chefer2021", writes_out=True)  # _sum_rule computes u ⊙ S into z when allowed
 def residual_sub(ctx, relevance):
     """u - v, as u + (-v): z-rule shares, normalized per sample (Eq. 6 + Lemma 2)."""
     return _sum_rule(ctx, relevance, -1.0, normalize=True)
 
 
-@rule(aten.add.Tensor, preset="lrp")
+@rule(aten.add.Tensor, preset="lrp", writes_out=True)  # _sum_rule computes u ⊙ S into z when allowed
 def add_z_rule(ctx, relevance):
     """u + v: plain z-rule shares, not normalized (CVPR 2021 Eq. 6 alone; the authors' LRP baseline,
-    ``layers_lrp.Add`` at c3e578f)."""
+    ``layers_lrp.Add``)."""
     return _sum_rule(ctx, relevance, 1.0, normalize=False)
 
 
-@rule(aten.sub.Tensor, preset="lrp")
+@rule(aten.sub.Tensor, preset="lrp", writes_out=True)  # _sum_rule computes u ⊙ S into z when allowed
 def sub_z_rule(ctx, relevance):
-    """u - v, as u + (-v): plain z-rule shares, not normalized (as ``layers_lrp.Add`` at c3e578f)."""
+    """u - v, as u + (-v): plain z-rule shares, not normalized (as ``layers_lrp.Add``)."""
     return _sum_rule(ctx, relevance, -1.0, normalize=False)
 
 
@@ -104,7 +103,3 @@ def add_number(ctx, relevance):
     """x + c for a Python number c: R passes to x unchanged (the authors' code adds such numbers
     outside its modules, e.g. LayerNorm's ε, so they have no rule there)."""
     return (relevance, None, None)[: len(ctx.args)]
-
-
-for _rule in (residual_add, residual_sub, add_z_rule, sub_z_rule):
-    setattr(_rule, WRITES_OUT, True)  # _sum_rule computes u ⊙ S into z when the engine allows it

@@ -36,7 +36,7 @@ import torch
 
 from .attnlrp import ATTNLRP
 from .generic import gradient_times_input
-from .gradient_forms import epsilon_stabilized, gradient_form, plain
+from .gradient_forms import epsilon_stabilized, plain
 from .registry import rule
 from .stabilize import promote, safe_divide
 
@@ -123,8 +123,7 @@ def index_put_z(ctx, relevance):
     return index_put_shares(ctx, relevance)
 
 
-@rule(aten.index_put.default, aten.index_put_.default, preset=ATTNLRP)
-@gradient_form(_index_put_form)
+@rule(aten.index_put.default, aten.index_put_.default, preset=ATTNLRP, gradient_form=_index_put_form)
 def index_put_epsilon(ctx, relevance):
     """``x[indices] = v``: routed; ``x[indices] += v``: the ε-rule of the sum (AttnLRP Eq. 8)."""
     return index_put_shares(ctx, relevance)
@@ -161,8 +160,7 @@ def homogeneous_shares(ctx, relevance):
     return (shares[0],) + (None,) * (len(ctx.args) - 1)
 
 
-@rule(*HOMOGENEOUS, preset=PAPER_PRESETS + (ATTNLRP,))
-@gradient_form(plain)
+@rule(*HOMOGENEOUS, preset=PAPER_PRESETS + (ATTNLRP,), gradient_form=plain)
 def homogeneous_reduction(ctx, relevance):
     """‖x‖_p, max, min over some dimensions: gradient × input, which hands out exactly R (module docstring)."""
     return homogeneous_shares(ctx, relevance)

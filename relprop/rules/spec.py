@@ -1,0 +1,95 @@
+"""What a rule declares about itself: :class:`RuleSpec`, the entry of a preset's table.
+
+A rule's abilities are declared where it is registered, as keywords of ``@rule`` (or
+``Preset.rule``)::
+
+    @rule(aten.div.Tensor, preset="attnlrp", gradient_form=renormalizing(constant_operand(1)),
+          no_relevance_to={1})
+    def divide(ctx, relevance):
+        ...
+
+and the registry stores them, with the function, in one :class:`RuleSpec`. The graph, the walk,
+the fast path and the coverage report read its fields; they never look for attributes on the
+function.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, FrozenSet, Iterable, Optional, Sequence
+
+RuleFn = Callable[..., Sequence]
+
+
+def _positions(value: Optional[Iterable[int]]) -> FrozenSet[int]:
+    return frozenset(value) if value is not None else frozenset()
+
+
+@dataclasses.dataclass(frozen=True)
+class RuleSpec:
+    """A relevance rule and what it declares.
+
+    Attributes
+    ----------
+    fn : the rule, ``fn(ctx, relevance) -> one share per positional argument`` (see
+        :mod:`relprop.rules.registry`).
+    gradient_form : its modified-gradient form, ``form(node, live, eps) -> replacement | None``
+        (:mod:`relprop.rules.gradient_forms`), for the one-backward fast path; None: the rule has
+        none, and a preset that uses it walks the graph rule by rule.
+    formula : for a rule of ``aten.linear``, the formula ``formula(x, w, relevance, eps) -> R_x``
+        (``w`` [in, out]) it applies, so that other rules apply the active preset's linear rule to
+        linear maps that are not ``aten.linear`` (a product with a constant matrix, MoE experts).
+    writes_out : the rule may compute into its node's output buffer when the engine says it is dead
+        (:attr:`relprop.rules.RuleContext.out_writable`); False: it is never told.
+    no_relevance_to : positions of arguments the rule never gives relevance to (the divisor of a
+        normalization), so that ops feeding only those need no rule.
+    constant_positions : positions of arguments held constant for this node (selection parameters
+        of a selective scan): a share the rule gives them is booked as absorbed.
+    operands : the nodes the rule is applied to instead of the node's arguments (a whole subgraph
+        explained at its output node, e.g. an element-wise function written out op by op, applied
+        to its input); None: the node's own arguments. Set per node by
+        :mod:`relprop.engine.node_rules`, not at registration.
+    region : the subgraph an ``operands`` rule explains (:class:`relprop.graph.elementwise.Region`).
+    name, module : the function's name and the last part of its module, for messages.
+    """
+
+    fn: RuleFn
+    gradient_form: Optional[Callable] = None
+    formula: Optional[Callable] = None
+    writes_out: bool = False
+    no_relevance_to: FrozenSet[int] = frozenset()
+    constant_positions: FrozenSet[int] = frozenset()
+    operands: Optional[tuple] = None
+    region: Any = None
+    name: str = ""
+    module: str = ""
+
+    def __post_init__(self):
+        object.__setattr__(self, "no_relevance_to", _positions(self.no_relevance_to))
+        object.__setattr__(self, "constant_positions", _positions(self.constant_positions))
+        if not self.name:
+            object.__setattr__(self, "name", getattr(self.fn, "__name__", type(self.fn).__name__))
+        if not self.module:
+            object.__setattr__(self, "module", str(getattr(self.fn, "__module__", "") or "").rsplit(".", 1)[-1])
+
+    def __call__(self, ctx, relevance):
+        """Apply the rule: ``fn(ctx, relevance)``."""
+        return self.fn(ctx, relevance)
+
+    @property
+    def __name__(self) -> str:  # messages and reprs that name a rule read this, as for a function
+        return self.name
+
+    def declaring(self, **declared) -> "RuleSpec":
+        """This spec with the keywords given (not None) replaced."""
+        changes = {k: v for k, v in declared.items() if v is not None}
+        return dataclasses.replace(self, **changes) if changes else self
+
+
+def as_spec(rule, **declared) -> RuleSpec:
+    """``rule`` (a function or a :class:`RuleSpec`) as a :class:`RuleSpec`, with the declared
+    keywords (None: not declared) over what it declares already."""
+    if isinstance(rule, RuleSpec):
+        return rule.declaring(**declared)
+    if not callable(rule):
+        raise TypeError(f"a rule must be a function fn(ctx, relevance), not {type(rule).__name__}")
+    return RuleSpec(rule).declaring(**declared)

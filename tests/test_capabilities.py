@@ -1,0 +1,62 @@
+"""Capabilities are declared, not looked for: a rule's in its RuleSpec (keywords of @rule), a
+method's in its MethodInfo (keywords of @method). No module of relprop reads a capability off a
+function with getattr, and the declarations say what relprop's own rules and methods do."""
+import re
+from pathlib import Path
+
+import torch
+
+from relprop.methods import all_methods
+from relprop.rules import RuleSpec, get_preset, lookup
+
+PACKAGE = Path(__file__).resolve().parents[1] / "relprop"
+aten = torch.ops.aten
+
+#: the names a rule or a method declares; reading one with getattr means it was set on a function
+CAPABILITIES = ("gradient_form", "formula", "writes_out", "WRITES_OUT", "no_relevance_to", "constant_positions",
+                "operands", "region", "folds", "no_windows")  # (a trace has .streams: not a capability)
+#: getattr on a rule function (fn, rule, spec, ...) or of a capability name, and setattr of one
+READS = [re.compile(r"getattr\(\s*(fn|rule|_rule|spec|rule_fn|func)\b"),
+         re.compile(r"getattr\([^,()]+,\s*(\"|')?(%s)\b" % "|".join(CAPABILITIES)),
+         re.compile(r"setattr\([^,()]+,\s*(\"|')?(%s)\b" % "|".join(CAPABILITIES)),
+         re.compile(r"^\s*\w+\.(%s)\s*=" % "|".join(c for c in CAPABILITIES if c != "WRITES_OUT"), re.M)]
+#: the lists that said which methods can do what before MethodInfo declared it
+OLD_LISTS = re.compile(r"\b(STREAM_MAPS|TWO_STREAM_METHODS|NOT_APPLICABLE|streamable)\b")
+
+
+def test_no_capability_is_read_off_a_function():
+    found = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        text = path.read_text()
+        for pattern in READS + [OLD_LISTS]:
+            for m in pattern.finditer(text):
+                line = text.count("\n", 0, m.start()) + 1
+                found.append(f"{path.relative_to(PACKAGE.parent)}:{line}: {m.group(0).strip()}")
+    assert not found, "capabilities read or set as function attributes:\n" + "\n".join(found)
+
+
+def test_rules_declare_what_the_engine_reads():
+    for name in ("base", "chefer2021", "lrp", "attnlrp", "cp_lrp"):
+        assert all(isinstance(s, RuleSpec) for s in get_preset(name).rules.values()), name
+    # the sums' rules compute into their output; no other rule does
+    writers = {s.name for p in ("chefer2021", "lrp", "attnlrp", "cp_lrp") for s in get_preset(p).rules.values()
+               if s.writes_out}
+    assert writers == {"residual_add", "residual_sub", "add_z_rule", "sub_z_rule"}
+    for preset in ("chefer2021", "lrp", "attnlrp"):  # a divisor gets no relevance (a normalizing statistic)
+        assert lookup(preset, aten.div.Tensor).no_relevance_to == {1}
+    for preset in ("chefer2021", "lrp", "attnlrp"):  # products with a constant matrix apply this formula
+        assert lookup(preset, aten.linear.default).formula is not None
+    fast = ("attnlrp", "cp_lrp")
+    for preset in fast:  # every rule of a modified-gradient preset's own table has a form
+        assert all(s.gradient_form is not None for s in get_preset(preset).rules.values()), preset
+    assert lookup("chefer2021", aten.linear.default).gradient_form is None
+
+
+def test_methods_declare_where_they_apply():
+    methods = all_methods()
+    assert {n for n, m in methods.items() if m.streams == 2} == {
+        "gradient_rollout", "transformer_attribution", "lrp", "input_x_gradient", "smoothgrad", "integrated_gradients"}
+    assert {n for n, m in methods.items() if m.no_windows is not None} == {
+        "cat", "attcat", "attgrads", "attention_norm", "attn_res_ln_norm", "gradcam", "vit_cx", "value_zeroing"}
+    assert {n for n, m in methods.items() if m.folds is not None} == {
+        "transformer_attribution", "rollout", "gradient_rollout"}
