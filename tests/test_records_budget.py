@@ -17,23 +17,15 @@ from relprop.engine import budget
 from relprop.methods import fold_choice
 
 import models
+from fold_checks import assert_folded_like_kept
 
 STREAMED = ("transformer_attribution", "rollout", "gradient_rollout")
-TOL = dict(rtol=1e-5, atol=1e-6)
 slow = pytest.mark.slow
 
 
 @functools.lru_cache(maxsize=None)
 def _model(make):
     return make()
-
-
-def _same(kept, folded):
-    scale = float(kept.scores.abs().max().clamp_min(1e-12))
-    torch.testing.assert_close(folded.scores / scale, kept.scores / scale, **TOL)
-    torch.testing.assert_close(folded.target_scores, kept.target_scores, rtol=0, atol=0)
-    if kept.heads is not None:
-        torch.testing.assert_close(folded.heads, kept.heads, **TOL)
 
 
 CASES = {
@@ -52,7 +44,7 @@ def test_over_budget_folds_and_equals_the_kept_records(case, method):
     kept = relprop.explain(model, x, method=method, keep_blocks=True, records_budget=0, **kw)
     folded = relprop.explain(model, x, method=method, records_budget=0, **kw)  # keep_blocks not given
     assert kept.kept_blocks and not folded.kept_blocks
-    _same(kept, folded)
+    assert_folded_like_kept(kept, folded)
     note = [n for n in folded.notes if "records_budget" in n]
     assert len(note) == 1 and "folded" in note[0] and "keep_blocks=True" in note[0], folded.notes
     assert not any("records_budget" in n for n in kept.notes)

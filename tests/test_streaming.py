@@ -23,6 +23,7 @@ from relprop.methods.streaming import RowFold
 from relprop.targets import resolve
 
 import models
+from fold_checks import TOL, assert_folded_like_kept
 
 STREAMED = ("transformer_attribution", "rollout", "gradient_rollout")
 #: every test here captures a model (torch.export: seconds on a loaded machine), so all but the
@@ -33,25 +34,12 @@ slow = pytest.mark.slow
 @functools.lru_cache(maxsize=None)
 def _model(make):
     return make()
-TOL = dict(rtol=1e-5, atol=1e-6)
 
 
 def _pair(model, x, **kw):
     full = relprop.explain(model, x, keep_blocks=True, **kw)
     streamed = relprop.explain(model, x, keep_blocks=False, **kw)
     return full, streamed
-
-
-def _same(full, streamed):
-    scale = float(full.scores.abs().max().clamp_min(1e-12))
-    torch.testing.assert_close(streamed.scores / scale, full.scores / scale, **TOL)
-    torch.testing.assert_close(streamed.query, full.query, rtol=0, atol=0)
-    if full.heads is not None:
-        torch.testing.assert_close(streamed.heads, full.heads, **TOL)
-    if full.map is not None:
-        torch.testing.assert_close(streamed.map / scale, full.map / scale, **TOL)
-    torch.testing.assert_close(streamed.target_scores, full.target_scores, rtol=0, atol=0)
-    assert torch.equal(streamed.mask, full.mask) if full.mask is not None else streamed.mask is None
 
 
 CASES = {
@@ -70,7 +58,7 @@ def test_streamed_equals_full_matrix_path(case, method):
     make, inputs, kw = CASES[case]
     model = _model(make)
     full, streamed = _pair(model, inputs(model), method=method, **kw)
-    _same(full, streamed)
+    assert_folded_like_kept(full, streamed)
     assert not streamed.kept_blocks and full.kept_blocks
 
 
@@ -84,7 +72,7 @@ def test_streamed_equals_full_matrix_path(case, method):
 def test_streamed_options_equal_full_path(options):
     model = _model(models.TEXT["hf_bert_eager"])
     full, streamed = _pair(model, models.text_batch(), target=1, method="transformer_attribution", **options)
-    _same(full, streamed)
+    assert_folded_like_kept(full, streamed)
 
 
 @slow
@@ -204,7 +192,7 @@ def test_several_streamed_methods_share_one_run():
     streamed = relprop.explain(model, x, method=list(STREAMED), target="next_token", keep_blocks=False)
     for f, s in zip(full, streamed):
         assert f.method == s.method
-        _same(f, s)
+        assert_folded_like_kept(f, s)
 
 
 def _synthetic(causal: bool, pad: bool, seed: int = 0, batch: int = 2, heads: int = 3, n: int = 5, blocks: int = 3):
@@ -292,4 +280,4 @@ def test_streamed_in_one_row_chunks_equals_full_matrix_path(case, monkeypatch):
     model = _model(make)
     for method in ("transformer_attribution", "gradient_rollout"):
         full, streamed = _pair(model, inputs(model), method=method, **kw)
-        _same(full, streamed)
+        assert_folded_like_kept(full, streamed)
