@@ -17,6 +17,8 @@ line's dispatcher (``relprop/cli/__init__.py``) are the only places allowed to i
 module this way; ``tests/layering.py`` reads :data:`LAZY_IMPORTS` and counts its modules as imports.
 """
 import importlib
+import importlib.machinery
+import sys
 from typing import TYPE_CHECKING
 
 from .errors import (CaptureError, DispatchError, InputError, MethodError, OptionError, PresetError, RelpropError,
@@ -25,25 +27,24 @@ from .version import __version__
 
 if TYPE_CHECKING:  # what type checkers and editors see; at run time, __getattr__ below
     from . import methods
-    from .actmax import visualize
-    from .api import coverage, explain, explain_settings
+    from .api import GenerationExplanation, coverage, explain, explain_generation, explain_settings
     from .engine import Conservation, Coverage, Trace
     from .explanation import Explanation
-    from .generation import GenerationExplanation, explain_generation
     from .graph.capture import CACHE_SIZE, clear_cache
     from .graph.disk_cache import set_cache_dir
     from .rules import Preset, RuleContext, get_preset, presets, rule
     from .targets import contrast
+    from .tools.activation_maximization import visualize
 
 #: public name -> the module that defines it, imported on the first read of the name
 LAZY_IMPORTS = {
     "explain": "relprop.api", "explain_settings": "relprop.api", "coverage": "relprop.api",
-    "visualize": "relprop.actmax",
+    "visualize": "relprop.tools.activation_maximization",
     "methods": "relprop.methods",
     "contrast": "relprop.targets",
     "Explanation": "relprop.explanation",
     "Conservation": "relprop.engine", "Coverage": "relprop.engine", "Trace": "relprop.engine",
-    "explain_generation": "relprop.generation", "GenerationExplanation": "relprop.generation",
+    "explain_generation": "relprop.api", "GenerationExplanation": "relprop.api",
     "Preset": "relprop.rules", "RuleContext": "relprop.rules", "get_preset": "relprop.rules",
     "presets": "relprop.rules", "rule": "relprop.rules",
     "CACHE_SIZE": "relprop.graph.capture", "clear_cache": "relprop.graph.capture",
@@ -65,13 +66,50 @@ __all__ = [
 ]
 
 
+#: module paths that name a module of a package: ``import relprop.demo``, ``from relprop.generation import
+#: ...`` and ``relprop.demo`` give the module named here (the same module object under both names)
+MODULE_PATHS = {
+    "relprop.demo": "relprop.tools.demo",
+    "relprop.generation": "relprop.api.generated_text",
+    "relprop.actmax": "relprop.tools.activation_maximization",
+    "relprop.raw_inputs": "relprop.api.raw_inputs",
+    "relprop.target_heads": "relprop.targets.target_heads",
+    "relprop.target_forms": "relprop.targets.target_forms",
+}
+
+
+class _ModulePaths:
+    """The importer of :data:`MODULE_PATHS` (a finder and loader on ``sys.meta_path``): it imports the
+    module the path names and puts that module in ``sys.modules`` under the path too."""
+
+    @staticmethod
+    def find_spec(name, path=None, target=None):
+        return importlib.machinery.ModuleSpec(name, _ModulePaths) if name in MODULE_PATHS else None
+
+    @staticmethod
+    def create_module(spec):
+        return None  # the default module, replaced by exec_module
+
+    @staticmethod
+    def exec_module(module):
+        sys.modules[module.__name__] = importlib.import_module(MODULE_PATHS[module.__name__])
+
+
+if not any(finder is _ModulePaths for finder in sys.meta_path):
+    sys.meta_path.insert(0, _ModulePaths)  # before any finder that may see an old file of that name
+
+
 def __getattr__(name: str):
     """Import the module that defines the public name ``name`` (PEP 562) and keep the value here,
-    so later reads are plain attribute reads."""
-    if name not in LAZY_IMPORTS:
+    so later reads are plain attribute reads; ``relprop.demo`` and the other :data:`MODULE_PATHS` are
+    their modules."""
+    if f"{__name__}.{name}" in MODULE_PATHS:
+        value = importlib.import_module(MODULE_PATHS[f"{__name__}.{name}"])
+    elif name in LAZY_IMPORTS:
+        module = importlib.import_module(LAZY_IMPORTS[name])
+        value = module if module.__name__ == f"{__name__}.{name}" else getattr(module, name)
+    else:
         raise AttributeError(f"module 'relprop' has no attribute {name!r}")
-    module = importlib.import_module(LAZY_IMPORTS[name])
-    value = module if module.__name__ == f"{__name__}.{name}" else getattr(module, name)
     globals()[name] = value
     return value
 

@@ -2,7 +2,8 @@
 
 relprop is built as one-way layers: a module imports only from its own layer or the layers below
 it (``LAYERS``, bottom first). This module reads every ``import`` of ``relprop/`` (module-level and
-function-level), assigns each module to its layer, and reports what breaks the rule:
+function-level), assigns each module to the layer of its package (the first name under ``relprop``,
+:data:`PACKAGE_LAYERS`), and reports what breaks the rule:
 
 * an import of a module of a higher layer (an *upward* import);
 * an import of a relprop module inside a function (it hides a dependency, often a cycle);
@@ -32,22 +33,26 @@ from typing import Dict, List, Optional, Set, Tuple
 
 ROOT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "relprop")
 
-#: layers, bottom first: (name, module prefixes). A module belongs to the layer of its longest prefix.
-LAYERS: List[Tuple[str, Tuple[str, ...]]] = [
-    ("errors", ("relprop.errors", "relprop.version")),
-    ("graph", ("relprop.graph",)),
-    ("rules", ("relprop.rules",)),
-    ("engine", ("relprop.engine", "relprop.targets", "relprop.target_heads", "relprop.target_forms")),
-    ("methods", ("relprop.methods",)),
-    ("viz", ("relprop.viz", "relprop.viz_api")),
-    ("explanation", ("relprop.explanation",)),
-    ("api", ("relprop.api", "relprop.validation", "relprop.options", "relprop.raw_inputs", "relprop.refusals",
-             "relprop.zero_shot",
-             "relprop.generation")),
-    ("evaluation", ("relprop.evaluation", "relprop.demo", "relprop.actmax")),
-    ("cli", ("relprop.cli", "relprop.__main__")),
-    ("package", ("relprop",)),  # relprop/__init__.py: the public surface re-exports every layer
-]
+#: layers, bottom first
+LAYERS: List[str] = ["errors", "graph", "rules", "engine", "methods", "viz", "explanation", "api", "tools", "cli",
+                     "package"]
+#: first name under relprop/ (a package, or one of the few top-level modules) -> its layer. A package is
+#: named for its layer, except ``targets`` (what is explained: the engine resolves it into the relevance
+#: seed) and ``evaluation`` (the papers' protocols, with the other tools built on the api); ``errors`` and
+#: ``version`` are the two modules everything may import, ``__main__`` is the command line, and the
+#: package itself (``relprop/__init__.py``, the public surface) re-exports every layer.
+PACKAGE_LAYERS: Dict[str, str] = {
+    "errors": "errors", "version": "errors",
+    "graph": "graph",
+    "rules": "rules",
+    "engine": "engine", "targets": "engine",
+    "methods": "methods",
+    "viz": "viz",
+    "explanation": "explanation",
+    "api": "api",
+    "tools": "tools", "evaluation": "tools",
+    "cli": "cli", "__main__": "cli",
+}
 #: modules longer than this are two modules
 MAX_LINES = 400
 #: the only modules allowed to import relprop modules lazily (importlib.import_module): the package's
@@ -72,14 +77,15 @@ def modules() -> Dict[str, str]:
 
 
 def layer_of(module: str) -> int:
-    best, rank = -1, None
-    for i, (_, prefixes) in enumerate(LAYERS):
-        for p in prefixes:
-            if (module == p or module.startswith(p + ".")) and len(p) > best:
-                best, rank = len(p), i
-    if rank is None:
-        raise KeyError(f"{module} is in no layer of tests/layering.py")
-    return rank
+    """The rank in :data:`LAYERS` of a module, read from the first name under ``relprop`` (its package)."""
+    parts = module.split(".")
+    if parts[0] != "relprop":
+        raise KeyError(f"{module} is not a module of relprop/")
+    if len(parts) == 1:
+        return LAYERS.index("package")
+    if parts[1] not in PACKAGE_LAYERS:
+        raise KeyError(f"{module} is in no layer: relprop.{parts[1]} is not in PACKAGE_LAYERS of tests/layering.py")
+    return LAYERS.index(PACKAGE_LAYERS[parts[1]])
 
 
 def _resolve(module: str, is_package: bool, node: ast.AST) -> List[str]:
@@ -247,8 +253,8 @@ def violations() -> Dict[str, list]:
             continue
         for target, line, in_function in found + [(t, line, False) for t, line in lazy[mod]]:
             if target == "relprop" or layer_of(target) > layer_of(mod):
-                up.append(f"{mod}:{line} imports {target} ({LAYERS[layer_of(mod)][0]} -> "
-                          f"{LAYERS[layer_of(target)][0]})")
+                up.append(f"{mod}:{line} imports {target} ({LAYERS[layer_of(mod)]} -> "
+                          f"{LAYERS[layer_of(target)]})")
             if in_function:
                 inner.append(f"{mod}:{line} imports {target} inside a function")
     edges = {m: {t for t, _, _ in f if not _is_parent_package(t, m)} | {t for t, _ in lazy[m]}
@@ -268,7 +274,7 @@ def report() -> str:
     imp = imports(mods)
     lines = ["relprop/ by layer (bottom first), lines per module:"]
     total = 0
-    for rank, (name, _) in enumerate(LAYERS):
+    for rank, name in enumerate(LAYERS):
         members = sorted(m for m in mods if layer_of(m) == rank)
         if not members:
             continue
@@ -285,7 +291,7 @@ def report() -> str:
         for t, _, _ in found:
             if _is_parent_package(t, mod):
                 continue
-            key = (LAYERS[layer_of(mod)][0], LAYERS[layer_of(t)][0])
+            key = (LAYERS[layer_of(mod)], LAYERS[layer_of(t)])
             counts[key] = counts.get(key, 0) + 1
     for (a, b), n in sorted(counts.items(), key=lambda kv: (layer_of_name(kv[0][0]), layer_of_name(kv[0][1]))):
         arrow = "UP " if layer_of_name(b) > layer_of_name(a) and a != "package" else "   "
@@ -303,7 +309,7 @@ def report() -> str:
 
 
 def layer_of_name(name: str) -> int:
-    return [n for n, _ in LAYERS].index(name)
+    return LAYERS.index(name)
 
 
 if __name__ == "__main__":

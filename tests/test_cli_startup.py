@@ -95,5 +95,5 @@ def test_import_relprop_is_light():
 def test_public_names_load_on_use():
     import relprop
     from relprop import explain  # the lazy name through the import statement
-    assert explain is relprop.explain and explain.__module__ == "relprop.api"
+    assert explain is relprop.explain and explain.__module__ == "relprop.api.front_door"
     assert callable(relprop.methods) and relprop.methods.get_method("rollout").name == "rollout"

@@ -11,7 +11,7 @@ import models
 import relprop
 from relprop import cli
 from relprop.graph.capture import CACHE
-from relprop.rules.registry import get_preset
+from relprop.rules.rule_registry import get_preset
 from snapshot import assert_same, snapshot
 
 FAMILIES = {

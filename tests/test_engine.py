@@ -190,7 +190,7 @@ def test_user_registered_rule_is_used():
         trace = run(Request(cap, model, kw, Target(score, tgt), preset="chefer2021"))
         assert float(trace.conservation.error.max()) < 1e-5
     finally:
-        from relprop.rules.registry import get_preset
+        from relprop.rules.rule_registry import get_preset
         get_preset("chefer2021").rules.pop(torch.ops.aten.exp.default)
 
 

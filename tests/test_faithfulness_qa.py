@@ -68,7 +68,7 @@ def test_end_to_end_on_a_tiny_model(tmp_path):
     batch = qa.encode(tok, qa.qa_dataset(6, 202))
     st, en = qa.predict(model, batch)
     import relprop
-    from relprop.target_heads import question_answering
+    from relprop.targets import question_answering
     for part in ("start", "span"):
         exp = relprop.explain(model, qa.model_inputs(batch), method="rollout",
                               target=question_answering(part, start=st, end=en),

@@ -126,7 +126,7 @@ def test_public_surface():
     for name in ("explain", "coverage", "methods", "Explanation", "Preset", "presets", "rule", "RelpropError"):
         assert name in relprop.__all__
     import relprop.methods as m  # the subpackage, not a function that shadows it
-    assert m is relprop.methods and hasattr(m, "get_method") and hasattr(m, "registry")
+    assert m is relprop.methods and hasattr(m, "get_method") and hasattr(m, "method_registry")
     table = relprop.methods()  # and it is still callable
     assert "transformer_attribution" in table and table["lrp"]["signed"] is True
     assert list(table)[0] == "transformer_attribution"

@@ -12,7 +12,7 @@ from relprop.rules import linear as lin
 from relprop.rules import override
 from relprop.rules.stabilize import safe_divide
 from relprop.rules.context import RuleContext
-from relprop.rules.registry import lookup
+from relprop.rules.rule_registry import lookup
 
 aten = torch.ops.aten
 EPS = 1e-9

@@ -112,7 +112,7 @@ def test_overlay_array_and_word_scores(classifier, tok, picture):
     from relprop.viz import image as vimg
     model = models.timm_vit_tiny()
     exp = relprop.explain(model, [str(picture)])
-    x = relprop.raw_inputs.pixels(model, [str(picture)])
+    x = relprop.api.raw_inputs.pixels(model, [str(picture)])
     arr = exp.overlay(x)
     assert arr.dtype == np.uint8 and arr.shape == (64, 64, 3)
     values = vimg._resize(vimg.relevance_map(exp, 0), (64, 64))

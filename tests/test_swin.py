@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 import models
 import relprop
-from relprop.methods.registry import all_methods
+from relprop.methods.method_registry import all_methods
 from relprop.methods.windowed import applicable_methods
 from relprop.rules import registry
 from relprop.rules.context import RuleContext

@@ -1,4 +1,4 @@
-"""Every form of ``target=`` means the same thing for every kind of head (relprop.target_forms): the string,
+"""Every form of ``target=`` means the same thing for every kind of head (relprop.targets.target_forms): the string,
 the callable and the integer forms resolve through one path per head — classification, language model,
 encoder–decoder, question answering, token classification — with the mask of the output's own positions.
 
@@ -15,8 +15,8 @@ import transformers as tf
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 import relprop
-from relprop.target_forms import head_kind
-from relprop.target_heads import best_span, question_answering, token_classification
+from relprop.targets import head_kind
+from relprop.targets import best_span, question_answering, token_classification
 from relprop.targets import next_token
 
 V = 40

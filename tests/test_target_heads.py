@@ -5,7 +5,7 @@ import transformers as tf
 
 import relprop
 from relprop.evaluation import answer_mask, qa_precision_at_k
-from relprop.target_heads import best_span, question_answering, token_classification
+from relprop.targets import best_span, question_answering, token_classification
 
 
 def _cfg(labels=2):

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import relprop
-from relprop.target_forms import specify
+from relprop.targets import specify
 from relprop.targets import Contrast, contrast, predicted_next_token
 
 import models

@@ -8,7 +8,7 @@ import torch
 
 import models
 import relprop
-from relprop.actmax import Unit, total_variation
+from relprop.tools.activation_maximization import Unit, total_variation
 from snapshot import assert_same, snapshot
 
 

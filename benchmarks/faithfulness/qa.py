@@ -13,7 +13,7 @@ answer-bearing tokens are known, a QA model fine-tuned on them here, and AttCAT'
    of :func:`relprop.demo.checkpoint_dir`) loaded as ``BertForQuestionAnswering`` (a new span head),
    fine-tuned, encoder included, for ``--steps`` steps on generated examples (seeded; the weights are
    not kept: 90 MB, regenerated in a few minutes). Held-out exact match is reported.
-3. evaluation: per method and per target (``relprop.target_heads.question_answering``: the start
+3. evaluation: per method and per target (``relprop.targets.question_answering``: the start
    logit, the end logit, their sum; at the model's predicted span, fixed per sample so that the
    sampling methods explain one score), ``relprop.evaluation.qa_precision_at_k``: how many answer
    tokens are among the K top-scored tokens (special tokens and padding left out; question tokens
@@ -50,7 +50,7 @@ import relprop  # noqa: E402
 from relprop import demo  # noqa: E402
 from relprop.evaluation import qa_precision_at_k  # noqa: E402
 from relprop.methods import get_method  # noqa: E402
-from relprop.target_heads import QA_PARTS, best_span, question_answering  # noqa: E402
+from relprop.targets import QA_PARTS, best_span, question_answering  # noqa: E402
 
 # ----------------------------------------------------------------------------------------------- data
 NAMES = ["anna", "tom", "maria", "peter", "lisa", "john", "sara", "david", "emma", "paul", "julia", "mark",
@@ -192,7 +192,7 @@ def finetune(model, tok, train: Sequence[Dict], steps: int, seed: int, batch_siz
 
 @torch.no_grad()
 def predict(model, batch: Dict[str, torch.Tensor], chunk: int = 64):
-    """([n] start, [n] end) of the predicted spans (relprop.target_heads.best_span, context tokens only:
+    """([n] start, [n] end) of the predicted spans (relprop.targets.best_span, context tokens only:
     the question and the special tokens are masked out)."""
     starts, ends = [], []
     n = batch["input_ids"].shape[0]

@@ -5,7 +5,7 @@ import json
 import sys
 from typing import Dict, List
 
-from .. import demo
+from ..tools import demo
 from ..api import coverage
 from ..methods import get_method, table
 from .common import EXIT_FAILED, EXIT_OK, CliError, check_images, check_numbers, one_line, read_texts

@@ -29,7 +29,7 @@ import torch
 
 from ..errors import RelpropError
 from ..evaluation import datasets, report, sharded
-from ..evaluation.perturbation import DEFAULT_STEPS
+from ..evaluation.perturbation_protocol import DEFAULT_STEPS
 from ..evaluation.tune import tune
 from ..methods import table
 from . import loading

@@ -8,7 +8,7 @@ import json
 import os
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
-from .. import demo
+from ..tools import demo
 from ..api import explain
 from ..errors import MethodError
 from ..methods import get_method

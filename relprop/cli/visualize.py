@@ -14,7 +14,7 @@ import csv
 import os
 import re
 
-from ..actmax import visualize
+from ..tools.activation_maximization import visualize
 from .common import EXIT_OK, EXIT_USAGE, CliError
 from .loading import load_model
 from .parser import add_visualize

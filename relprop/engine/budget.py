@@ -42,7 +42,7 @@ def records_bytes(blocks: Sequence, batch: int, itemsize: int, runs: int = 1) ->
 
     Parameters
     ----------
-    blocks : the :class:`relprop.graph.blocks.BlockInfo` of the captured graph.
+    blocks : the :class:`relprop.graph.attention_blocks.BlockInfo` of the captured graph.
     batch : samples in the call.
     itemsize : bytes per recorded value (records are at least float32: 4, or 8 for float64).
     runs : how many traces with relevance the call keeps (one per preset the methods need; 0: one

@@ -37,8 +37,8 @@ import torch
 from ..errors import op_name
 from ..graph.capture import Captured
 from ..graph.nodes import module_path, module_type, relevance_path
-from ..rules import registry
-from ..rules.registry import ELEMENTWISE_FUNCTION
+from ..rules import rule_registry as registry
+from ..rules.rule_registry import ELEMENTWISE_FUNCTION
 from .node_rules import rule_finder
 
 STATUSES = ("rule", "shape-only", "missing", "source", "no relevance", "constant")

@@ -30,14 +30,14 @@ from ..errors import RelpropError
 from ..graph.capture import Captured
 from ..graph.dispatch import saving_by_name
 from ..graph.nodes import evaluate, is_live, live_outputs, module_path, output_leaves, relevance_path
-from ..rules import registry
+from ..rules import rule_registry as registry
 from ..rules.stabilize import on_nonzero_rows, promote, relevance_dtype, safe_divide
 from ..targets import find_logits, fixed, require_input_dependence
 from .forward import bind, count_forward
 from .node_rules import rule_finder
 from .request import Request
 from .session import Session
-from .streams import per_stream, primary_parts, stream_masks
+from .stream_relevance import per_stream, primary_parts, stream_masks
 from .trace import Trace
 
 

@@ -17,7 +17,7 @@ from ..graph.aliasing import shares_memory
 from ..graph.dispatch import saving_by_name
 from ..graph.nodes import evaluate
 from ..graph.tokens import token_positions
-from ..rules.registry import get_preset
+from ..rules.rule_registry import get_preset
 from .forward import forward, output_seed, relevance_seed
 from .memory import crossing, last_uses, read_after_walk, rematerializable, segments
 from .request import Request

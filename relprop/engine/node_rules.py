@@ -6,7 +6,7 @@ whole instead, found structurally by :mod:`relprop.graph` and cached on the capt
 
 * an element-wise function of one tensor written out op by op
   (:func:`relprop.graph.elementwise.find_regions`): when the preset has a rule for
-  :data:`relprop.rules.registry.ELEMENTWISE_FUNCTION`, the function's output node gets that rule,
+  :data:`relprop.rules.rule_registry.ELEMENTWISE_FUNCTION`, the function's output node gets that rule,
   applied to the function's input (:func:`on_operands`); the nodes inside the function receive no
   relevance. Presets without such a rule explain the ops one by one;
 * a product with a selection parameter of a selective state-space scan
@@ -25,10 +25,10 @@ from ..graph.capture import Captured
 from ..graph.elementwise import Region, find_regions
 from ..graph.torch_fixes import safe_target
 from ..graph.selective_scan import selection_parameters
-from ..rules import registry
+from ..rules import rule_registry as registry
 from ..rules.generic import gradient_times_input
 from ..rules.gradient_forms import stabilizer_ledger
-from ..rules.registry import ELEMENTWISE_FUNCTION
+from ..rules.rule_registry import ELEMENTWISE_FUNCTION
 from ..rules.spec import RuleSpec, as_spec
 
 

@@ -13,7 +13,7 @@ from .trace import BlockRecord
 
 def block_record(b, env: Dict[Any, Any], grad: Dict[Any, torch.Tensor], rel_at: Dict[Any, torch.Tensor],
                  batch: int, partial: bool = False) -> BlockRecord:
-    """The record of block ``b`` (a :class:`relprop.graph.blocks.BlockInfo`): A, dA, R_A, h, dh, R_h,
+    """The record of block ``b`` (a :class:`relprop.graph.attention_blocks.BlockInfo`): A, dA, R_A, h, dh, R_h,
     V, the features, their gradient and W_O, detached, in at least float32, heads unfolded.
 
     ``partial`` (a streamed run, when the walk reaches the block's attention map): values the run

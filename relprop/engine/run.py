@@ -18,15 +18,15 @@ import torch.utils._pytree as pytree
 from ..errors import RelpropError, RelpropWarning
 from ..graph.nodes import live_outputs
 from ..graph.tokens import token_positions
-from ..graph.windows import globalize, locate_windows
+from ..graph.window_attention import globalize, locate_windows
 from ..targets import find_logits, fixed, require_input_dependence
-from ..rules.registry import get_preset
+from ..rules.rule_registry import get_preset
 from .forward import forward, output_seed
 from .low_memory import run_low
 from .memory import rematerializable
 from .request import Request
 from .session import Session
-from .streams import primary_parts, stream_masks
+from .stream_relevance import primary_parts, stream_masks
 from .records import block_record, record
 from .streaming import STREAM_WINDOWS, Streamer
 from .trace import NotKept, Pass, Trace

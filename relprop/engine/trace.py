@@ -130,7 +130,7 @@ class Trace:
     session: Any = None
     token_mask: Optional[torch.Tensor] = None  # [batch, tokens] True at real (non-padding) tokens
     #: window attention (Swin): token counts per block and the merge matrices between stages
-    #: (relprop.graph.windows.Stages); None for models whose blocks share one token sequence
+    #: (relprop.graph.window_attention.Stages); None for models whose blocks share one token sequence
     stages: Any = None
     #: what the engine decided and why, for the Explanation (e.g. why the fast path was not taken)
     notes: List[str] = dataclasses.field(default_factory=list)

@@ -29,7 +29,7 @@ from ..rules.gradient_forms import stabilizer_ledger
 from ..rules.stabilize import promote, relevance_dtype
 from .memory import read_after_walk
 from .node_rules import rule_finder
-from .streams import per_stream, primary_parts
+from .stream_relevance import per_stream, primary_parts
 from .trace import BlockConservation, Conservation
 
 #: the label under which the ε-rules' stabilizer's share is booked in ``Conservation.absorbed_by``

@@ -31,7 +31,7 @@ from .config import EvaluationConfig
 from .conservation import ConservationReport, ConservationRow, conservation_report
 from .datasets import (ImageMaskFolder, RationaleJSONL, load_dataset, model_image_size, model_normalization,
                        rationale_spans)
-from .perturbation import DEFAULT_STEPS, PerturbationResult, perturbation_curve, removal_ranks
+from .perturbation_protocol import DEFAULT_STEPS, PerturbationResult, perturbation_curve, removal_ranks
 from .qa import answer_mask, qa_precision_at_k
 from .removal import removal_token
 from .report import (plot_perturbation, summary_rows, to_markdown, to_markdown_table, write_csv, write_markdown,
@@ -40,7 +40,7 @@ from .runner import (EvaluationResult, TextScores, evaluate, evaluate_perturbati
                      evaluate_text)
 from .segmentation import SegmentationResult, segmentation_scores
 from .tune import METRICS, TuneResult, grid_settings, tune
-from .text import AOPC_STEPS, FaithfulnessResult, aopc, kendall_tau, log_odds, precision_at_k, token_f1, top_k
+from .text_metrics import AOPC_STEPS, FaithfulnessResult, aopc, kendall_tau, log_odds, precision_at_k, token_f1, top_k
 
 __all__ = [
     "AOPC_STEPS", "ConservationReport", "ConservationRow", "DEFAULT_STEPS", "EvaluationConfig", "EvaluationResult",

@@ -6,8 +6,8 @@ from typing import Any, Mapping, Optional, Sequence, Tuple
 
 from ..errors import OptionError
 from . import _util
-from .perturbation import DEFAULT_STEPS, MODES, UNITS
-from .text import AOPC_STEPS
+from .perturbation_protocol import DEFAULT_STEPS, MODES, UNITS
+from .text_metrics import AOPC_STEPS
 
 #: the values of ``target``: explain and score the predicted class, or the dataset's labels
 TARGETS = ("predicted", "label")

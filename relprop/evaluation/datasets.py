@@ -39,7 +39,7 @@ import numpy as np
 import torch
 
 from ..errors import InputError
-from ..raw_inputs import model_image_size  # noqa: F401  (re-exported: relprop.evaluation.model_image_size)
+from ..api.raw_inputs import model_image_size  # noqa: F401  (re-exported: relprop.evaluation.model_image_size)
 from . import _util
 
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg")

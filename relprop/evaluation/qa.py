@@ -7,7 +7,7 @@ import numpy as np
 import torch
 
 from ..errors import InputError
-from .text import _overlap
+from .text_metrics import _overlap
 
 
 def answer_mask(start: Any, end: Any, positions: int) -> torch.Tensor:

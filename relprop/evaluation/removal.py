@@ -1,5 +1,5 @@
 """What removing a pixel, a patch or a token means in the perturbation tests
-(:mod:`relprop.evaluation.perturbation`): the ranked positions of each sample, which may be removed,
+(:mod:`relprop.evaluation.perturbation_protocol`): the ranked positions of each sample, which may be removed,
 and how the perturbed copies of a chunk of samples are built."""
 from __future__ import annotations
 

@@ -24,11 +24,11 @@ from ..graph.capture import CACHE
 from . import _util
 from .conservation import ConservationReport, conservation_report
 from .config import EvaluationConfig
-from .perturbation import PerturbationResult, perturbation_curve
+from .perturbation_protocol import PerturbationResult, perturbation_curve
 from .report import summary_rows, to_markdown_table
 from .segmentation import SegmentationResult, segmentation_scores
-from .text import FaithfulnessResult, aopc as _aopc, kendall_tau, log_odds as _log_odds
-from .text import precision_at_k, token_f1
+from .text_metrics import FaithfulnessResult, aopc as _aopc, kendall_tau, log_odds as _log_odds
+from .text_metrics import precision_at_k, token_f1
 
 
 @dataclasses.dataclass

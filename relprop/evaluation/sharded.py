@@ -26,10 +26,10 @@ import torch
 
 from ..errors import RelpropError
 from .conservation import ConservationReport
-from .perturbation import PerturbationResult
+from .perturbation_protocol import PerturbationResult
 from .runner import EvaluationResult, TextScores, _batches, evaluate
 from .segmentation import SegmentationResult
-from .text import FaithfulnessResult
+from .text_metrics import FaithfulnessResult
 
 PARTIAL = "partial"
 MANIFEST = "manifest.json"

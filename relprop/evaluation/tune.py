@@ -19,10 +19,10 @@ from ..api import explain_settings
 from ..errors import InputError, OptionError
 from . import _util
 from .config import EvaluationConfig
-from .perturbation import perturbation_curve
+from .perturbation_protocol import perturbation_curve
 from .runner import _batches, _to_device
 from .segmentation import segmentation_scores
-from .text import aopc as _aopc, log_odds as _log_odds, token_f1
+from .text_metrics import aopc as _aopc, log_odds as _log_odds, token_f1
 
 #: metric -> (higher is better, what it is)
 METRICS = {

@@ -8,7 +8,7 @@
 * **relevant** nodes — live nodes on a path to the output: the ones that need a rule.
 * **batch_dim** — which dimension of each node indexes samples (from the symbolic batch size of a
   dynamic-batch capture), so that per-sample statistics never cross samples.
-* **blocks** — attention blocks, found structurally (:mod:`relprop.graph.blocks`): a softmax whose
+* **blocks** — attention blocks, found structurally (:mod:`relprop.graph.attention_blocks`): a softmax whose
   output is the left operand of a matmul with the values. Ordered input → output and named by
   ``nn_module_stack``; whether tokens also mix outside them.
 * **tokens** — where the first block's tokens come from (:mod:`relprop.graph.tokens`), and the patch
@@ -23,8 +23,8 @@ from typing import Dict, List, Optional, Set, Tuple
 import torch
 import torch.fx
 
-from . import streams, windows
-from .blocks import SEPARATE, BlockInfo, find_blocks, fold_counter, token_mixing
+from . import streams, window_attention as windows
+from .attention_blocks import SEPARATE, BlockInfo, find_blocks, fold_counter, token_mixing
 from .nodes import CONSTANT_PRODUCING, module_paths, output_node
 from .tokens import TokenPlan, plan_tokens
 
@@ -49,7 +49,7 @@ class GraphAnalysis:
     grid: Optional[Tuple[int, int]]
     outputs: List[torch.fx.Node]
     #: window attention (Swin): block index → how its windows sit in the stage's token grid, and
-    #: block index → the token merging that follows it (relprop.graph.windows)
+    #: block index → the token merging that follows it (relprop.graph.window_attention)
     windows: dict = dataclasses.field(default_factory=dict)
     stage_links: dict = dataclasses.field(default_factory=dict)
     #: where the first block's tokens come from (None: constants first, then the grid, row-major)

@@ -80,7 +80,7 @@ def _traceable(n) -> bool:
 
 
 def plan_tokens(graph, live, blocks, sources, modality: str) -> Optional[TokenPlan]:
-    """The :class:`TokenPlan` of a graph with attention ``blocks`` (:class:`relprop.graph.blocks.
+    """The :class:`TokenPlan` of a graph with attention ``blocks`` (:class:`relprop.graph.attention_blocks.
     BlockInfo`), or None when the positions of the first block's tokens cannot be traced (see the
     module docstring). Positions are traced to the first block's input, and to the input of every
     block that does not map the first block's tokens to themselves (another number of tokens, or

@@ -19,7 +19,7 @@ graph, class/distillation tokens included, for images; every position for text),
 ([batch, H, W]). :mod:`relprop.explanation` turns that into an :class:`relprop.Explanation`.
 
 ``relprop.methods`` is this package; called, ``relprop.methods()``, it returns the table of methods
-(:func:`relprop.methods.registry.table`).
+(:func:`relprop.methods.method_registry.table`).
 """
 import sys
 import types
@@ -27,7 +27,7 @@ import types
 # the method modules register their methods when imported, in the order relprop.methods() lists them
 from . import transformer_attribution, attention_baselines, attcat, gradients, perturbation, norm_flows
 from .apply import apply
-from .registry import MethodInfo, all_methods, get_method, method, table
+from .method_registry import MethodInfo, all_methods, get_method, method, table
 
 __all__ = ["MethodInfo", "all_methods", "apply", "get_method", "method", "table",
            "attcat", "attention_baselines", "norm_flows", "gradients", "perturbation", "transformer_attribution"]

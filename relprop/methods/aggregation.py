@@ -25,7 +25,7 @@ makes three choices, each an option here, each with the method's paper as defaul
     the maps of the last ``last_k`` blocks of the range (``last_k=1``: the block's own map, raw
     attention).
 
-Which options are valid is checked once, before any work, by :func:`relprop.options.check_aggregation`
+Which options are valid is checked once, before any work, by :func:`relprop.api.options.check_aggregation`
 from the tuples here.
 """
 from __future__ import annotations

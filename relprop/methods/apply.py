@@ -4,7 +4,7 @@ from __future__ import annotations
 from typing import Any, Dict, Optional
 
 from ..errors import MethodError
-from .registry import MethodInfo, all_methods
+from .method_registry import MethodInfo, all_methods
 from .windowed import check_applicable
 
 

@@ -43,7 +43,7 @@ import torch
 from ..errors import MethodError, OptionError
 from .aggregation import Aggregation, aggregate, fuse_heads
 from .norm_flows import norm_map
-from .registry import method
+from .method_registry import method
 from .layout import patch_tokens
 from .query import query_rows, query_vector
 from .identity import DEFAULT_IDENTITY

@@ -28,7 +28,7 @@ import torch
 
 from ..errors import MethodError
 from .aggregation import Aggregation, aggregate
-from .registry import method
+from .method_registry import method
 from .layout import patch_tokens
 from .bimodal import check_normalize_self, is_two_stream, two_stream_result
 from .query import query_rows, query_vector

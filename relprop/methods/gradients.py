@@ -34,7 +34,7 @@ from ..engine.session import Session
 from ..errors import MethodError
 from ..rules.stabilize import promote
 from .progress import progress_bar
-from .registry import method
+from .method_registry import method
 
 
 # ---------------------------------------------------------------- shared helpers

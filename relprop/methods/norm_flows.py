@@ -24,7 +24,7 @@ import torch
 
 from ..errors import MethodError, OptionError
 from .aggregation import Aggregation, aggregate
-from .registry import method
+from .method_registry import method
 
 aten = torch.ops.aten
 

@@ -29,7 +29,7 @@ from .aggregation import Aggregation, aggregate
 from .gradients import Reruns
 from .layout import grid_tokens
 from .progress import progress_bar
-from .registry import method
+from .method_registry import method
 
 
 # ---------------------------------------------------------------- Value Zeroing

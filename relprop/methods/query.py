@@ -112,7 +112,7 @@ def query_vector(trace, rows: int, device=None, dtype=torch.float32) -> torch.Te
     """[batch, rows]: the query weights for a matrix with ``rows`` rows in the last block's token
     space (the mean of all rows for window attention, whose head averages the last stage)."""
     if getattr(trace, "stages", None) is not None:
-        # window attention (Swin, relprop.graph.windows): no class token; the head averages the
+        # window attention (Swin, relprop.graph.window_attention): no class token; the head averages the
         # tokens of the last stage, so the query is the mean of the rows, at every stage
         return torch.full((trace.batch_size, rows), 1.0 / rows, device=device, dtype=dtype)
     return query_weights(trace).to(device=device, dtype=dtype)

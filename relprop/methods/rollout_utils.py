@@ -8,7 +8,7 @@ import torch
 from ..errors import MethodError
 from .identity import with_identity
 from .query import query_rows, query_vector
-from .registry import all_methods
+from .method_registry import all_methods
 
 
 def head_mean(t: torch.Tensor) -> torch.Tensor:
@@ -27,7 +27,7 @@ def chain(matrices: List[torch.Tensor], normalize_rows: bool = False,
     which is the paper's C = Ā_1 · ... · Ā_B with its blocks numbered from the output (Eq. 14).
     ``normalize_rows`` divides each ``I + M_b`` by its row sums first (the authors' BERT code).
 
-    ``transitions`` (hierarchical models such as Swin, see :mod:`relprop.graph.windows`): one entry
+    ``transitions`` (hierarchical models such as Swin, see :mod:`relprop.graph.window_attention`): one entry
     per consecutive pair of blocks, None within a stage, or the merge matrix D [tokens_{b+1},
     tokens_b] where block b+1 starts a stage with fewer tokens; then C = ... (I + M_{b+1}) D (I + M_b)
     ... and C is [tokens of the last block, tokens of the first].
@@ -77,7 +77,7 @@ def rollout_blocks(trace, name: str, start_block: int = 0, end_block: Optional[i
     ``end_block`` is None) when a rollout over them is defined, else a
     :class:`MethodError` that says why and names the methods that apply: every block a square map
     of one token sequence (or of stages linked by a token merging, Swin), and no op mixing tokens
-    outside the attention blocks (:func:`relprop.graph.blocks.token_mixing`)."""
+    outside the attention blocks (:func:`relprop.graph.attention_blocks.token_mixing`)."""
     blocks = trace.blocks[start_block:end_block]
     for b in blocks:
         check_square(b, name)

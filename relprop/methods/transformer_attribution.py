@@ -7,7 +7,7 @@ from ..errors import MethodError
 from .aggregation import Aggregation, aggregate
 from .bimodal import check_normalize_self, is_two_stream, two_stream_result
 from .identity import DEFAULT_IDENTITY
-from .registry import method
+from .method_registry import method
 
 def _ta_maps(b):
     """Eq. 13's per-head map ∇A ⊙ R_A of a block record (the streamed path folds the same maps)."""

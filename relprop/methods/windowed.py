@@ -2,7 +2,7 @@
 
 Swin (Liu et al., ICCV 2021) has no class token and several stages with fewer tokens each. relprop
 maps each block's window attention onto the token grid of its stage
-(:mod:`relprop.graph.windows`); the methods then read it as follows.
+(:mod:`relprop.graph.window_attention`); the methods then read it as follows.
 
 * **Query row.** Where a method reads "the [CLS] row", it reads the row of the pooled output
   instead: Swin's head averages the tokens of the last stage, so the query row of a
@@ -18,12 +18,12 @@ maps each block's window attention onto the token grid of its stage
 Methods that read per-token records other than the attention maps — the hidden states, V, the
 token features — get them per window and per stage, with no definition on the patch grid; they
 raise :class:`relprop.MethodError` for these models: each says why where it is registered,
-``@method(..., no_windows="...")`` (:attr:`relprop.methods.registry.MethodInfo.no_windows`).
+``@method(..., no_windows="...")`` (:attr:`relprop.methods.method_registry.MethodInfo.no_windows`).
 """
 from __future__ import annotations
 
 from ..errors import MethodError
-from .registry import all_methods
+from .method_registry import all_methods
 
 
 def applicable_methods():

@@ -28,7 +28,7 @@ from . import routing, passthrough, linear, products, residual, convolution, red
 from . import pointwise, normalization, windows, moe, attnlrp, cp_lrp, norm_layers, pooling, scatter
 from .context import RuleContext
 from .gradient_forms import gradient_form
-from .registry import Preset, describe, get_preset, lookup, override, presets, rule, seal_builtins
+from .rule_registry import Preset, describe, get_preset, lookup, override, presets, rule, seal_builtins
 from .spec import RuleSpec
 
 seal_builtins(presets())

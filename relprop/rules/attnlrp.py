@@ -53,7 +53,7 @@ from .linear import require_constant_weight
 from .moe import GROUPED_MM, grouped_linear, is_routing_weight, renormalization_shares, renormalized_dims, renormalizing
 from .normalization import is_statistic
 from .reductions import pooling_z_rule
-from .registry import BASE, ELEMENTWISE_FUNCTION, Preset, rule
+from .rule_registry import BASE, ELEMENTWISE_FUNCTION, Preset, rule
 from .stabilize import finite, promote, safe_divide
 
 aten = torch.ops.aten

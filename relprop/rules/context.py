@@ -9,7 +9,7 @@ import torch.fx
 
 from ..errors import RelpropError
 from ..graph.nodes import module_path
-from .registry import lookup
+from .rule_registry import lookup
 
 
 #: the keyword of ``@rule`` (and field of :class:`relprop.rules.spec.RuleSpec`) by which a rule

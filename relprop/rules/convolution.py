@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from .registry import rule
+from .rule_registry import rule
 from .stabilize import promote, safe_divide
 
 aten = torch.ops.aten

@@ -24,11 +24,11 @@ from __future__ import annotations
 import torch
 import torch.fx
 
-from ..graph.blocks import SOFTMAX_OPS, TRANSPARENT_OPS
+from ..graph.attention_blocks import SOFTMAX_OPS, TRANSPARENT_OPS
 from . import attnlrp
 from .gradient_forms import constant_operand, epsilon_stabilized, half_gradient
 from .moe import is_routing_weight
-from .registry import Preset, rule
+from .rule_registry import Preset, rule
 
 aten = torch.ops.aten
 

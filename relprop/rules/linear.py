@@ -32,7 +32,7 @@ import torch
 
 from ..errors import UnsupportedOperation
 from ..graph.nodes import module_type
-from .registry import rule
+from .rule_registry import rule
 from .stabilize import promote, safe_divide, safe_divide_nonnegative, scratch, times_fresh
 
 aten = torch.ops.aten

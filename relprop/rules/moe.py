@@ -45,7 +45,7 @@ from ..errors import UnsupportedOperation
 from ..graph.nodes import module_type
 from .gradient_forms import epsilon_stabilized
 from .linear import linear_formula
-from .registry import rule
+from .rule_registry import rule
 from .stabilize import promote
 
 aten = torch.ops.aten

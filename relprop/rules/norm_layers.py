@@ -31,7 +31,7 @@ import torch
 
 from .attnlrp import ATTNLRP
 from .gradient_forms import epsilon_stabilized, group_norm_const_std
-from .registry import rule
+from .rule_registry import rule
 from .stabilize import promote, safe_divide
 
 aten = torch.ops.aten

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from ..graph.torch_fixes import selects_everywhere
-from .registry import rule
+from .rule_registry import rule
 
 aten = torch.ops.aten
 PAPER_PRESETS = ("chefer2021", "lrp")

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from .registry import rule
+from .rule_registry import rule
 
 aten = torch.ops.aten
 PAPER_PRESETS = ("chefer2021", "lrp")

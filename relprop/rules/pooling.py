@@ -29,7 +29,7 @@ import torch
 from .attnlrp import ATTNLRP
 from .generic import gradient_times_input
 from .gradient_forms import epsilon_stabilized
-from .registry import rule
+from .rule_registry import rule
 
 aten = torch.ops.aten
 PAPER_PRESETS = ("chefer2021", "lrp")

@@ -13,7 +13,7 @@ import torch
 
 from .linear import constant_matrix_product
 from .normalization import is_statistic
-from .registry import rule
+from .rule_registry import rule
 from .stabilize import promote, safe_divide, scratch, times_fresh
 
 aten = torch.ops.aten

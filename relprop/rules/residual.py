@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from ..graph.aliasing import shares_memory
-from .registry import rule
+from .rule_registry import rule
 from .stabilize import finite, promote, safe_divide, scratch, times_fresh
 
 aten = torch.ops.aten

@@ -13,7 +13,7 @@ import operator
 
 import torch
 
-from .registry import rule
+from .rule_registry import rule
 
 aten = torch.ops.aten
 

@@ -37,7 +37,7 @@ import torch
 from .attnlrp import ATTNLRP
 from .generic import gradient_times_input
 from .gradient_forms import epsilon_stabilized, plain
-from .registry import rule
+from .rule_registry import rule
 from .stabilize import promote, safe_divide
 
 aten = torch.ops.aten

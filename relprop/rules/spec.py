@@ -31,7 +31,7 @@ class RuleSpec:
     Attributes
     ----------
     fn : the rule, ``fn(ctx, relevance) -> one share per positional argument`` (see
-        :mod:`relprop.rules.registry`).
+        :mod:`relprop.rules.rule_registry`).
     gradient_form : its modified-gradient form, ``form(node, live, eps) -> replacement | None``
         (:mod:`relprop.rules.gradient_forms`), for the one-backward fast path; None: the rule has
         none, and a preset that uses it walks the graph rule by rule.

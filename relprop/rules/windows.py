@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .registry import rule
+from .rule_registry import rule
 
 aten = torch.ops.aten
 

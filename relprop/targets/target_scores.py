@@ -6,7 +6,7 @@ any differentiable score per sample (a logit difference, a similarity, ...). For
 :func:`next_token` builds the callable for the next token's logit at the last non-padding position
 (``target="next_token"`` in :func:`relprop.explain`; a language model given ``target=None`` explains
 its predicted next token the same way). :func:`contrast` makes the target ``score(a) − score(b)`` of two
-classes or tokens; :func:`relprop.target_forms.specify` turns every form of ``target=`` into one of
+classes or tokens; :func:`relprop.targets.target_forms.specify` turns every form of ``target=`` into one of
 these for the model's head. The relevance
 seed is
 the gradient of the summed scores with respect to the model's outputs: for a class index that is
@@ -19,7 +19,7 @@ from typing import Any, Callable, Dict, NamedTuple, Optional
 
 import torch
 
-from .errors import TargetError
+from ..errors import TargetError
 
 
 class Target(NamedTuple):
@@ -163,7 +163,7 @@ class PositionTarget:
     """A target read at positions of the model's output (a next token, an answer span, a labelled
     token), which needs the mask of those positions: ``mask`` [batch, positions] (1 = real, 0 =
     padding) or None (not given). :func:`relprop.explain` gives a target made without a mask the
-    mask of the output's positions (:func:`relprop.target_forms.positions_mask`: the attention
+    mask of the output's positions (:func:`relprop.targets.target_forms.positions_mask`: the attention
     mask of a decoder or a QA / token-classification encoder, the decoder's mask of an encoder–
     decoder), so the callable and the string form of a target read the same positions."""
 

@@ -7,12 +7,12 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from .engine import check_options as check_engine_options
-from .errors import MethodError, OptionError
-from .methods import MethodInfo, get_method
-from .methods.aggregation import HEAD_FUSIONS, LAYER_AGGREGATIONS
-from .methods.identity import IDENTITY_CHOICES
-from .rules import Preset, get_preset, presets
+from ..engine import check_options as check_engine_options
+from ..errors import MethodError, OptionError
+from ..methods import MethodInfo, get_method
+from ..methods.aggregation import HEAD_FUSIONS, LAYER_AGGREGATIONS
+from ..methods.identity import IDENTITY_CHOICES
+from ..rules import Preset, get_preset, presets
 
 #: the values of ``explain(..., fast_path=...)``
 FAST_PATH_CHOICES = (None, True, False)

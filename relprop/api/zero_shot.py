@@ -24,7 +24,7 @@ from typing import Any, List, NamedTuple, Optional
 
 import torch
 
-from .errors import InputError, TargetError
+from ..errors import InputError, TargetError
 
 TASKS = ("zero-shot-classification", "zero-shot-image-classification")
 

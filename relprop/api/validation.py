@@ -16,9 +16,9 @@ from typing import Any, Dict, Iterable
 
 import torch
 
-from .errors import CaptureError, InputError, RelpropError, RelpropWarning
-from .graph.dispatch import offloaded_weights
-from .graph.state import eval_mode
+from ..errors import CaptureError, InputError, RelpropError, RelpropWarning
+from ..graph.dispatch import offloaded_weights
+from ..graph.state import eval_mode
 
 #: inputs that hold one row per sample and one column per token, like ``input_ids``
 PER_TOKEN_INPUTS = ("attention_mask", "token_type_ids")

@@ -16,17 +16,17 @@ import torch
 
 from . import options as opt
 from . import raw_inputs, refusals, validation
-from .engine import FastPathUnavailable, Request, Trace, report, run, run_fast
-from .engine.coverage import Coverage
-from .errors import MethodError, OptionError, RelpropError, RelpropWarning
-from .explanation import build, mask_from_tokenizer, split_tokenizer_keys
-from .graph.capture import CACHE, Captured, CaptureEvent, capture_notes
-from .graph.inputs import bind_inputs, primary_input
-from .methods import MethodInfo, apply, fold_choice, streaming
-from .rules import get_preset
-from .rules.stabilize import DEFAULT_EPS
-from .target_forms import specify
-from .targets import resolve
+from ..engine import FastPathUnavailable, Request, Trace, report, run, run_fast
+from ..engine.coverage import Coverage
+from ..errors import MethodError, OptionError, RelpropError, RelpropWarning
+from ..explanation import build, mask_from_tokenizer, split_tokenizer_keys
+from ..graph.capture import CACHE, Captured, CaptureEvent, capture_notes
+from ..graph.inputs import bind_inputs, primary_input
+from ..methods import MethodInfo, apply, fold_choice, streaming
+from ..rules import get_preset
+from ..rules.stabilize import DEFAULT_EPS
+from ..targets.target_forms import specify
+from ..targets import resolve
 
 #: preset of the methods that do not name their own, when explain() is given none
 DEFAULT_PRESET = "chefer2021"

@@ -25,11 +25,11 @@ from typing import Any, List, Optional, Sequence, Union
 
 import torch
 
-from .api import explain
-from .errors import InputError, OptionError, TargetError
-from .graph.capture import CACHE
-from .graph.state import eval_mode
-from .viz import generation as viz_generation
+from .front_door import explain
+from ..errors import InputError, OptionError, TargetError
+from ..graph.capture import CACHE
+from ..graph.state import eval_mode
+from ..viz import generation as viz_generation
 
 #: the default chunk of teacher-forced copies explained in one call holds about this many tokens
 TOKENS_PER_CALL = 4096

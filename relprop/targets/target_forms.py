@@ -2,7 +2,7 @@
 
 A target can be given as None, a string (a label name, ``"next_token"``, a token, ``"span"``), an int
 or one per sample, a :func:`relprop.contrast`, or a callable (:func:`relprop.targets.next_token`,
-:func:`relprop.target_heads.question_answering`, ...). :func:`specify` turns each into what
+:func:`relprop.targets.question_answering`, ...). :func:`specify` turns each into what
 :func:`relprop.targets.resolve` takes, the same way for every form, by the head the model has
 (:func:`head_kind`):
 
@@ -18,7 +18,7 @@ or one per sample, a :func:`relprop.contrast`, or a callable (:func:`relprop.tar
     None / ``"span"`` / ``"start"`` / ``"end"``: that score of the predicted span, decoded over the real
     positions only.
 ``token_classification`` (``*ForTokenClassification``)
-    a position must be named: :func:`relprop.target_heads.token_classification`.
+    a position must be named: :func:`relprop.targets.token_classification`.
 
 The mask of the output's positions (:func:`positions_mask`) is given to every position target made
 without one (:class:`relprop.targets.PositionTarget`), so the string form and the callable form of a
@@ -30,9 +30,9 @@ from typing import Any, Dict, Mapping, Optional
 
 import torch
 
-from .errors import TargetError
+from ..errors import TargetError
 from .target_heads import QA_PARTS, question_answering
-from .targets import Contrast, PositionTarget, next_token, predicted_next_token
+from .target_scores import Contrast, PositionTarget, next_token, predicted_next_token
 
 #: the kinds of heads :func:`head_kind` tells apart
 HEADS = ("classification", "language_model", "encoder_decoder", "question_answering", "token_classification")
@@ -175,17 +175,17 @@ def _question_answering(target: Any, model: Any) -> Any:
         if target not in QA_PARTS:
             raise TargetError(f"target {target!r} is not a score of {type(model).__name__}'s answer span. Choices: "
                               f"None or {list(QA_PARTS)} (the predicted span), or "
-                              "relprop.target_heads.question_answering(part, start=, end=) for given positions")
+                              "relprop.targets.question_answering(part, start=, end=) for given positions")
         return question_answering(target)
     if isinstance(target, Contrast) or callable(target):
         return target
     raise TargetError(f"{type(model).__name__} answers with a span, not a class: target={target!r} has no meaning "
                       "there; pass None or 'span' / 'start' / 'end' (the predicted span), or "
-                      "relprop.target_heads.question_answering(part, start=, end=) for given positions")
+                      "relprop.targets.question_answering(part, start=, end=) for given positions")
 
 
 def _token_classification(target: Any, model: Any) -> Any:
     if callable(target) and not torch.is_tensor(target) or isinstance(target, Contrast):
         return target
     raise TargetError(f"{type(model).__name__} labels every token: target={target!r} names no position. Pass "
-                      "relprop.target_heads.token_classification(position, label) (label None: the predicted one)")
+                      "relprop.targets.token_classification(position, label) (label None: the predicted one)")

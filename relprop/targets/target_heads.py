@@ -15,8 +15,8 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from .errors import TargetError
-from .targets import PositionTarget, check_mask_argument
+from ..errors import TargetError
+from .target_scores import PositionTarget, check_mask_argument
 
 QA_PARTS = ("start", "end", "span")
 

@@ -26,7 +26,7 @@ import torch
 
 from ..errors import InputError
 from . import _util
-from .perturbation import PerturbationResult, perturbation_curve, removal_ranks
+from .perturbation_protocol import PerturbationResult, perturbation_curve, removal_ranks
 
 #: AttCAT's removed fractions, 0 %, 10 %, …, 100 %
 AOPC_STEPS = tuple(round(0.1 * i, 1) for i in range(0, 11))

@@ -28,14 +28,14 @@ from typing import List, Optional
 
 import torch
 
-from .engine.coverage import report
-from .errors import MethodError, RelpropError
-from .explanation import build
-from .methods import all_methods
-from .methods.apply import apply
-from .methods.layout import grid_tokens
-from .methods.rollout_utils import rollout_blocks
-from .rules.registry import get_preset
+from ..engine.coverage import report
+from ..errors import MethodError, RelpropError
+from ..explanation import build
+from ..methods import all_methods
+from ..methods.apply import apply
+from ..methods.layout import grid_tokens
+from ..methods.rollout_utils import rollout_blocks
+from ..rules.rule_registry import get_preset
 
 #: methods whose cost is in re-running the model: judged by the checks they make before re-running
 RERUNS = ("input_x_gradient", "smoothgrad", "integrated_gradients", "vit_cx", "value_zeroing")

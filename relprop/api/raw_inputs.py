@@ -3,7 +3,7 @@
 * A HuggingFace ``pipeline`` as the model (text-classification, image-classification, ...): its model
   is explained, its tokenizer or image processor prepares raw inputs, its labels name the targets.
   Zero-shot pipelines (text and image) explain the input they build for the label named by
-  ``target=`` (:mod:`relprop.zero_shot`).
+  ``target=`` (:mod:`relprop.api.zero_shot`).
 * Raw text (a string or a list of strings) for a text model, given a ``tokenizer=`` (or a pipeline):
   tokenized with padding, as one batch.
 * Images: a ``PIL.Image``, a file path, or a list of them, prepared by the model's own preprocessing:
@@ -22,7 +22,7 @@ from typing import Any, List, NamedTuple, Optional, Tuple
 import torch
 
 from . import zero_shot
-from .errors import InputError
+from ..errors import InputError
 
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff")
 
@@ -126,7 +126,7 @@ def adapt(model: Any, inputs: Any, tokenizer: Any = None, image_processor: Any =
           wrt: Optional[str] = None) -> Adapted:
     """The model, inputs, tokenizer, target and ``wrt`` :func:`relprop.explain` works with, from a
     pipeline and/or raw text or images (see the module docstring; zero-shot pipelines:
-    :mod:`relprop.zero_shot`). Tensors, dicts and tuples pass through unchanged."""
+    :mod:`relprop.api.zero_shot`). Tensors, dicts and tuples pass through unchanged."""
     pipe = model if is_pipeline(model) else None
     if pipe is not None:
         model = pipe.model

@@ -38,12 +38,12 @@ from typing import Any, List, Optional, Sequence, Tuple
 import torch
 import torch.nn.functional as F
 
-from .api import prepare
-from .engine.forward import forward
-from .errors import InputError, OptionError
-from .graph.nodes import module_paths
-from .targets import logits_of
-from .raw_inputs import model_image_size
+from ..api import prepare
+from ..engine.forward import forward
+from ..errors import InputError, OptionError
+from ..graph.nodes import module_paths
+from ..targets import logits_of
+from ..api.raw_inputs import model_image_size
 
 aten = torch.ops.aten
 
@@ -204,7 +204,7 @@ def visualize(model: torch.nn.Module, unit: Any, *, steps: int = 200, lr: float 
     model : an image or text classifier (HF or timm); not modified.
     unit : see the module docstring (``"class:207"``, ``"neuron:3:100"``, ``"head:11:2"``, ...).
     jitter, blur, blur_every, tv : the optional regularizers (0: off).
-    image_size, normalization : images: default the model's (:func:`relprop.raw_inputs.model_image_size`,
+    image_size, normalization : images: default the model's (:func:`relprop.api.raw_inputs.model_image_size`,
         :func:`model_normalization`; else (0.5, 0.5, 0.5) / (0.5, 0.5, 0.5)); ``normalization`` is
         ``(mean, std)``.
     length : text: the number of relaxed positions (a [CLS]-like first position included).

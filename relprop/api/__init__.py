@@ -1,0 +1,20 @@
+"""The api layer: what a user calls, every argument checked before any work.
+
+==================  =====================================================================================
+module              job
+==================  =====================================================================================
+``front_door``      :func:`explain`, :func:`explain_settings`, :func:`coverage` and their shared prologue
+                    (:func:`prepare`: check, bind the inputs, capture the graph)
+``options``         every argument of ``explain`` and ``coverage`` checked, each bad value a named error
+``validation``      the model, its inputs and the result checked (no NaN or ±inf leaves relprop)
+``raw_inputs``      inputs users have (pipelines, raw text, images, files) turned into tensors
+``zero_shot``       zero-shot pipelines (text and image) as the model
+``refusals``        a method's refusal lists only the methods that run on the model
+``generated_text``  :func:`explain_generation`: attribution of every token a model generates
+==================  =====================================================================================
+"""
+from .front_door import DEFAULT_PRESET, Prepared, coverage, explain, explain_settings, prepare
+from .generated_text import GenerationExplanation, explain_generation
+
+__all__ = ["DEFAULT_PRESET", "GenerationExplanation", "Prepared", "coverage", "explain", "explain_generation",
+           "explain_settings", "prepare"]
