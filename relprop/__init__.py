@@ -19,6 +19,7 @@ module this way; ``tests/layering.py`` reads :data:`LAZY_IMPORTS` and counts its
 import importlib
 import importlib.machinery
 import sys
+import warnings
 from typing import TYPE_CHECKING
 
 from .errors import (CaptureError, DispatchError, InputError, MethodError, OptionError, PresetError, RelpropError,
@@ -34,12 +35,12 @@ if TYPE_CHECKING:  # what type checkers and editors see; at run time, __getattr_
     from .graph.disk_cache import set_cache_dir
     from .rules import Preset, RuleContext, get_preset, presets, rule
     from .targets import contrast
-    from .tools.activation_maximization import visualize
+    from .tools.activation_maximization import maximize_activation
 
 #: public name -> the module that defines it, imported on the first read of the name
 LAZY_IMPORTS = {
     "explain": "relprop.api", "explain_settings": "relprop.api", "coverage": "relprop.api",
-    "visualize": "relprop.tools.activation_maximization",
+    "maximize_activation": "relprop.tools.activation_maximization",
     "methods": "relprop.methods",
     "contrast": "relprop.targets",
     "Explanation": "relprop.explanation",
@@ -53,8 +54,8 @@ LAZY_IMPORTS = {
 
 __all__ = [
     # explaining
-    "explain", "explain_settings", "visualize", "coverage", "methods", "contrast", "Explanation", "Conservation",
-    "Coverage", "Trace", "explain_generation", "GenerationExplanation",
+    "explain", "explain_settings", "coverage", "methods", "contrast", "Explanation", "Conservation", "Coverage",
+    "Trace", "explain_generation", "GenerationExplanation", "maximize_activation",
     # rules and presets
     "Preset", "RuleContext", "get_preset", "presets", "rule",
     # the capture cache (in memory and on disk)
@@ -99,10 +100,20 @@ if not any(finder is _ModulePaths for finder in sys.meta_path):
     sys.meta_path.insert(0, _ModulePaths)  # before any finder that may see an old file of that name
 
 
+#: old public name -> the public name it is now; reading the old one warns (DeprecationWarning)
+RENAMED = {
+    "visualize": "maximize_activation",  # activation maximization, not the pictures of relprop.viz
+}
+
+
 def __getattr__(name: str):
     """Import the module that defines the public name ``name`` (PEP 562) and keep the value here,
     so later reads are plain attribute reads; ``relprop.demo`` and the other :data:`MODULE_PATHS` are
     their modules."""
+    if name in RENAMED:
+        warnings.warn(f"relprop.{name} is relprop.{RENAMED[name]} (the same function under the name that says "
+                      f"what it does); relprop.{name} will be removed", DeprecationWarning, stacklevel=2)
+        return __getattr__(RENAMED[name])  # not kept here, so that every read warns
     if f"{__name__}.{name}" in MODULE_PATHS:
         value = importlib.import_module(MODULE_PATHS[f"{__name__}.{name}"])
     elif name in LAZY_IMPORTS:

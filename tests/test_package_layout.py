@@ -71,7 +71,7 @@ OLD_PATHS = {
                                             "labels_from_names")),
     "relprop.generation": ("relprop.api.generated_text", ("explain_generation", "GenerationExplanation",
                                                           "TOKENS_PER_CALL")),
-    "relprop.actmax": ("relprop.tools.activation_maximization", ("visualize", "Unit", "total_variation")),
+    "relprop.actmax": ("relprop.tools.activation_maximization", ("maximize_activation", "Unit", "total_variation")),
     "relprop.raw_inputs": ("relprop.api.raw_inputs", ("pixels", "adapt", "model_image_size")),
     "relprop.api": ("relprop.api", ("explain", "explain_settings", "coverage", "prepare")),
 }

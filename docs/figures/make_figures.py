@@ -14,6 +14,7 @@ import torch
 
 import relprop
 from relprop import demo
+from relprop.tools.activation_maximization import total_variation
 from relprop.viz import heads_figure, save_figure
 
 matplotlib.use("Agg")
@@ -82,8 +83,8 @@ def main():
     save_figure(heads_figure(e, 0, image=x[0]), os.path.join(HERE, "heads_image.png"))
     print(f"heads: image {tuple(e.heads.shape)}")
     # activation maximization, before/after the regularizers (random-init tiny ViT: the mechanics, not semantics)
-    plain = relprop.visualize(vit, "class:1", steps=40, lr=0.1, progress=False)
-    reg = relprop.visualize(vit, "class:1", steps=40, lr=0.1, jitter=4, blur=1.0, blur_every=4, tv=2.0,
+    plain = relprop.maximize_activation(vit, "class:1", steps=40, lr=0.1, progress=False)
+    reg = relprop.maximize_activation(vit, "class:1", steps=40, lr=0.1, jitter=4, blur=1.0, blur_every=4, tv=2.0,
                             progress=False)
     fig = Figure(figsize=(7, 2.6))
     for i, (name, v) in enumerate([("L2 only", plain), ("L2 + jitter + blur + TV", reg)]):
@@ -100,9 +101,9 @@ def main():
     fig.tight_layout()
     save_figure(fig, os.path.join(HERE, "visualize.png"))
     print(f"visualize: L2 only {plain.values[0]:.3f} -> {plain.values[-1]:.3f}; regularized {reg.values[0]:.3f} -> "
-          f"{reg.values[-1]:.3f}; TV {float(relprop.actmax.total_variation(plain.input)):.3f} vs "
-          f"{float(relprop.actmax.total_variation(reg.input)):.3f}")
-    t = relprop.visualize(model, "class:0", steps=30, lr=0.05, length=6, tokenizer=tok, progress=False)
+          f"{reg.values[-1]:.3f}; TV {float(total_variation(plain.input)):.3f} vs "
+          f"{float(total_variation(reg.input)):.3f}")
+    t = relprop.maximize_activation(model, "class:0", steps=30, lr=0.05, length=6, tokenizer=tok, progress=False)
     print(f"visualize text (MiniLM demo, label '{list(demo.DEFAULT_LABELS)[0]}'): "
           f"{t.values[0]:.2f} -> {t.values[-1]:.2f}; nearest tokens {t.tokens}")
     return 0

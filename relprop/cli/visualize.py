@@ -1,4 +1,4 @@
-"""``relprop visualize``: activation maximization (:func:`relprop.visualize`) from the command line.
+"""``relprop visualize``: activation maximization (:func:`relprop.maximize_activation`) from the command line.
 
 ::
 
@@ -14,7 +14,7 @@ import csv
 import os
 import re
 
-from ..tools.activation_maximization import visualize
+from ..tools.activation_maximization import maximize_activation
 from .common import EXIT_OK, EXIT_USAGE, CliError
 from .loading import load_model
 from .parser import add_visualize
@@ -37,10 +37,10 @@ def run(args: argparse.Namespace) -> int:
     norm = (loaded.mean, loaded.std) if loaded.kind == "image" and loaded.mean is not None else None
     rows = []
     for spec in args.unit:
-        vis = visualize(loaded.model, spec, steps=args.steps, lr=args.lr, l2=args.l2, jitter=args.jitter,
-                        blur=args.blur, blur_every=args.blur_every, tv=args.tv, seed=args.seed,
-                        normalization=norm, length=args.length, tokenizer=loaded.tokenizer,
-                        progress=not args.no_progress)
+        vis = maximize_activation(loaded.model, spec, steps=args.steps, lr=args.lr, l2=args.l2, jitter=args.jitter,
+                                  blur=args.blur, blur_every=args.blur_every, tv=args.tv, seed=args.seed,
+                                  normalization=norm, length=args.length, tokenizer=loaded.tokenizer,
+                                  progress=not args.no_progress)
         stem = re.sub(r"[^A-Za-z0-9_-]+", "_", str(vis.unit))
         if vis.image is not None:
             path = vis.save(os.path.join(args.out, f"{stem}.png"))

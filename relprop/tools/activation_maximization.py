@@ -4,7 +4,7 @@ one unit of the model,
 
     I* = argmax_I  S(I) − λ‖I‖²,
 
-found by gradient ascent. :func:`visualize` evaluates the model through its captured graph (the same
+found by gradient ascent. :func:`maximize_activation` evaluates the model through its captured graph (the same
 ``torch.export`` capture :func:`relprop.explain` uses, so any block of any supported model can be
 read without hooks on the model); the model is not modified.
 
@@ -91,8 +91,8 @@ class Unit:
 
 
 @dataclasses.dataclass
-class Visualization:
-    """What :func:`visualize` found.
+class MaximizingInput:
+    """What :func:`maximize_activation` found: the input that maximizes the unit.
 
     Attributes
     ----------
@@ -119,7 +119,7 @@ class Visualization:
     def save(self, path: str) -> str:
         """Write the image as a PNG (images only)."""
         if self.image is None:
-            raise InputError("a text visualization has no image; read .tokens")
+            raise InputError("a text model's maximizing input has no image; read .tokens")
         from PIL import Image  # optional dependency (relprop[viz])
         import numpy as np
         Image.fromarray((np.clip(self.image, 0, 1) * 255).round().astype("uint8")).save(path)
@@ -191,10 +191,10 @@ def unit_value(unit: Unit, captured, env, outputs, wrt: Optional[str]) -> torch.
     return out.float().mean()
 
 
-def visualize(model: torch.nn.Module, unit: Any, *, steps: int = 200, lr: float = 0.05, l2: float = 1e-3,
-              jitter: int = 0, blur: float = 0.0, blur_every: int = 4, tv: float = 0.0, seed: int = 0,
-              image_size: Optional[Tuple[int, int]] = None, normalization: Any = None, length: int = 8,
-              tokenizer: Any = None, progress: bool = True) -> Visualization:
+def maximize_activation(model: torch.nn.Module, unit: Any, *, steps: int = 200, lr: float = 0.05, l2: float = 1e-3,
+                        jitter: int = 0, blur: float = 0.0, blur_every: int = 4, tv: float = 0.0, seed: int = 0,
+                        image_size: Optional[Tuple[int, int]] = None, normalization: Any = None, length: int = 8,
+                        tokenizer: Any = None, progress: bool = True) -> MaximizingInput:
     """Activation maximization (survey §2.4): gradient ascent (Adam, learning rate ``lr``) on
     S(I) − λ‖I‖² (λ = ``l2``; ‖I‖² the mean square of the normalized input) minus ``tv`` x total
     variation, for ``steps`` steps, from a seeded random start.
@@ -214,7 +214,7 @@ def visualize(model: torch.nn.Module, unit: Any, *, steps: int = 200, lr: float 
 
     Returns
     -------
-    Visualization : the input, the image (or nearest tokens) and the unit's value per step.
+    MaximizingInput : the input, the image (or nearest tokens) and the unit's value per step.
     """
     u = Unit.parse(unit)
     for name, v in (("steps", steps), ("length", length), ("blur_every", blur_every)):
@@ -251,7 +251,7 @@ def visualize(model: torch.nn.Module, unit: Any, *, steps: int = 200, lr: float 
     x = start.to(device).clone().requires_grad_(True)
     opt = torch.optim.Adam([x], lr=lr)
     values: List[float] = []
-    with tqdm(total=steps, desc=f"relprop visualize {u}", disable=not progress) as bar:
+    with tqdm(total=steps, desc=f"maximize_activation {u}", disable=not progress) as bar:
         for step in range(steps + 1):
             inp = x
             # the last evaluation (step == steps) scores the returned input itself, never a shifted copy
@@ -286,9 +286,9 @@ def visualize(model: torch.nn.Module, unit: Any, *, steps: int = 200, lr: float 
         w = F.normalize(embedding.weight.detach().float(), dim=1)
         ids = (F.normalize(result[0].float(), dim=1) @ w.T).argmax(1).tolist()
         tokens = tokenizer.convert_ids_to_tokens(ids) if tokenizer is not None else [str(i) for i in ids]
-        return Visualization(u, result, None, values, tokens)
+        return MaximizingInput(u, result, None, values, tokens)
     image = (result * std + mean).clamp(0, 1)[0].permute(1, 2, 0).cpu().numpy()
-    return Visualization(u, result, image, values)
+    return MaximizingInput(u, result, image, values)
 
 
 def _is_vision(model) -> bool:
@@ -306,7 +306,7 @@ def _word_embedding(model):
                 return emb
     raise InputError(f"{type(model).__name__}: neither an image size (config.image_size, patch_embed.img_size) nor "
                      "a word embedding (get_input_embeddings) was found, so relprop cannot tell what input to "
-                     "optimize; visualize takes HuggingFace/timm image models and HuggingFace text models")
+                     "optimize; maximize_activation takes HuggingFace/timm image models and HuggingFace text models")
 
 
 
@@ -318,5 +318,5 @@ def model_normalization(model) -> Optional[Tuple[Sequence[float], Sequence[float
     return None
 
 
-__all__: Sequence[str] = ("Unit", "Visualization", "UNIT_KINDS", "total_variation", "unit_value",
-                          "visualize")
+__all__: Sequence[str] = ("MaximizingInput", "UNIT_KINDS", "Unit", "maximize_activation", "total_variation",
+                          "unit_value")
