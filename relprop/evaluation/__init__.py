@@ -1,24 +1,24 @@
 """Evaluate explanations the way the papers do.
 
-=====================  ================================================================================
-module                 what it measures
-=====================  ================================================================================
-``perturbation``       positive/negative perturbation tests: top-1 accuracy while the most/least relevant
-                       pixels, patches or tokens are removed, and its AUC (CVPR 2021 §4, Table 1)
-``segmentation``       maps as soft segmentations: pixel accuracy, mIoU, mAP (CVPR 2021 Table 2)
-``qa``                 Precision@K for extractive QA, the answer tokens among the top K (AttCAT §5.3)
-``text``               token-F1 and Precision@K against rationales, AOPC, log-odds, Kendall-τ
-                       (CVPR 2021 Fig. 4; AttCAT §5.3)
-``conservation``       where the relevance went, per block and end to end
-``datasets``           a folder of images with masks; a JSONL file of texts with rationales
-``runner``             :func:`evaluate`: every metric, every method, over a dataset (one explain call
-                       per batch for all the methods)
-``report``             markdown and CSV tables, a plot of the perturbation curves
-``config``             :class:`EvaluationConfig`: every setting of :func:`evaluate`, validated
-``removal``            what removing a pixel, patch or token means in the perturbation tests
-``tune``               :func:`tune`: aggregation options as hyperparameters, ranked on held-out data
-``sharded``            :func:`evaluate` batch by batch, resumable, shared among torchrun processes
-=====================  ================================================================================
+=========================  ============================================================================
+module                     what it measures
+=========================  ============================================================================
+``perturbation_protocol``  positive/negative perturbation tests: top-1 accuracy while the most/least
+                           relevant pixels, patches or tokens are removed, and its AUC (CVPR 2021 §4, Table 1)
+``segmentation``           maps as soft segmentations: pixel accuracy, mIoU, mAP (CVPR 2021 Table 2)
+``qa``                     Precision@K for extractive QA, the answer tokens among the top K (AttCAT §5.3)
+``text_metrics``           token-F1 and Precision@K against rationales, AOPC, log-odds, Kendall-τ
+                           (CVPR 2021 Fig. 4; AttCAT §5.3)
+``conservation``           where the relevance went, per block and end to end
+``datasets``               a folder of images with masks; a JSONL file of texts with rationales
+``runner``                 :func:`evaluate`: every metric, every method, over a dataset (one explain call
+                           per batch for all the methods)
+``report``                 markdown and CSV tables, a plot of the perturbation curves
+``config``                 :class:`EvaluationConfig`: every setting of :func:`evaluate`, validated
+``removal``                what removing a pixel, patch or token means in the perturbation tests
+``tune``                   :func:`tune`: aggregation options as hyperparameters, ranked on held-out data
+``sharded``                :func:`evaluate` batch by batch, resumable, shared among torchrun processes
+=========================  ============================================================================
 
 Everything is computed per sample, batched, on the device of the inputs; the only statistics across
 samples are the dataset averages.

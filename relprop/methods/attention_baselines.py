@@ -150,7 +150,7 @@ def ta_second_block(trace):
         needs_relevance=True, preset="lrp", needs_blocks=False, streams=2)
 def lrp(trace):
     """Full LRP (Eq. 4; supplementary §A, "LRP") under the ``"lrp"`` preset: the rules of the
-    authors' LRP baseline as ``layers_lrp.py`` computes them at their newest commit (c3e578f): plain
+    authors' LRP baseline as their ``layers_lrp.py`` computes them (Transformer-Explainability, commit c3e578f): plain
     z-rule sums, and linear layers whose x⁺W⁺ and x⁻W⁻ parts each have their own denominator (each
     part passes all the relevance, so the rules are not conservative). On identical weights this
     equals the authors' ``generate_LRP(method="full")`` (ViT) and, at the encoder input
@@ -195,7 +195,7 @@ def lrp(trace):
 def partial_lrp(trace):
     """Partial LRP (Voita et al. 2019, as the CVPR 2021 paper applies it, supplementary §A):
     E_h[(R_A)⁺] of the block next to the output (R^(n_1)), under the ``"lrp"`` preset (the
-    authors' ``layers_lrp.py`` rules at c3e578f); scores = its classification-token row. The
+    authors' ``layers_lrp.py`` rules, commit c3e578f); scores = its classification-token row. The
     positive part follows the authors' code (``last_layer`` without ``is_ablation`` in
     ``ViT_orig_LRP.py``; ``generate_LRP_last_layer`` for BERT).
     """
@@ -250,8 +250,8 @@ def rollout(trace, start_block: int = 0, normalize_rows: bool = True, query: str
         product; default 0 (every block, Eq. 16).
     normalize_rows : divide each I + E_h A_b by its row sums (default on: Abnar & Zuidema, and the
         authors' code for both ViT and BERT — ``compute_rollout_attention`` in
-        ``ViT_explanation_generator.py`` and, since their commit 7cf1edb of February 2021, in
-        ``BERT_explainability/modules/BERT/ExplanationGenerator.py``).
+        ``ViT_explanation_generator.py`` and in ``BERT_explainability/modules/BERT/ExplanationGenerator.py``;
+        Transformer-Explainability, commit 7cf1edb).
     end_block, head_fusion, positive, discard_ratio, layers, last_k : the aggregation
         hyperparameters of :mod:`relprop.methods.aggregation` (survey §1.4); the defaults are
         Eq. 15–16 (``head_fusion="max"`` with ``discard_ratio=0.9`` is the common "max fusion").
