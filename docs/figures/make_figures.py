@@ -1,5 +1,5 @@
 """Make the figures of docs/methods/aggregation.md, docs/methods/norm_flows.md, docs/methods/heads.md and
-docs/visualize.md (offline: the packaged all-MiniLM-L6-v2 demo model and a tiny timm ViT built from its
+docs/activation-maximization.md (offline: the packaged all-MiniLM-L6-v2 demo model and a tiny timm ViT built from its
 config).
 
     PYTHONPATH=. python docs/figures/make_figures.py      # writes docs/figures/*.png, prints what it shows
@@ -99,7 +99,7 @@ def main():
     ax.set_title("unit value (class:1)", fontsize=8)
     ax.legend(fontsize=7)
     fig.tight_layout()
-    save_figure(fig, os.path.join(HERE, "visualize.png"))
+    save_figure(fig, os.path.join(HERE, "activation_maximization.png"))
     print(f"visualize: L2 only {plain.values[0]:.3f} -> {plain.values[-1]:.3f}; regularized {reg.values[0]:.3f} -> "
           f"{reg.values[-1]:.3f}; TV {float(total_variation(plain.input)):.3f} vs "
           f"{float(total_variation(reg.input)):.3f}")
