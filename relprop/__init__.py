@@ -5,9 +5,10 @@ propagates relevance through it with the rules of Chefer, Gur & Wolf, *Transform
 Interpretability Beyond Attention Visualization* (CVPR 2021), and aggregates the per-block
 attention records into token/patch scores.
 
-The package is built as one-way layers (``docs/architecture.md``): ``errors`` → ``graph`` →
-``rules`` → ``engine`` → ``methods`` → ``viz`` → ``explanation`` → ``api`` → ``evaluation`` →
-``cli``; this module only gathers the public names.
+The package is built as one-way layers, one package (or more) per layer (``docs/architecture.md``):
+``errors`` → ``graph`` → ``rules`` → ``engine`` (and ``targets``) → ``methods`` → ``viz`` →
+``explanation`` → ``api`` → ``tools`` (and ``evaluation``) → ``cli``; this module only gathers the
+public names.
 
 It gathers them lazily (PEP 562): ``import relprop`` imports only the errors and the version, and
 the module that defines a public name (:data:`LAZY_IMPORTS`) is imported the first time the name is
@@ -15,6 +16,10 @@ read (``relprop.explain``, ``from relprop import explain``). So ``relprop --help
 else that needs only the errors does not pay for importing torch. This module and the command
 line's dispatcher (``relprop/cli/__init__.py``) are the only places allowed to import a relprop
 module this way; ``tests/layering.py`` reads :data:`LAZY_IMPORTS` and counts its modules as imports.
+
+Module paths of the modules that moved into packages (``relprop.demo``, ``relprop.generation``, ...:
+:data:`MODULE_PATHS`) import the module they name, and a renamed public name (:data:`RENAMED`) reads
+as the new one with a ``DeprecationWarning``.
 """
 import importlib
 import importlib.machinery

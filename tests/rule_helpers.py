@@ -9,7 +9,7 @@ import numpy as np
 import torch
 import torch.fx
 
-from relprop.rules import registry
+from relprop.rules import rule_registry as registry
 from relprop.rules.context import RuleContext
 
 EPS = 1e-9

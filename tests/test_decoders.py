@@ -17,7 +17,7 @@ from relprop.graph.capture import CACHE
 from relprop.graph.inputs import bind_inputs
 from relprop.engine import Request, run
 from relprop.methods.query import is_causal, query_weights
-from relprop.rules import registry
+from relprop.rules import rule_registry as registry
 from relprop.rules.context import RuleContext
 from relprop.targets import Target, next_token, resolve
 from snapshot import assert_same, snapshot

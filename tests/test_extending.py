@@ -9,9 +9,9 @@ import torch
 
 import models
 import relprop
-from relprop.methods import registry as methods_registry
+from relprop.methods import method_registry as methods_registry
 from relprop.methods import get_method
-from relprop.rules import get_preset, lookup, registry
+from relprop.rules import get_preset, lookup, rule_registry as registry
 from relprop.rules.gradient_forms import identity_rule
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "extending.md"

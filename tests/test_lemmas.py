@@ -16,7 +16,7 @@ from hypothesis import assume, example, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from relprop.rules import registry
+from relprop.rules import rule_registry as registry
 from relprop.rules.context import RuleContext
 from relprop.rules.convolution import conv_alpha1_beta0, z_box
 from relprop.rules.linear import alpha1_beta0, lrp_baseline

@@ -19,7 +19,7 @@ import pytest
 import torch
 import torch.fx
 
-from relprop.rules import registry
+from relprop.rules import rule_registry as registry
 from relprop.rules.context import RuleContext
 from relprop.rules.convolution import from_patches, is_patchify, to_patches, z_box
 from relprop.rules.linear import alpha1_beta0, lrp_baseline

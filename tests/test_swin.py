@@ -11,7 +11,7 @@ import models
 import relprop
 from relprop.methods.method_registry import all_methods
 from relprop.methods.windowed import applicable_methods
-from relprop.rules import registry
+from relprop.rules import rule_registry as registry
 from relprop.rules.context import RuleContext
 from snapshot import assert_same, snapshot
 
