@@ -25,7 +25,6 @@ from ..graph.capture import Captured
 from ..graph.nodes import (evaluate, is_live, module_path, module_paths, module_type, output_leaves,
                           relevance_path)
 from ..rules.context import RuleContext
-from ..rules.gradient_forms import stabilizer_ledger
 from ..rules.stabilize import promote, relevance_dtype
 from .memory import read_after_walk
 from .node_rules import rule_finder
@@ -212,7 +211,7 @@ class Walker:
         args, kw = torch.fx.node.map_arg((arg_nodes, kw_nodes),
                                          lambda n: promote(value(n)) if n in a.live else value(n))
         live = tuple(is_live(x, a.live) for x in arg_nodes)
-        lost = stabilizer_ledger(spec.gradient_form)
+        lost = spec.gradient_form.lost if spec.gradient_form is not None else None
         ctx = RuleContext(node=node, args=tuple(args), kwargs=kw, out=pytree.tree_map(promote, out_val), live=live,
                           batch_dim=bdim.get(node), batch_size=batch, eps=self.eps, preset=preset,
                           options=self.options,
