@@ -25,7 +25,9 @@ READS = [re.compile(r"getattr\(\s*(fn|rule|_rule|spec|rule_fn|func)\b"),
          re.compile(r"setattr\([^,()]+,\s*(\"|')?(%s)\b" % "|".join(CAPABILITIES)),
          re.compile(r"^\s*\w+\.(%s)\s*=" % "|".join(c for c in CAPABILITIES if c != "WRITES_OUT"), re.M)]
 #: the lists that said which methods can do what before MethodInfo declared it
-OLD_LISTS = re.compile(r"\b(STREAM_MAPS|TWO_STREAM_METHODS|NOT_APPLICABLE|streamable)\b")
+#: and the words that called block folding streaming before "stream" kept its encoder–decoder meaning only
+OLD_LISTS = re.compile(r"\b(STREAM_MAPS|TWO_STREAM_METHODS|NOT_APPLICABLE|streamable|Streamer|STREAM_WINDOWS|streamed|"
+                       r"streaming)\b")
 
 
 def test_no_capability_is_read_off_a_function():

@@ -26,7 +26,7 @@ from .walk import Walker
 
 
 def run_low(request: Request, out_nodes: List[torch.fx.Node], wrt: List[torch.fx.Node], remat,
-            streamer: Optional[Any] = None) -> Pass:
+            folder: Optional[Any] = None) -> Pass:
     """``memory="low"``: gradient checkpointing at the attention blocks, for the walk as well.
 
     1. A forward pass without autograd keeps only the values that cross segments
@@ -44,7 +44,7 @@ def run_low(request: Request, out_nodes: List[torch.fx.Node], wrt: List[torch.fx
     inputs); the gradients are sums of the same terms in another order. Costs one more forward
     pass; the peak holds the block records, the crossing values and one segment.
 
-    ``streamer`` (a streamed run, :class:`relprop.engine.streaming.Streamer`) is attached to the
+    ``folder`` (a folded run, :class:`relprop.engine.fold_hooks.BlockFolder`) is attached to the
     walk (``attach``: it hands each block to the methods' folds when the walk reaches its attention
     map) and called after each segment (``after_segment``, which returns the nodes whose values and
     gradients it dropped): then the peak holds the crossing values and one segment.
@@ -75,8 +75,8 @@ def run_low(request: Request, out_nodes: List[torch.fx.Node], wrt: List[torch.fx
                         remat)
     needed_later = read_after_walk(a)
     dropped: set = set()
-    if streamer is not None:
-        streamer.attach(walker, env, grad, batch)
+    if folder is not None:
+        folder.attach(walker, env, grad, batch)
     for seg in reversed(segments(captured)):
         _backward_segment(captured, env, seg, gbuf, grad, grad_nodes, kept, request.compute)
         if walker is not None:
@@ -87,8 +87,8 @@ def run_low(request: Request, out_nodes: List[torch.fx.Node], wrt: List[torch.fx
             for node in seg:
                 if node not in needed_later:
                     env.pop(node, None)
-        if streamer is not None:
-            dropped |= streamer.after_segment(seg)
+        if folder is not None:
+            dropped |= folder.after_segment(seg)
     for n in grad_nodes:  # placeholders (pixels, inputs_embeds): the sum over the segments reading them
         if n not in grad and n not in dropped:
             g = gbuf.get(n)

@@ -114,8 +114,8 @@ class Walker:
         self.untouchable = self.needed_later | outputs
         self.done = None
         #: node -> callback(node, relevance), called when the walk reaches the node (its relevance
-        #: is complete, None when none reaches it) and before its rule runs (a streamed run,
-        #: :mod:`relprop.engine.streaming`)
+        #: is complete, None when none reaches it) and before its rule runs (a folded run,
+        #: :mod:`relprop.engine.fold_hooks`)
         self.reached: Dict[torch.fx.Node, Any] = {}
 
     def _zeros(self) -> torch.Tensor:

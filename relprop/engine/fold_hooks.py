@@ -1,4 +1,4 @@
-"""A streamed run: every attention block handed to the methods' folds as soon as the reverse walk
+"""A folded run: every attention block handed to the methods' folds as soon as the reverse walk
 has its A, dA and R_A, and then dropped.
 
 Rollout-style methods read per block one heads-fused token×token map and only the query's row of
@@ -7,7 +7,7 @@ needs one block at a time, so the run need not keep any block's records: it is t
 ``memory="low"`` (:func:`relprop.engine.low_memory.run_low`: a forward pass without autograd, then
 block by block from the output, the block recomputed with autograd, its gradients, its part of the
 relevance walk) with, after each segment, the block's record passed to every fold of
-``Request.stream`` and its attention-sized values (A, dA, R_A) and the block's own V and features
+``Request.folds`` and its attention-sized values (A, dA, R_A) and the block's own V and features
 freed. The peak then holds the hidden states between blocks and one block, whatever the number of
 blocks; the records grow with blocks × heads × tokens² otherwise.
 """
@@ -19,14 +19,14 @@ from ..errors import RelpropError
 from .memory import crossing, segments
 from .records import block_record
 
-#: why a streamed run was refused by the engine (the api does not ask for one there)
-STREAM_WINDOWS = ("a streamed run folds one token sequence per block; this model's attention works on windows (Swin) "
+#: why a folded run was refused by the engine (the api does not ask for one there)
+FOLD_WINDOWS = ("a folded run folds one token sequence per block; this model's attention works on windows (Swin) "
                   "or connects two token streams: explain it with keep_blocks=True (the full-record path)")
 
 
-class Streamer:
+class BlockFolder:
     """Hands every attention block of a segmented run (:func:`relprop.engine.low_memory.run_low`) to
-    the folds of ``request.stream``, from the output block back, and frees the block's records.
+    the folds of ``request.folds``, from the output block back, and frees the block's records.
 
     With the relevance walk, a block is handed over when the walk reaches its attention map (R_A is
     then complete; dA came from the segment's backward pass), before the map's own rule runs: dA is
@@ -38,7 +38,7 @@ class Streamer:
     def __init__(self, request):
         captured = request.captured
         a = captured.analysis
-        self.folds, self.analysis = request.stream, a
+        self.folds, self.analysis = request.folds, a
         self.block_of = {b.attention: b for b in a.blocks}
         kept = crossing(captured) | set(a.sources) | {a.primary}
         self.droppable = {n for b in a.blocks for n in (b.attention, b.value, b.features)
@@ -90,6 +90,6 @@ class Streamer:
         if seg is self.first:
             missing = [b.index for b in self.analysis.blocks if b.index not in self.seen]
             if missing:
-                raise RelpropError(f"a streamed run did not reach blocks {missing} (a bug of relprop's segments: "
-                                   "please report it; keep_blocks=True explains without streaming)")
+                raise RelpropError(f"a folded run did not reach blocks {missing} (a bug of relprop's segments: "
+                                   "please report it; keep_blocks=True explains without folding)")
         return dropped
