@@ -1,5 +1,5 @@
-"""A folded run: every attention block handed to the methods' folds as soon as the reverse walk
-has its A, dA and R_A, and then dropped.
+"""The fold hooks of a folded run: every attention block handed to the methods' folds as soon as
+the reverse walk has its A, dA and R_A, and then dropped.
 
 Rollout-style methods read per block one heads-fused token×token map and only the query's row of
 the product of the blocks' maps (CVPR 2021, Eq. 13–14). Folded from the output block back, the row
@@ -21,14 +21,16 @@ from .records import block_record
 
 #: why a folded run was refused by the engine (the api does not ask for one there)
 FOLD_WINDOWS = ("a folded run folds one token sequence per block; this model's attention works on windows (Swin) "
-                  "or connects two token streams: explain it with keep_blocks=True (the full-record path)")
+                "or connects two token streams: explain it with keep_blocks=True (the full-record path)")
 
 
 class BlockFolder:
     """Hands every attention block of a segmented run (:func:`relprop.engine.low_memory.run_low`) to
     the folds of ``request.folds``, from the output block back, and frees the block's records.
 
-    With the relevance walk, a block is handed over when the walk reaches its attention map (R_A is
+    With the relevance walk (whose hooks it is: :class:`relprop.engine.walk.Walker` calls
+    :meth:`reached` at each of :attr:`nodes` and frees the values of :attr:`droppable` when it
+    leaves them), a block is handed over when the walk reaches its attention map (R_A is
     then complete; dA came from the segment's backward pass), before the map's own rule runs: dA is
     freed at once, R_A when the rule has passed it on, A when the walk leaves the node (the walk no
     longer keeps A, V and the features for after the walk). Without it (gradient-only methods) the
@@ -43,22 +45,21 @@ class BlockFolder:
         kept = crossing(captured) | set(a.sources) | {a.primary}
         self.droppable = {n for b in a.blocks for n in (b.attention, b.value, b.features)
                           if n is not None and n not in kept}
+        #: the nodes at which the walk calls :meth:`reached` (the attention maps)
+        self.nodes = frozenset(self.block_of)
         self.first = segments(captured)[0]
         self.seen: List[int] = []
         self.token_count = None
-        self.walker = None
+        self.walked = False
 
-    def attach(self, walker, env, grad, batch: int) -> None:
-        """Called by the run once its forward values ``env``, gradients ``grad`` and ``walker``
-        (None without the relevance walk) exist."""
-        self.env, self.grad, self.batch, self.walker = env, grad, batch, walker
-        if walker is not None:
-            for node in self.block_of:
-                walker.reached[node] = self._reached
-                walker.keep.discard(node)
-            walker.needed_later = walker.needed_later - self.droppable
+    def attach(self, env, grad, batch: int, walked: bool) -> None:
+        """Called by the run once its forward values ``env`` and gradients ``grad`` exist; ``walked``:
+        a relevance walk runs (a :class:`relprop.engine.walk.Walker` given this folder as its hooks)."""
+        self.env, self.grad, self.batch, self.walked = env, grad, batch, walked
 
-    def _reached(self, node, relevance) -> None:
+    def reached(self, node, relevance) -> None:
+        """The walk reached attention map ``node`` with its complete ``relevance`` (None: none
+        reaches it): hand its block to the folds."""
         self._hand_over(self.block_of[node], {node: relevance})
 
     def _hand_over(self, b, rel_at) -> None:
@@ -77,7 +78,7 @@ class BlockFolder:
         returns the nodes whose values and gradients were freed."""
         inside = set(seg)
         blocks = sorted((b for b in self.analysis.blocks if b.attention in inside), key=lambda b: -b.index)
-        if self.walker is None:
+        if not self.walked:
             for b in blocks:
                 self._hand_over(b, {})
         dropped = set()

@@ -93,9 +93,9 @@ def run(request: Request) -> Trace:
         with torch.no_grad():
             seed = {**grad, **output_seed(captured, env, request.target.score, out_nodes,
                                           seed=get_preset(request.preset).seed)}
-            walker = Walker(request, env, seed, out_nodes, batch, remat)
-            result.rel_at, result.conservation, result.input_relevance = walk(walker)
-            result.stream_relevance = walker.stream_relevance
+            walked = walk(Walker(request, env, seed, out_nodes, batch, remat), captured.graph)
+            result.rel_at, result.conservation = walked.relevance_at, walked.conservation
+            result.input_relevance, result.stream_relevance = walked.input_relevance, walked.stream_relevance
     return build_trace(request, result, notes)
 
 
