@@ -1,10 +1,10 @@
-"""Time of the streamed fold of Transformer Attribution (CVPR 2021, Eq. 13-14) with each block's
+"""Time of the fold of Transformer Attribution (CVPR 2021, Eq. 13-14) with each block's
 map built in chunks of query rows, against one chunk per block, on random records.
 
     PYTHONPATH=. python benchmarks/bench_fold_chunks.py [--heads 8] [--tokens 2048] [--blocks 3] [--rounds 3]
 
 The records are random (a lower-triangular A, ∇A non-zero at the last row of the block next to the
-output, R_A of both signs) and are fed to :class:`relprop.methods.streaming.RowFold` output block
+output, R_A of both signs) and are fed to :class:`relprop.methods.fold_maps.RowFold` output block
 first, as the engine hands them over; the rounds interleave the chunk sizes (least time printed,
 every run listed) and every chunked row is checked against the single-chunk one.
 """
@@ -14,8 +14,8 @@ import time
 import torch
 
 from relprop.engine.trace import BlockRecord
-from relprop.methods import get_method, streaming
-from relprop.methods.streaming import RowFold
+from relprop.methods import fold_maps, get_method
+from relprop.methods.fold_maps import RowFold
 
 
 def records(heads, n, blocks):
@@ -33,7 +33,7 @@ def records(heads, n, blocks):
 
 
 def fold(recs, chunk_bytes):
-    streaming.FOLD_CHUNK_BYTES = chunk_bytes
+    fold_maps.FOLD_CHUNK_BYTES = chunk_bytes
     f = RowFold(get_method("transformer_attribution"), {}, len(recs), torch.ones(1, recs[0].attention.shape[-1]),
                 None, None)
     t = time.perf_counter()

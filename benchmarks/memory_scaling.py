@@ -21,8 +21,8 @@ Measured, each in a fresh subprocess (``--child``):
   every block kept for the backward pass, as relprop's captured graph computes them);
 * ``ta-full``: ``relprop.explain(..., method="transformer_attribution")`` with ``keep_blocks=True``
   (every block's A, dA, R_A kept; the full-matrix path);
-* ``ta-stream``: the same with ``keep_blocks=False`` (each block folded into the query row during the
-  reverse walk and dropped, :mod:`relprop.methods.streaming`);
+* ``ta-fold`` (``ta-stream`` in older results): the same with ``keep_blocks=False`` (each block
+  folded into the query row during the reverse walk and dropped, :mod:`relprop.methods.fold_maps`);
 * ``ta-default``: the same with ``keep_blocks`` not given (records kept while they fit
   ``records_budget``, else folded: :mod:`relprop.methods.fold_choice`); the row says which ran.
 
@@ -38,7 +38,7 @@ penalizes the call that allocates more).
 
     OMP_NUM_THREADS=1 python benchmarks/memory_scaling.py                       # every configuration
     OMP_NUM_THREADS=1 python benchmarks/memory_scaling.py --model bert --tokens 512 1024 2048
-    OMP_NUM_THREADS=1 python benchmarks/memory_scaling.py --model llama --tokens 4096 --what fwdbwd ta-stream
+    OMP_NUM_THREADS=1 python benchmarks/memory_scaling.py --model llama --tokens 4096 --what fwdbwd ta-fold
     OMP_NUM_THREADS=1 python benchmarks/memory_scaling.py --model bert --tokens 2048 --repeats 3
 """
 from __future__ import annotations
@@ -51,7 +51,7 @@ import sys
 
 from peak_memory import PeakMeter, run_child
 
-WHATS = ("fwdbwd", "fwdbwd-eager", "ta-full", "ta-stream", "ta-default")
+WHATS = ("fwdbwd", "fwdbwd-eager", "ta-full", "ta-fold", "ta-default")
 DEFAULT_TOKENS = {"bert": (512, 1024, 2048), "llama": (1024, 2048, 4096)}
 TARGET_TOKEN = 7
 
@@ -108,7 +108,7 @@ def child(name: str, n: int, what: str, device: str) -> None:
             score.sum().backward()
             del logits, score
         else:
-            keep = {"ta-full": True, "ta-stream": False}.get(what)  # ta-default: not given
+            keep = {"ta-full": True, "ta-fold": False}.get(what)  # ta-default: not given
             exp = relprop.explain(model, inputs, target=target, method="transformer_attribution", keep_blocks=keep)
             kept = exp.kept_blocks
             del exp

@@ -1,27 +1,33 @@
 """Capabilities are declared, not looked for: a rule's in its RuleSpec (keywords of @rule), a
 method's in its MethodInfo (keywords of @method). No module of relprop reads a capability off a
 function with getattr, and the declarations say what relprop's own rules and methods do."""
+import dataclasses
 import re
 from pathlib import Path
 
+import pytest
 import torch
 
 from relprop.methods import all_methods
 from relprop.rules import RuleSpec, get_preset, lookup
+from relprop.rules.spec import GradientForm
 
 PACKAGE = Path(__file__).resolve().parents[1] / "relprop"
 aten = torch.ops.aten
 
 #: the names a rule or a method declares; reading one with getattr means it was set on a function
 CAPABILITIES = ("gradient_form", "formula", "writes_out", "WRITES_OUT", "no_relevance_to", "constant_positions",
-                "operands", "region", "folds", "no_windows")  # (a trace has .streams: not a capability)
+                "operands", "region", "folds", "no_windows",
+                "lost", "inner")  # a gradient form's (a trace has .streams: not a capability)
 #: getattr on a rule function (fn, rule, spec, ...) or of a capability name, and setattr of one
 READS = [re.compile(r"getattr\(\s*(fn|rule|_rule|spec|rule_fn|func)\b"),
          re.compile(r"getattr\([^,()]+,\s*(\"|')?(%s)\b" % "|".join(CAPABILITIES)),
          re.compile(r"setattr\([^,()]+,\s*(\"|')?(%s)\b" % "|".join(CAPABILITIES)),
          re.compile(r"^\s*\w+\.(%s)\s*=" % "|".join(c for c in CAPABILITIES if c != "WRITES_OUT"), re.M)]
 #: the lists that said which methods can do what before MethodInfo declared it
-OLD_LISTS = re.compile(r"\b(STREAM_MAPS|TWO_STREAM_METHODS|NOT_APPLICABLE|streamable)\b")
+#: and the words that called block folding streaming before "stream" kept its encoder–decoder meaning only
+OLD_LISTS = re.compile(r"\b(STREAM_MAPS|TWO_STREAM_METHODS|NOT_APPLICABLE|streamable|Streamer|STREAM_WINDOWS|streamed|"
+                       r"streaming)\b")
 
 
 def test_no_capability_is_read_off_a_function():
@@ -60,3 +66,19 @@ def test_methods_declare_where_they_apply():
         "cat", "attcat", "attgrads", "attention_norm", "attn_res_ln_norm", "gradcam", "vit_cx", "value_zeroing"}
     assert {n for n, m in methods.items() if m.folds is not None} == {
         "transformer_attribution", "rollout", "gradient_rollout"}
+
+
+def test_gradient_forms_are_data():
+    """A gradient form is a frozen GradientForm: what its stabilizer keeps (``lost``) is a field, set
+    for the ε-rules' forms and for the renormalization, absent for the exact ones."""
+    forms = {p: {s.name: s.gradient_form for s in get_preset(p).rules.values()} for p in ("attnlrp", "cp_lrp")}
+    assert all(isinstance(f, GradientForm) for table in forms.values() for f in table.values())
+    attn = lookup("attnlrp", aten.linear.default).gradient_form
+    assert attn.lost is not None and attn.inner is not None
+    assert lookup("attnlrp", aten.gelu.default).gradient_form.lost is None  # the identity rule loses nothing
+    assert lookup("attnlrp", aten.div.Tensor).gradient_form.lost is not None  # top-k renormalization
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        attn.lost = None
+    # a plain function declared as a form is wrapped, declaring nothing lost
+    spec = RuleSpec(lambda ctx, r: (r,), gradient_form=lambda node, live, eps: None)
+    assert isinstance(spec.gradient_form, GradientForm) and spec.gradient_form.lost is None

@@ -7,7 +7,7 @@ P = Π S_b is the identity path. The references multiply the factors in float64 
 
 * ``"exclude"`` (default) = q · (C − P): on a [CLS] model bit for bit the scores of ``"keep"`` (q · C)
   on every token shown; on a mean-pooled model q · C less q_j P_jj; on a decoder the last token alone
-  changes; ≥ 0 where the maps are; the streamed fold gives the same;
+  changes; ≥ 0 where the maps are; the folded fold gives the same;
 * ``"exclude_self"`` = Σ_{i≠j} q_i C_ij;
 * a map uniform to float32 resolution is a RelpropWarning that names the cause (a kept identity share).
 """
@@ -175,16 +175,16 @@ def test_decoder_last_token_loses_only_its_identity_share():
 
 
 @pytest.mark.parametrize("identity", ["exclude", "keep"])
-def test_streamed_fold_gives_the_same_scores(pooled, batch, pooled_exps, identity):
+def test_folded_fold_gives_the_same_scores(pooled, batch, pooled_exps, identity):
     methods = ["transformer_attribution", "gradient_rollout", "rollout"]
-    streamed = relprop.explain(pooled, batch, method=methods, identity=identity, keep_blocks=False)
-    for method, exp in zip(methods, streamed):
+    folded = relprop.explain(pooled, batch, method=methods, identity=identity, keep_blocks=False)
+    for method, exp in zip(methods, folded):
         full = pooled_exps[identity][method]
         scale = float(full.scores.abs().max())
         assert torch.allclose(full.scores, exp.scores, rtol=0, atol=1e-5 * scale), method
 
 
-def test_exclude_self_is_not_streamed_and_bad_choices_are_refused(pooled, batch):
+def test_exclude_self_is_not_folded_and_bad_choices_are_refused(pooled, batch):
     exp = relprop.explain(pooled, batch, method="transformer_attribution", identity="exclude_self", keep_blocks=False)
     assert any("exclude_self" in n for n in exp.notes)
     with pytest.raises(relprop.OptionError, match="identity=.*Choices: \\['exclude', 'keep', 'exclude_self'\\]"):

@@ -13,7 +13,7 @@ import relprop
 
 
 def vit_blocks(model, x):
-    """Per block of a timm ViT: h (block input = residual stream), A, V, W_O (float64)."""
+    """Per block of a timm ViT: h (block input = the residual), A, V, W_O (float64)."""
     m = copy.deepcopy(model).double()
     for mod in m.modules():
         if hasattr(mod, "fused_attn"):

@@ -19,7 +19,7 @@ from relprop.methods import fold_choice
 import models
 from fold_checks import assert_folded_like_kept
 
-STREAMED = ("transformer_attribution", "rollout", "gradient_rollout")
+FOLDED = ("transformer_attribution", "rollout", "gradient_rollout")
 slow = pytest.mark.slow
 
 
@@ -35,7 +35,7 @@ CASES = {
 
 
 @pytest.mark.parametrize("case", list(CASES))
-@pytest.mark.parametrize("method", STREAMED)
+@pytest.mark.parametrize("method", FOLDED)
 @slow
 def test_over_budget_folds_and_equals_the_kept_records(case, method):
     make, batch, kw = CASES[case]

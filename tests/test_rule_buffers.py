@@ -6,7 +6,7 @@ evaluates without its zero-filled tensor and without the where's copy (also unde
 the selected operand feeds nothing else differentiable), and a walk recomputes a discarded score
 once. Each of these must give the values (and gradients) of the plain formula bit for bit, never
 write into an input, and step aside under autograd where that would change a gradient. One test
-bounds the number of attention-sized tensors a streamed Transformer Attribution creates per block.
+bounds the number of attention-sized tensors a folded Transformer Attribution creates per block.
 """
 import collections
 
@@ -186,7 +186,7 @@ class _AttentionSized(TorchDispatchMode):
         return out
 
 
-def test_streamed_transformer_attribution_makes_few_attention_sized_tensors_per_block():
+def test_folded_transformer_attribution_makes_few_attention_sized_tensors_per_block():
     tokens = 40  # 4 heads × 40² = 6400 elements: no other tensor of the model has that size
     model, inputs, _ = _captured_bert_sdpa(tokens)
     mode = _AttentionSized(4 * tokens * tokens)
@@ -291,7 +291,7 @@ def test_row_test_of_the_safe_softmax_equals_the_plain_ops(rows, cols, seed, c, 
         assert torch.equal(env[eq], plain[eq]) and torch.equal(env[ne], plain[ne])
 
 
-def test_streamed_transformer_attribution_makes_no_attention_sized_boolean_tensor():
+def test_folded_transformer_attribution_makes_no_attention_sized_boolean_tensor():
     tokens = 40
     model, inputs, _ = _captured_bert_sdpa(tokens)
 

@@ -22,7 +22,7 @@ from ..errors import MethodError, OptionError, RelpropError, RelpropWarning
 from ..explanation import build, mask_from_tokenizer, split_tokenizer_keys
 from ..graph.capture import CACHE, Captured, CaptureEvent, capture_notes
 from ..graph.inputs import bind_inputs, primary_input
-from ..methods import MethodInfo, apply, fold_choice, streaming
+from ..methods import MethodInfo, apply, fold_choice, fold_maps
 from ..rules import get_preset
 from ..rules.stabilize import DEFAULT_EPS
 from ..targets.target_forms import specify
@@ -209,7 +209,7 @@ def _explain(model, prepared: "Prepared", target, jobs, many, preset, engine_opt
     results = None
     if fold:
         try:
-            results = _explain_streamed(request, jobs, preset, special, note)
+            results = _explain_folded(request, jobs, preset, special, note)
         except MethodError:  # refused: the full-record path below says why, with the methods that apply (refusals.py)
             note = ("not folded block by block (the folded path refused these inputs); the full-record path ran "
                     "and exp.blocks holds every block's records")
@@ -234,14 +234,14 @@ def _explain(model, prepared: "Prepared", target, jobs, many, preset, engine_opt
     return results if many else results[0]
 
 
-def _explain_streamed(request: Request, jobs, preset: Optional[str], special, note: Optional[str] = None) -> list:
-    """``keep_blocks=False``: one streamed run per preset the methods need (gradient-only methods ride
-    on the first), each method a :class:`relprop.methods.streaming.RowFold` fed block by block from
+def _explain_folded(request: Request, jobs, preset: Optional[str], special, note: Optional[str] = None) -> list:
+    """``keep_blocks=False``: one folded run per preset the methods need (gradient-only methods ride
+    on the first), each method a :class:`relprop.methods.fold_maps.RowFold` fed block by block from
     the output back; the Explanations have no ``blocks`` or ``matrix`` (:class:`NotKept`)."""
     a = request.captured.analysis
     mask = request.kwargs.get("attention_mask")
     keys = [_preset_of(info, preset) if info.needs_relevance else None for info, _ in jobs]
-    folds = [streaming.RowFold(info, options, len(a.blocks), mask, key, a.token_mixing)
+    folds = [fold_maps.RowFold(info, options, len(a.blocks), mask, key, a.token_mixing)
              for (info, options), key in zip(jobs, keys)]
     wanted = list(dict.fromkeys(k for k in keys if k is not None)) or [None]
     keys = [k if k is not None else wanted[0] for k in keys]
@@ -249,11 +249,11 @@ def _explain_streamed(request: Request, jobs, preset: Optional[str], special, no
     for p in wanted:
         mine = [i for i, k in enumerate(keys) if k == p]
         req = request.but(preset=p or preset or DEFAULT_PRESET, relevance=p is not None,
-                          stream=tuple(folds[i] for i in mine))
+                          folds=tuple(folds[i] for i in mine))
         trace = run(req)
         trace.notes.append(note or "keep_blocks=False: each attention block was folded into the scores during the "
                            "reverse walk and its records dropped (exp.blocks and exp.matrix are not kept)")
-        for i, out in zip(mine, trace.streamed):
+        for i, out in zip(mine, trace.folded):
             outputs[i] = (out, trace, p)
     special_tokens_mask, mask_source = special
     return [build(info, key or preset, outputs[j][0], outputs[j][1], special_tokens_mask, mask_source)

@@ -6,7 +6,7 @@ relevance R_A (CVPR 2021, Eq. 13: Ā_b = E_h[(∇A_b ⊙ R_A_b)⁺]), each batch
 values in at least float32 (:func:`relprop.engine.records.record`). They grow with tokens²: 432 MiB
 for BERT-base at 512 tokens, 6.75 GiB at 2048. When ``keep_blocks`` is not given and these records
 would exceed the budget, the rollout-style methods fold each block into the query's row instead
-(:mod:`relprop.methods.streaming`), which needs none of them.
+(:mod:`relprop.methods.fold_maps`), which needs none of them.
 """
 from __future__ import annotations
 

@@ -26,7 +26,7 @@ from .walk import Walker
 
 
 def run_low(request: Request, out_nodes: List[torch.fx.Node], wrt: List[torch.fx.Node], remat,
-            streamer: Optional[Any] = None) -> Pass:
+            folder: Optional[Any] = None) -> Pass:
     """``memory="low"``: gradient checkpointing at the attention blocks, for the walk as well.
 
     1. A forward pass without autograd keeps only the values that cross segments
@@ -44,10 +44,10 @@ def run_low(request: Request, out_nodes: List[torch.fx.Node], wrt: List[torch.fx
     inputs); the gradients are sums of the same terms in another order. Costs one more forward
     pass; the peak holds the block records, the crossing values and one segment.
 
-    ``streamer`` (a streamed run, :class:`relprop.engine.streaming.Streamer`) is attached to the
-    walk (``attach``: it hands each block to the methods' folds when the walk reaches its attention
-    map) and called after each segment (``after_segment``, which returns the nodes whose values and
-    gradients it dropped): then the peak holds the crossing values and one segment.
+    ``folder`` (a folded run, :class:`relprop.engine.fold_hooks.BlockFolder`) is the walk's hooks
+    (the walker calls its ``reached`` at each attention map, and it hands the block to the methods'
+    folds) and is called after each segment (``after_segment``, which returns the nodes whose values
+    and gradients it dropped): then the peak holds the crossing values and one segment.
     """
     captured = request.captured
     a = captured.analysis
@@ -72,11 +72,11 @@ def run_low(request: Request, out_nodes: List[torch.fx.Node], wrt: List[torch.fx
     walker = None
     if request.relevance:  # (no memo of |W| here: memory="high" only)
         walker = Walker(request, env, relevance_seed(seed, env, get_preset(request.preset).seed), out_nodes, batch,
-                        remat)
+                        remat, hooks=folder)
     needed_later = read_after_walk(a)
     dropped: set = set()
-    if streamer is not None:
-        streamer.attach(walker, env, grad, batch)
+    if folder is not None:
+        folder.attach(env, grad, batch, walked=walker is not None)
     for seg in reversed(segments(captured)):
         _backward_segment(captured, env, seg, gbuf, grad, grad_nodes, kept, request.compute)
         if walker is not None:
@@ -87,15 +87,17 @@ def run_low(request: Request, out_nodes: List[torch.fx.Node], wrt: List[torch.fx
             for node in seg:
                 if node not in needed_later:
                     env.pop(node, None)
-        if streamer is not None:
-            dropped |= streamer.after_segment(seg)
+        if folder is not None:
+            dropped |= folder.after_segment(seg)
     for n in grad_nodes:  # placeholders (pixels, inputs_embeds): the sum over the segments reading them
         if n not in grad and n not in dropped:
             g = gbuf.get(n)
             grad[n] = g if g is not None else torch.zeros_like(env[n])
-    rel_at, conservation, input_rel = walker.finish() if walker is not None else ({}, None, None)
-    return Pass(env, outputs, scores, target, grad, rel_at, conservation, input_rel, tokens=tokens,
-                stream_relevance=getattr(walker, "stream_relevance", {}))
+    if walker is None:
+        return Pass(env, outputs, scores, target, grad, tokens=tokens)
+    walked = walker.finish()
+    return Pass(env, outputs, scores, target, grad, walked.relevance_at, walked.conservation, walked.input_relevance,
+                tokens=tokens, stream_relevance=walked.stream_relevance)
 
 
 def _token_trace_reads(a) -> set:

@@ -27,9 +27,8 @@ from ..graph.torch_fixes import safe_target
 from ..graph.selective_scan import selection_parameters
 from ..rules import rule_registry as registry
 from ..rules.generic import gradient_times_input
-from ..rules.gradient_forms import stabilizer_ledger
 from ..rules.rule_registry import ELEMENTWISE_FUNCTION
-from ..rules.spec import RuleSpec, as_spec
+from ..rules.spec import GradientForm, RuleSpec, as_spec
 
 
 def on_operands(spec: RuleSpec, operands: tuple, region: Region) -> RuleSpec:
@@ -65,9 +64,7 @@ def _detaching(form, positions):
             args = tuple(a.detach() if i in positions and torch.is_tensor(a) else a for i, a in enumerate(args))
             return (op or safe_target(node.target))(*args, **kwargs)
         return call
-    detached.lost = stabilizer_ledger(form)
-    detached.inner = form
-    return detached
+    return GradientForm(detached, lost=form.lost, inner=form)
 
 
 def regions(captured: Captured) -> Dict[torch.fx.Node, Region]:

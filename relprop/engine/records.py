@@ -1,6 +1,6 @@
 """One attention block's :class:`relprop.engine.trace.BlockRecord` from the values of a run (shared by
-the full-record path, :func:`relprop.engine.run.build_trace`, and the streamed one,
-:mod:`relprop.engine.streaming`)."""
+the full-record path, :func:`relprop.engine.run.build_trace`, and the folded one,
+:mod:`relprop.engine.fold_hooks`)."""
 from __future__ import annotations
 
 from typing import Any, Dict, Optional
@@ -16,7 +16,7 @@ def block_record(b, env: Dict[Any, Any], grad: Dict[Any, torch.Tensor], rel_at: 
     """The record of block ``b`` (a :class:`relprop.graph.attention_blocks.BlockInfo`): A, dA, R_A, h, dh, R_h,
     V, the features, their gradient and W_O, detached, in at least float32, heads unfolded.
 
-    ``partial`` (a streamed run, when the walk reaches the block's attention map): values the run
+    ``partial`` (a folded run, when the walk reaches the block's attention map): values the run
     has not reached yet or already freed are None — the gradient and relevance of the hidden state
     entering the block (they belong to the segment before it), V and the features when the walk
     has passed them."""

@@ -38,10 +38,10 @@ class Request:
     eps : the rules' denominator stabilizer.
     unsupported : ``"error"`` or ``"z_rule"`` (:data:`UNSUPPORTED_MODES`).
     memory : ``"default"``, ``"low"`` or ``"high"`` (:data:`MEMORY_MODES`).
-    stream : folds, each called with every block's :class:`relprop.engine.trace.BlockRecord` from
+    folds : folds, each called with every block's :class:`relprop.engine.trace.BlockRecord` from
         the output block back, as soon as the reverse walk has its A, dA and R_A; the records are
         dropped after the calls (:func:`relprop.engine.run.run`; each fold's ``result()`` goes to
-        ``Trace.streamed``). Empty: every block's records are kept in ``Trace.blocks``.
+        ``Trace.folded``). Empty: every block's records are kept in ``Trace.blocks``.
     input_gradient : take the gradient at the input (``Trace.input_gradient``). False (no method
         reads it) lets the gradient pass stop at the first block's input, below which only the
         input gradient needs it: e.g. a vision transformer's patch embedding is not back-propagated.
@@ -57,7 +57,7 @@ class Request:
     eps: float = DEFAULT_EPS
     unsupported: str = "error"
     memory: str = "default"
-    stream: tuple = ()
+    folds: tuple = ()
     input_gradient: bool = True
     precision: str = "float32"
 

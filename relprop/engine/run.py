@@ -28,7 +28,7 @@ from .request import Request
 from .session import Session
 from .stream_relevance import primary_parts, stream_masks
 from .records import block_record, record
-from .streaming import STREAM_WINDOWS, Streamer
+from .fold_hooks import FOLD_WINDOWS, BlockFolder
 from .trace import NotKept, Pass, Trace
 from .walk import Walker, check_rules, walk
 
@@ -65,12 +65,12 @@ def run(request: Request) -> Trace:
         request = request.but(memory="default")
     out_nodes = live_outputs(captured.graph, a.live)
     remat = rematerializable(captured)
-    if request.stream:
+    if request.folds:
         if a.windows or len(a.streams) > 1:
-            raise RelpropError(STREAM_WINDOWS)
-        streamer = Streamer(request)
-        result = run_low(request, out_nodes, gradient_nodes(a, out_nodes), remat, streamer)
-        result.token_count = streamer.token_count
+            raise RelpropError(FOLD_WINDOWS)
+        folder = BlockFolder(request)
+        result = run_low(request, out_nodes, gradient_nodes(a, out_nodes), remat, folder)
+        result.token_count = folder.token_count
         return build_trace(request, result, notes)
     if request.memory == "low":
         return build_trace(request, run_low(request, out_nodes, gradient_nodes(a, out_nodes), remat), notes)
@@ -93,9 +93,9 @@ def run(request: Request) -> Trace:
         with torch.no_grad():
             seed = {**grad, **output_seed(captured, env, request.target.score, out_nodes,
                                           seed=get_preset(request.preset).seed)}
-            walker = Walker(request, env, seed, out_nodes, batch, remat)
-            result.rel_at, result.conservation, result.input_relevance = walk(walker)
-            result.stream_relevance = walker.stream_relevance
+            walked = walk(Walker(request, env, seed, out_nodes, batch, remat), captured.graph)
+            result.rel_at, result.conservation = walked.relevance_at, walked.conservation
+            result.input_relevance, result.stream_relevance = walked.input_relevance, walked.stream_relevance
     return build_trace(request, result, notes)
 
 
@@ -106,8 +106,8 @@ def build_trace(request: Request, result: Pass, notes: List[str]) -> Trace:
     a = captured.analysis
     env, grad, rel_at = result.env, result.grad, result.rel_at
     batch = result.scores.shape[0]
-    if request.stream:  # a streamed run: the folds read every block and its records are gone
-        blocks, stages = NotKept("the per-block records (exp.blocks)", _names(request.stream)), None
+    if request.folds:  # a folded run: the folds read every block and its records are gone
+        blocks, stages = NotKept("the per-block records (exp.blocks)", _names(request.folds)), None
         n_tok = result.token_count
     else:
         blocks = [block_record(b, env, grad, rel_at, batch) for b in a.blocks]
@@ -134,9 +134,9 @@ def build_trace(request: Request, result: Pass, notes: List[str]) -> Trace:
                  token_maps=result.tokens, token_mixing=a.token_mixing, unmapped_blocks=a.unmapped,
                  streams=list(a.streams), stream_relevance=result.stream_relevance,
                  stream_masks=stream_masks(a, request.kwargs, batch),
-                 streamed=[f.result() for f in request.stream])
+                 folded=[f.result() for f in request.folds])
 
 
 def _names(folds) -> str:
-    """The methods of a streamed run's folds, for the message of :class:`NotKept`."""
+    """The methods of a folded run's folds, for the message of :class:`NotKept`."""
     return ", ".join(dict.fromkeys(getattr(f, "name", type(f).__name__) for f in folds))

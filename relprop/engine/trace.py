@@ -37,7 +37,7 @@ class BlockRecord:
 
 class NotKept:
     """Stands in for per-block records (``Trace.blocks``, ``Explanation.blocks``) or an aggregated
-    matrix (``Explanation.matrix``) that a streamed run did not keep: the method folded each block
+    matrix (``Explanation.matrix``) that a folded run did not keep: the method folded each block
     into its result during the reverse walk and dropped the block's A, dA and R_A at once. Any use
     of it (length, truth value, iteration, indexing, attributes) raises :class:`MethodError` naming
     the option that keeps them; :class:`relprop.Explanation` raises already when the field is read."""
@@ -117,8 +117,8 @@ class Trace:
     logits: Optional[torch.Tensor]
     target: Optional[torch.Tensor]
     target_scores: torch.Tensor
-    #: per attention block, from the input; a :class:`NotKept` after a streamed run (the method's
-    #: result was folded block by block, :attr:`streamed`)
+    #: per attention block, from the input; a :class:`NotKept` after a folded run (the method's
+    #: result was folded block by block, :attr:`folded`)
     blocks: Any
     input_relevance: Optional[torch.Tensor]
     input_gradient: Optional[torch.Tensor]
@@ -149,11 +149,11 @@ class Trace:
     #: features] inputs) and [batch, tokens] mask of real tokens
     streams: List[str] = dataclasses.field(default_factory=list)
     stream_relevance: Dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
-    #: a streamed run: the number of tokens of the first block (its records are gone)
+    #: a folded run: the number of tokens of the first block (its records are gone)
     token_count: Optional[int] = None
     stream_masks: Dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
-    #: a streamed run (``Request.stream``): each fold's result, in the order of ``Request.stream``
-    streamed: List[Any] = dataclasses.field(default_factory=list)
+    #: a folded run (``Request.folds``): each fold's result, in the order of ``Request.folds``
+    folded: List[Any] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass
@@ -174,5 +174,5 @@ class Pass:
     windows: Any = None
     tokens: Dict[int, torch.Tensor] = dataclasses.field(default_factory=dict)  # token_positions()
     stream_relevance: Dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
-    #: a streamed run: the number of tokens of the first block (its records are gone)
+    #: a folded run: the number of tokens of the first block (its records are gone)
     token_count: Optional[int] = None

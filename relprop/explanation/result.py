@@ -83,7 +83,7 @@ class Explanation:
 
     def __getattribute__(self, name):
         value = object.__getattribute__(self, name)
-        if type(value) is NotKept:  # a streamed explanation: blocks / matrix were not kept
+        if type(value) is NotKept:  # a folded explanation: blocks / matrix were not kept
             value._refuse()
         return value
 

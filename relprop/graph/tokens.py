@@ -13,7 +13,7 @@ of a text source — and the ops that carry positions from it to each block's in
 every channel (0 in every token made from constants). Shape and indexing ops (view, permute, gather
 with the model's own indices, cat, ...) move the positions as they move the tokens; per-token ops
 (adding a position embedding, LayerNorm, a linear layer over the channels, the residual sum of a
-block) keep them — an attention branch added to the residual stream does not change which token a
+block) keep them — an attention branch added to the residual does not change which token a
 row is. Where no chain of such ops reaches a block (a convolution over the tokens, an attention
 output without a residual), that block's positions are unknown; for the first block the tokens are
 then taken to be the constants first and the patch grid after them, row-major.

@@ -227,7 +227,7 @@ def raw_attention(trace, head_fusion: str = "mean", positive: bool = False, disc
 
 
 def _rollout_maps(b):
-    """Attention rollout's per-head maps A of a block record (the streamed path folds the same maps)."""
+    """Attention rollout's per-head maps A of a block record (the folded path folds the same maps)."""
     return b.attention
 
 
@@ -311,7 +311,7 @@ def attention_gradcam(trace):
 
 
 def _gradient_rollout_maps(b):
-    """The gradient rollout's per-head maps ∇A ⊙ A (ICCV 2021, Eq. 5; the streamed path folds the same maps)."""
+    """The gradient rollout's per-head maps ∇A ⊙ A (ICCV 2021, Eq. 5; the folded path folds the same maps)."""
     return b.gradient * b.attention
 
 

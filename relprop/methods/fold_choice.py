@@ -4,7 +4,7 @@ With ``keep_blocks=None`` (the default) the records are kept while they fit a bu
 attention-sized records of a full-record run (A, ∇A, R_A of every block, CVPR 2021 Eq. 13;
 :func:`relprop.engine.budget.records_bytes`) would exceed ``records_budget``, the rollout-style
 methods fold each block into the query's row during the reverse walk (Eq. 13–14 associated from
-the query, :mod:`relprop.methods.streaming`), with the same scores to float32 rounding and no
+the query, :mod:`relprop.methods.fold_maps`), with the same scores to float32 rounding and no
 ``exp.blocks`` / ``exp.matrix``; ``exp.notes`` says so. ``keep_blocks=True`` always keeps them,
 ``keep_blocks=False`` always folds where folding applies.
 """
@@ -15,14 +15,14 @@ from typing import Optional, Sequence, Tuple
 import torch
 
 from ..engine.budget import default_budget, mib, records_bytes
-from . import streaming
+from . import fold_maps
 
 
-def why_not_streamed(jobs, analysis) -> Optional[str]:
+def why_not_folded(jobs, analysis) -> Optional[str]:
     """None when every method of ``jobs`` ((info, options) pairs) can be folded block by block, else
-    why not (:func:`relprop.methods.streaming.why_not`)."""
+    why not (:func:`relprop.methods.fold_maps.why_not`)."""
     for info, options in jobs:
-        why = streaming.why_not(info, options, analysis)
+        why = fold_maps.why_not(info, options, analysis)
         if why is not None:
             return why
     return None
@@ -30,7 +30,7 @@ def why_not_streamed(jobs, analysis) -> Optional[str]:
 
 def choose(jobs: Sequence, analysis, batch: int, device: torch.device, keep_blocks: Optional[bool],
            budget: Optional[float], runs: int = 1) -> Tuple[bool, Optional[str]]:
-    """``(fold, note)``: whether the call folds the blocks (the streamed run), and the note the
+    """``(fold, note)``: whether the call folds the blocks (the folded run), and the note the
     Explanations get about that choice (None: nothing to say).
 
     Parameters
@@ -47,7 +47,7 @@ def choose(jobs: Sequence, analysis, batch: int, device: torch.device, keep_bloc
     if keep_blocks is True:
         return False, None
     if keep_blocks is False:
-        why = why_not_streamed(jobs, analysis)
+        why = why_not_folded(jobs, analysis)
         if why is None:
             return True, None
         return False, (f"keep_blocks=False: not folded block by block ({why}); the full-record path ran and "
@@ -62,7 +62,7 @@ def choose(jobs: Sequence, analysis, batch: int, device: torch.device, keep_bloc
         return False, None
     over = (f"the block records (A, dA, R_A of {len(analysis.blocks)} blocks) would take {mib(size)}, over "
             f"records_budget={mib(limit)}")
-    why = why_not_streamed(jobs, analysis)
+    why = why_not_folded(jobs, analysis)
     if why is not None:
         return False, f"{over}; they were kept because folding does not apply ({why})"
     return True, (f"{over}: each attention block was folded into the scores during the reverse walk and its "

@@ -32,7 +32,7 @@ colour.
 ``"exclude_self"``
     Σ_{i≠j} q_i C_ij: each query row's whole own entry left out (its identity share and the paths
     that return to it), the closest reading of "leave out the query token" for a pooled query.
-    Needs C (no streaming) and one token sequence (no token merging between stages).
+    Needs C (no folding) and one token sequence (no token merging between stages).
 
 ``benchmarks/faithfulness/pooling.py`` compares the three on mean-pooled models; ``docs/methods.md``
 has the figures behind the default.

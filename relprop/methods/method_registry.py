@@ -25,7 +25,7 @@ class MethodInfo:
     needs_input_gradient : it reads the gradient at the input (``Trace.input_gradient``).
     folds : ``head_maps(record) -> [batch, heads, N, N]``, the per-head maps of a block record
         whose rollout the method computes, when the method can be folded block by block during the
-        reverse walk without keeping the records (:class:`relprop.methods.streaming.RowFold`: the
+        reverse walk without keeping the records (:class:`relprop.methods.fold_maps.RowFold`: the
         same maps the method passes to :func:`relprop.methods.aggregation.aggregate`); None: it
         reads the records after the walk.
     streams : how many token streams it defines its scores on: 2 for a method with a definition

@@ -10,7 +10,7 @@ columns h·d:(h+1)·d of the output projection), α^h_ij the attention.
   contribution of token j to token i is N[i, j] = ‖Σ_h α^h_ij f^h(x_j)‖ ("combined" heads) or, per
   head, N^h[i, j] = ‖α^h_ij f^h(x_j)‖.
 * 2021, §3 (their Eq. 6–9, "ATTN-RES-LN"): with the residual, z_i = Σ_j F_i(x_j) + b_O with
-  F_i(x_j) = Σ_h α^h_ij f^h(x_j) + δ_ij r_j (r the residual stream the attention output is added
+  F_i(x_j) = Σ_h α^h_ij f^h(x_j) + δ_ij r_j (r the residual the attention output is added
   to); a LayerNorm after the sum (post-norm models, BERT) is linear but for its scale, LN(z_i) =
   Σ_j g_{z_i}(F_i(x_j)) + g_{z_i}(b_O) + β with g_z(u) = γ ⊙ (u − mean(u)) / sqrt(Var(z) + ε)
   (Eq. 8), so N[i, j] = ‖g_{z_i}(F_i(x_j))‖. The biases are given to no token (as the paper). In
@@ -85,8 +85,8 @@ def _after_projection(session, index: int):
         add = next((u for u in users if u.target is aten.add.Tensor), None)
         if add is not None:
             other = add.args[1] if add.args[0] is node else add.args[0]
-            # post-norm (BERT): the LayerNorm is the only reader of the sum, the stream goes on from its
-            # output; pre-norm (ViT): the sum is the stream itself, read by the next norm and the next residual
+            # post-norm (BERT): the LayerNorm is the only reader of the sum, the residual goes on from its
+            # output; pre-norm (ViT): the sum is the residual itself, read by the next norm and the next residual
             readers = list(add.users)
             ln = readers[0] if len(readers) == 1 and readers[0].target is aten.layer_norm.default else None
             return add, other, ln, scales
@@ -120,7 +120,7 @@ def residual_norm_map(trace, b, env: dict) -> torch.Tensor:
     r = env[other].detach().double()
     batch, heads, n, c = f.shape
     if tuple(r.shape) != (batch, n, c):
-        raise MethodError(f"attn_res_ln_norm: the residual stream of block {b.index} has shape {tuple(r.shape)}, "
+        raise MethodError(f"attn_res_ln_norm: the residual of block {b.index} has shape {tuple(r.shape)}, "
                           f"not [batch, tokens, hidden] = {(batch, n, c)}")
     scale: Optional[torch.Tensor] = None
     if ln is not None:

@@ -10,7 +10,7 @@ from .identity import DEFAULT_IDENTITY
 from .method_registry import method
 
 def _ta_maps(b):
-    """Eq. 13's per-head map ∇A ⊙ R_A of a block record (the streamed path folds the same maps)."""
+    """Eq. 13's per-head map ∇A ⊙ R_A of a block record (the folded path folds the same maps)."""
     return b.gradient * b.relevance
 
 
@@ -56,7 +56,7 @@ def transformer_attribution(trace, start_block: int = 0, normalize_rows: bool = 
     This function computes C itself from every block's records (the full-matrix path, the default
     ``explain(..., keep_blocks=True)``); with ``keep_blocks=False`` :func:`relprop.explain` folds
     the query row q · Ā_1 · … · Ā_B (output block first) during the reverse walk instead, Eq. 14
-    associated from the query (:mod:`relprop.methods.streaming`): the same scores to float32
+    associated from the query (:mod:`relprop.methods.fold_maps`): the same scores to float32
     rounding, without C or the records (memory flat in the number of blocks, one block's
     tokens² maps at a time).
     """

@@ -29,14 +29,15 @@ gradient form               backward (g: incoming gradient)
 ==========================  ====================================================================
 
 A rule declares its form where it is registered, ``@rule(op, preset=..., gradient_form=form)``
-(stored in its :class:`relprop.rules.spec.RuleSpec`); the form is a factory
-``form(node, live, eps) -> callable | None`` that returns a replacement for ``node.target`` (same
-arguments, same forward value) or None when the plain op (its ordinary gradient) *is* the rule.
+(stored in its :class:`relprop.rules.spec.RuleSpec`); the form is a
+:class:`relprop.rules.spec.GradientForm`, whose ``replace(node, live, eps) -> callable | None``
+returns a replacement for ``node.target`` (same arguments, same forward value) or None when the
+plain op (its ordinary gradient) *is* the rule.
 :mod:`relprop.engine.fast_path` executes a captured graph with these replacements, and one
 ``torch.autograd.grad`` then gives relevance = input × gradient. Rules without a declared form make
 the fast path unavailable; the rule-by-rule walk (:mod:`relprop.engine.walk`) stays the reference.
-A form of an ε-rule also carries ``lost(node, args, out, relevance, eps)``, the relevance its
-stabilizer keeps, which the walk books as absorbed (:func:`stabilizer_ledger`).
+A form of an ε-rule also declares ``lost(node, args, out, relevance, eps)`` (a field of the
+form), the relevance its stabilizer keeps, which the walk books as absorbed.
 """
 from __future__ import annotations
 
@@ -46,12 +47,8 @@ import torch
 from torch.autograd import Function
 
 from ..graph.torch_fixes import safe_target
-from .spec import RuleSpec, as_spec
+from .spec import GradientForm, RuleSpec, as_form, as_spec
 from .stabilize import SPARSE_ROW, on_nonzero_rows, safe_divide
-
-#: signature of a gradient form: (node, live flags of node.args, eps) -> replacement or None
-GradientForm = Callable[..., Optional[Callable]]
-
 
 def gradient_form(form: GradientForm):
     """Decorator, under ``@rule``: the rule as a :class:`RuleSpec` declaring the modified-gradient
@@ -62,12 +59,7 @@ def gradient_form(form: GradientForm):
     return attach
 
 
-def stabilizer_ledger(form: Optional[GradientForm]) -> Optional[Callable]:
-    """The ``lost(node, args, out, relevance, eps)`` a gradient form declares (the relevance an
-    ε-rule's stabilizer keeps from the node's inputs), or None."""
-    return getattr(form, "lost", None) if form is not None else None
-
-
+@GradientForm
 def plain(node, live, eps):
     """The op's own gradient is the rule (ε-rule on linear maps, sums, routing; AttnLRP Eq. 8)."""
     return None
@@ -234,6 +226,7 @@ class _RMSNormConstRMS(Function):
 # ------------------------------------------------------------------------------------------------
 # forms
 # ------------------------------------------------------------------------------------------------
+@GradientForm
 def identity_rule(node, live, eps):
     """Element-wise non-linearity with the identity rule (AttnLRP Eq. 9): backward g · f(x)/x."""
     op = safe_target(node.target)
@@ -243,6 +236,7 @@ def identity_rule(node, live, eps):
     return call
 
 
+@GradientForm
 def function_identity(node, live, eps):
     """An element-wise function of one tensor written out op by op (a region of
     :mod:`relprop.graph.elementwise`) with the identity rule (AttnLRP Eq. 9). Unlike the forms of
@@ -258,7 +252,7 @@ def stabilize(z: torch.Tensor, eps: float, scale: float = 1) -> torch.Tensor:
     return _Stabilize.apply(z, eps, scale)
 
 
-def epsilon_stabilized(form: GradientForm = plain, scale: Optional[Callable] = None) -> GradientForm:
+def epsilon_stabilized(form: Callable = plain, scale: Optional[Callable] = None) -> GradientForm:
     """A form factory for the ε-rule nodes: ``form``'s replacement (the plain op where it gives
     None) with the ε-rule's stabilizer on the output's gradient, so that the modified gradient
     equals the interpreter's R / (z + ε·sign z) (module docstring). ``scale(node, args, z)`` gives s when
@@ -284,12 +278,10 @@ def epsilon_stabilized(form: GradientForm = plain, scale: Optional[Callable] = N
         den = (z * scale(node, args, z)).abs() if scale is not None else z.abs()
         kept = torch.nan_to_num(den / (den + eps), nan=0.0)
         return r * (1 - kept)
-    stabilized.inner = form
-    stabilized.lost = lost
-    return stabilized
+    return GradientForm(stabilized, lost=lost, inner=as_form(form))
 
 
-def epsilon_linear_form(node, live, eps):
+def _epsilon_linear(node, live, eps):
     """``aten.linear`` under the ε-rule (AttnLRP Eq. 8): :func:`epsilon_stabilized`'s replacement,
     except that a layer with at least :data:`relprop.rules.stabilize.SPARSE_ROW` outputs and a
     constant weight and bias (a language model's head) runs as :class:`_WideLinear`, whose
@@ -305,6 +297,7 @@ def epsilon_linear_form(node, live, eps):
     return call
 
 
+@GradientForm
 def uniform_product(node, live, eps):
     """Product of two live factors with the uniform rule (AttnLRP Eq. 7, Props. 3.2–3.3): the
     gradient of both factors halved."""
@@ -331,9 +324,10 @@ def constant_operand(position: int):
                 args[position] = args[position].detach()
             return op(*args, **kwargs)
         return call
-    return form
+    return GradientForm(form)
 
 
+@GradientForm
 def layer_norm_const_std(node, live, stabilizer):
     """``aten.layer_norm`` with a constant standard deviation (AttnLRP Prop. 3.4)."""
     def call(input, normalized_shape, weight=None, bias=None, eps=1e-5, cudnn_enable=True):
@@ -341,6 +335,7 @@ def layer_norm_const_std(node, live, stabilizer):
     return call
 
 
+@GradientForm
 def group_norm_const_std(node, live, stabilizer):
     """``aten.native_group_norm`` with constant standard deviations (AttnLRP Prop. 3.4); returns
     (y, mean, rstd) like the op, the statistics without gradient."""
@@ -349,6 +344,7 @@ def group_norm_const_std(node, live, stabilizer):
     return call
 
 
+@GradientForm
 def rms_norm_const_rms(node, live, stabilizer):
     """``aten.rms_norm`` with a constant root mean square (AttnLRP Prop. 3.4)."""
     def call(input, normalized_shape, weight=None, eps=None):
@@ -357,5 +353,6 @@ def rms_norm_const_rms(node, live, stabilizer):
 
 
 _EPSILON_PLAIN = epsilon_stabilized()
-epsilon_linear_form.inner = plain
-epsilon_linear_form.lost = _EPSILON_PLAIN.lost
+#: ``aten.linear`` under the ε-rule (:func:`_epsilon_linear`), booking what the stabilizer keeps as
+#: :func:`epsilon_stabilized` does
+epsilon_linear_form = GradientForm(_epsilon_linear, lost=_EPSILON_PLAIN.lost, inner=plain)

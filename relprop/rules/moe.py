@@ -44,6 +44,7 @@ import torch.fx
 from ..errors import UnsupportedOperation
 from ..graph.nodes import module_type
 from .gradient_forms import epsilon_stabilized
+from .spec import GradientForm, as_form
 from .linear import linear_formula
 from .rule_registry import rule
 from .stabilize import promote
@@ -175,5 +176,4 @@ def renormalizing(form):
         if dims is None:
             return None
         return RENORMALIZATION, renormalization_shares(promote(out), relevance, dims)[1]
-    divide_form.lost = lost
-    return divide_form
+    return GradientForm(divide_form, lost=lost, inner=as_form(form))

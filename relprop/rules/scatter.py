@@ -38,6 +38,7 @@ from .attnlrp import ATTNLRP
 from .generic import gradient_times_input
 from .gradient_forms import epsilon_stabilized, plain
 from .rule_registry import rule
+from .spec import GradientForm
 from .stabilize import promote, safe_divide
 
 aten = torch.ops.aten
@@ -103,7 +104,7 @@ def index_put_shares(ctx, relevance):
 _EPSILON = epsilon_stabilized()
 
 
-def _index_put_form(node, live, eps):
+def _index_put_replacement(node, live, eps):
     """One-backward form of ``index_put``: its own gradient when it writes (routing); the ε-rule when
     it adds (``accumulate=True``)."""
     return _EPSILON(node, live, eps) if _accumulates(node.args) else None
@@ -114,7 +115,7 @@ def _index_put_lost(node, args, out, relevance, eps):
     return _EPSILON.lost(node, args, out, relevance, eps) if _accumulates(args) else None
 
 
-_index_put_form.lost = _index_put_lost
+_index_put_form = GradientForm(_index_put_replacement, lost=_index_put_lost)
 
 
 @rule(aten.index_put.default, aten.index_put_.default, preset=PAPER_PRESETS)

@@ -20,6 +20,44 @@ from typing import Any, Callable, FrozenSet, Iterable, Optional, Sequence
 RuleFn = Callable[..., Sequence]
 
 
+@dataclasses.dataclass(frozen=True)
+class GradientForm:
+    """A rule's modified-gradient form, for the one-backward fast path
+    (:mod:`relprop.rules.gradient_forms`), and what it declares.
+
+    Attributes
+    ----------
+    replace : ``replace(node, live, eps) -> callable | None``: a replacement for ``node.target``
+        (same arguments, same forward value) whose gradient is the rule, or None when the plain op's
+        ordinary gradient is the rule. Calling the form calls it.
+    lost : for an ε-rule (AttnLRP Eq. 8), ``lost(node, args, out, relevance, eps)``: the relevance
+        its stabilizer keeps from the node's inputs (a tensor shaped like the relevance, booked as
+        absorbed by the walk), a ``(label, share)`` pair booked under its own label, or None; None
+        (the field): the form's rule passes all its relevance on.
+    inner : the form this one wraps (the op's own form under :func:`epsilon_stabilized`), or None.
+    """
+
+    replace: Callable[..., Optional[Callable]]
+    lost: Optional[Callable] = None
+    inner: Optional["GradientForm"] = None
+
+    def __call__(self, node, live, eps):
+        """The replacement of ``node.target`` (``replace(node, live, eps)``)."""
+        return self.replace(node, live, eps)
+
+    @property
+    def __name__(self) -> str:  # messages that name a form read this, as for a function
+        return getattr(self.replace, "__name__", type(self.replace).__name__)
+
+
+def as_form(form: Optional[Callable]) -> Optional[GradientForm]:
+    """``form`` as a :class:`GradientForm` (a plain ``form(node, live, eps)`` function declares no
+    ``lost``); None stays None."""
+    if form is None or isinstance(form, GradientForm):
+        return form
+    return GradientForm(form)
+
+
 def _positions(value: Optional[Iterable[int]]) -> FrozenSet[int]:
     return frozenset(value) if value is not None else frozenset()
 
@@ -32,9 +70,10 @@ class RuleSpec:
     ----------
     fn : the rule, ``fn(ctx, relevance) -> one share per positional argument`` (see
         :mod:`relprop.rules.rule_registry`).
-    gradient_form : its modified-gradient form, ``form(node, live, eps) -> replacement | None``
-        (:mod:`relprop.rules.gradient_forms`), for the one-backward fast path; None: the rule has
-        none, and a preset that uses it walks the graph rule by rule.
+    gradient_form : its modified-gradient form, a :class:`GradientForm` (a plain
+        ``form(node, live, eps) -> replacement | None`` function is wrapped in one), for the
+        one-backward fast path (:mod:`relprop.rules.gradient_forms`); None: the rule has none, and a
+        preset that uses it walks the graph rule by rule.
     formula : for a rule of ``aten.linear``, the formula ``formula(x, w, relevance, eps) -> R_x``
         (``w`` [in, out]) it applies, so that other rules apply the active preset's linear rule to
         linear maps that are not ``aten.linear`` (a product with a constant matrix, MoE experts).
@@ -53,7 +92,7 @@ class RuleSpec:
     """
 
     fn: RuleFn
-    gradient_form: Optional[Callable] = None
+    gradient_form: Optional[GradientForm] = None
     formula: Optional[Callable] = None
     writes_out: bool = False
     no_relevance_to: FrozenSet[int] = frozenset()
@@ -66,6 +105,7 @@ class RuleSpec:
     def __post_init__(self):
         object.__setattr__(self, "no_relevance_to", _positions(self.no_relevance_to))
         object.__setattr__(self, "constant_positions", _positions(self.constant_positions))
+        object.__setattr__(self, "gradient_form", as_form(self.gradient_form))
         if not self.name:
             object.__setattr__(self, "name", getattr(self.fn, "__name__", type(self.fn).__name__))
         if not self.module:

@@ -12,9 +12,9 @@ from the input here), and read the query's row of C: scores = q · C for the que
 
 so a row r ← r · Ā_b, started at q and updated from the output block back, needs one block at a
 time: the engine hands each block's record to a :class:`RowFold` as soon as the reverse walk has
-its A, ∇A and R_A, and frees the record (:mod:`relprop.engine.streaming`). A method is folded
+its A, ∇A and R_A, and frees the record (:mod:`relprop.engine.fold_hooks`). A method is folded
 this way when it declares its per-head maps with ``@method(..., folds=head_maps)``
-(:attr:`relprop.methods.registry.MethodInfo.folds`) and its options allow it (:func:`why_not`). The peak holds one block
+(:attr:`relprop.methods.method_registry.MethodInfo.folds`) and its options allow it (:func:`why_not`). The peak holds one block
 instead of blocks × heads × tokens² records, and the products are of a [k, tokens] row with a
 [tokens, tokens] map (k ≤ 2) instead of [tokens, tokens]².
 
@@ -23,7 +23,7 @@ fold meets first. Whether the model is causal (a decoder's query is its last pos
 the mean of the rows read) is known only once every block has been seen, so when the two readings
 differ both rows are folded and the right one is kept at the end. The results equal those of the
 full-matrix path (``keep_blocks=True``, :func:`relprop.methods.aggregation.aggregate`) to float
-rounding (the products are associated differently); ``tests/test_streaming.py`` checks it.
+rounding (the products are associated differently); ``tests/test_folding.py`` checks it.
 """
 from __future__ import annotations
 
@@ -235,7 +235,7 @@ class RowFold:
         """The method's output: ``tokens`` (the query row of C), ``query`` (its weights), ``heads``."""
         check_mixing(self.mixing, self.name)
         if self.seen != self.n_blocks or self.row is None:
-            raise MethodError(f"{self.name}: the streamed run folded {self.seen} of {self.n_blocks} blocks; explain "
+            raise MethodError(f"{self.name}: the folded run folded {self.seen} of {self.n_blocks} blocks; explain "
                               f"with keep_blocks=True")
         if self.used_mask and self.tokens0 != self.first_tokens:
             raise MethodError(f"{self.name}: the first and the last attention block have different token counts; "

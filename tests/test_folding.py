@@ -1,7 +1,7 @@
 """``explain(..., keep_blocks=False)``: the rollout-style methods folded block by block during the
-reverse walk (:mod:`relprop.methods.streaming`, :mod:`relprop.engine.streaming`).
+reverse walk (:mod:`relprop.methods.fold_maps`, :mod:`relprop.engine.fold_hooks`).
 
-The streamed scores must equal the full-matrix path's (``keep_blocks=True``, the reference every
+The folded scores must equal the full-matrix path's (``keep_blocks=True``, the reference every
 other test checks against the papers) to float32 rounding, on encoders, a padded text batch and
 causal decoders; the paper's Eq. 13–14 written out with loops over the kept records gives the same
 row; the model is untouched; the blocks and the matrix are not kept and reading them says so.
@@ -18,14 +18,14 @@ from relprop.engine.trace import BlockRecord, NotKept
 from relprop.graph.capture import CACHE
 from relprop.graph.inputs import bind_inputs
 from relprop.methods import get_method
-from relprop.methods import streaming as streaming_module
-from relprop.methods.streaming import RowFold
+from relprop.methods import fold_maps as fold_maps_module
+from relprop.methods.fold_maps import RowFold
 from relprop.targets import resolve
 
 import models
 from fold_checks import TOL, assert_folded_like_kept
 
-STREAMED = ("transformer_attribution", "rollout", "gradient_rollout")
+FOLDED = ("transformer_attribution", "rollout", "gradient_rollout")
 #: every test here captures a model (torch.export: seconds on a loaded machine), so all but the
 #: argument check are slow; the models are built once per session and the captures cached with them
 slow = pytest.mark.slow
@@ -38,8 +38,8 @@ def _model(make):
 
 def _pair(model, x, **kw):
     full = relprop.explain(model, x, keep_blocks=True, **kw)
-    streamed = relprop.explain(model, x, keep_blocks=False, **kw)
-    return full, streamed
+    folded = relprop.explain(model, x, keep_blocks=False, **kw)
+    return full, folded
 
 
 CASES = {
@@ -52,14 +52,14 @@ CASES = {
 
 
 @pytest.mark.parametrize("case", list(CASES))
-@pytest.mark.parametrize("method", STREAMED)
+@pytest.mark.parametrize("method", FOLDED)
 @slow
-def test_streamed_equals_full_matrix_path(case, method):
+def test_folded_equals_full_matrix_path(case, method):
     make, inputs, kw = CASES[case]
     model = _model(make)
-    full, streamed = _pair(model, inputs(model), method=method, **kw)
-    assert_folded_like_kept(full, streamed)
-    assert not streamed.kept_blocks and full.kept_blocks
+    full, folded = _pair(model, inputs(model), method=method, **kw)
+    assert_folded_like_kept(full, folded)
+    assert not folded.kept_blocks and full.kept_blocks
 
 
 @pytest.mark.parametrize("options", [
@@ -69,20 +69,20 @@ def test_streamed_equals_full_matrix_path(case, method):
     {"start_block": -1, "positive": False, "head_fusion": "gradient"},
 ])
 @slow
-def test_streamed_options_equal_full_path(options):
+def test_folded_options_equal_full_path(options):
     model = _model(models.TEXT["hf_bert_eager"])
-    full, streamed = _pair(model, models.text_batch(), target=1, method="transformer_attribution", **options)
-    assert_folded_like_kept(full, streamed)
+    full, folded = _pair(model, models.text_batch(), target=1, method="transformer_attribution", **options)
+    assert_folded_like_kept(full, folded)
 
 
 @slow
-def test_streamed_row_is_eq_13_14_with_loops():
-    """The streamed scores against CVPR 2021 Eq. 13–14 written out element by element from the
+def test_folded_row_is_eq_13_14_with_loops():
+    """The folded scores against CVPR 2021 Eq. 13–14 written out element by element from the
     full path's records: Ā_b = I + E_h (∇A_b ⊙ R_A,b)⁺, C = Ā_{B-1} ⋯ Ā_0, scores = C[query, :] less
     the query's own identity share (the tiny BERT shows its [CLS]: no special token is known)."""
     model = _model(models.TEXT["hf_bert_eager"])
     x = models.text_batch(lengths=(5, 3))
-    full, streamed = _pair(model, x, target=1)
+    full, folded = _pair(model, x, target=1)
     blocks = full.blocks
     n = blocks[0].attention.shape[-1]
     for s in range(2):
@@ -96,8 +96,8 @@ def test_streamed_row_is_eq_13_14_with_loops():
             c = bar @ c
         q = int(full.query[s].argmax())
         c[q, q] -= 1  # the query row's own identity share left out (identity="exclude", the default)
-        expected = c[q].float() * x["attention_mask"][s].bool() * streamed.mask[s]
-        torch.testing.assert_close(streamed.scores[s], expected, **TOL)
+        expected = c[q].float() * x["attention_mask"][s].bool() * folded.mask[s]
+        torch.testing.assert_close(folded.scores[s], expected, **TOL)
 
 
 @slow
@@ -136,11 +136,11 @@ def test_engine_hands_blocks_over_from_the_output_back():
         def result(self):
             return len(seen)
 
-    trace = run(Request(captured, model, kwargs, resolve(1, 2, captured.primary), stream=(Recorder(),)))
+    trace = run(Request(captured, model, kwargs, resolve(1, 2, captured.primary), folds=(Recorder(),)))
     n = len(captured.analysis.blocks)
     assert [s[0] for s in seen] == list(range(n - 1, -1, -1))
     assert all(s[1][0] == 2 and s[1][-2:] == (6, 6) and s[2] and s[3] for s in seen)
-    assert trace.streamed == [n]
+    assert trace.folded == [n]
     with pytest.raises(relprop.MethodError, match="keep_blocks"):
         len(trace.blocks)
 
@@ -161,7 +161,7 @@ def test_falls_back_where_folding_does_not_apply():
 
 
 @slow
-def test_streamed_errors_are_the_full_paths():
+def test_folded_errors_are_the_full_paths():
     model = _model(models.TEXT["hf_bert_eager"])
     x = models.text_batch(lengths=(4, 6))
     with pytest.raises(relprop.MethodError, match="start_block=5 out of range"):
@@ -185,12 +185,12 @@ def test_not_kept_refuses_every_use():
 
 
 @slow
-def test_several_streamed_methods_share_one_run():
+def test_several_folded_methods_share_one_run():
     model = _model(models.DECODERS["hf_llama"])
     x = models.decoder_batch(lengths=(6, 4))
-    full = relprop.explain(model, x, method=list(STREAMED), target="next_token", keep_blocks=True)
-    streamed = relprop.explain(model, x, method=list(STREAMED), target="next_token", keep_blocks=False)
-    for f, s in zip(full, streamed):
+    full = relprop.explain(model, x, method=list(FOLDED), target="next_token", keep_blocks=True)
+    folded = relprop.explain(model, x, method=list(FOLDED), target="next_token", keep_blocks=False)
+    for f, s in zip(full, folded):
         assert f.method == s.method
         assert_folded_like_kept(f, s)
 
@@ -262,7 +262,7 @@ def test_fold_in_query_row_chunks_equals_the_unchunked_fold(causal, method, opti
     full = info.fn(trace, **options)
     rows = {}
     for chunk_bytes in (1 << 40, 1, 2 * (2 * 3 * 5 * 4)):  # one chunk; one row; two rows of batch 2, 3 heads, 5 keys
-        monkeypatch.setattr(streaming_module, "FOLD_CHUNK_BYTES", chunk_bytes)
+        monkeypatch.setattr(fold_maps_module, "FOLD_CHUNK_BYTES", chunk_bytes)
         fold = RowFold(info, options, len(trace.blocks), mask, None, None)
         for rec in reversed(trace.blocks):
             fold(rec)
@@ -273,11 +273,11 @@ def test_fold_in_query_row_chunks_equals_the_unchunked_fold(causal, method, opti
 
 @pytest.mark.parametrize("case", ["hf_bert_eager_padded", "hf_llama_causal"])
 @slow
-def test_streamed_in_one_row_chunks_equals_full_matrix_path(case, monkeypatch):
+def test_folded_in_one_row_chunks_equals_full_matrix_path(case, monkeypatch):
     """Through explain(): every block folded one query row at a time equals the full-matrix path."""
-    monkeypatch.setattr(streaming_module, "FOLD_CHUNK_BYTES", 1)
+    monkeypatch.setattr(fold_maps_module, "FOLD_CHUNK_BYTES", 1)
     make, inputs, kw = CASES[case]
     model = _model(make)
     for method in ("transformer_attribution", "gradient_rollout"):
-        full, streamed = _pair(model, inputs(model), method=method, **kw)
-        assert_folded_like_kept(full, streamed)
+        full, folded = _pair(model, inputs(model), method=method, **kw)
+        assert_folded_like_kept(full, folded)

@@ -1,5 +1,5 @@
-"""A streamed run: every attention block handed to the methods' folds as soon as the reverse walk
-has its A, dA and R_A, and then dropped.
+"""The fold hooks of a folded run: every attention block handed to the methods' folds as soon as
+the reverse walk has its A, dA and R_A, and then dropped.
 
 Rollout-style methods read per block one heads-fused token×token map and only the query's row of
 the product of the blocks' maps (CVPR 2021, Eq. 13–14). Folded from the output block back, the row
@@ -7,7 +7,7 @@ needs one block at a time, so the run need not keep any block's records: it is t
 ``memory="low"`` (:func:`relprop.engine.low_memory.run_low`: a forward pass without autograd, then
 block by block from the output, the block recomputed with autograd, its gradients, its part of the
 relevance walk) with, after each segment, the block's record passed to every fold of
-``Request.stream`` and its attention-sized values (A, dA, R_A) and the block's own V and features
+``Request.folds`` and its attention-sized values (A, dA, R_A) and the block's own V and features
 freed. The peak then holds the hidden states between blocks and one block, whatever the number of
 blocks; the records grow with blocks × heads × tokens² otherwise.
 """
@@ -19,16 +19,18 @@ from ..errors import RelpropError
 from .memory import crossing, segments
 from .records import block_record
 
-#: why a streamed run was refused by the engine (the api does not ask for one there)
-STREAM_WINDOWS = ("a streamed run folds one token sequence per block; this model's attention works on windows (Swin) "
-                  "or connects two token streams: explain it with keep_blocks=True (the full-record path)")
+#: why a folded run was refused by the engine (the api does not ask for one there)
+FOLD_WINDOWS = ("a folded run folds one token sequence per block; this model's attention works on windows (Swin) "
+                "or connects two token streams: explain it with keep_blocks=True (the full-record path)")
 
 
-class Streamer:
+class BlockFolder:
     """Hands every attention block of a segmented run (:func:`relprop.engine.low_memory.run_low`) to
-    the folds of ``request.stream``, from the output block back, and frees the block's records.
+    the folds of ``request.folds``, from the output block back, and frees the block's records.
 
-    With the relevance walk, a block is handed over when the walk reaches its attention map (R_A is
+    With the relevance walk (whose hooks it is: :class:`relprop.engine.walk.Walker` calls
+    :meth:`reached` at each of :attr:`nodes` and frees the values of :attr:`droppable` when it
+    leaves them), a block is handed over when the walk reaches its attention map (R_A is
     then complete; dA came from the segment's backward pass), before the map's own rule runs: dA is
     freed at once, R_A when the rule has passed it on, A when the walk leaves the node (the walk no
     longer keeps A, V and the features for after the walk). Without it (gradient-only methods) the
@@ -38,27 +40,26 @@ class Streamer:
     def __init__(self, request):
         captured = request.captured
         a = captured.analysis
-        self.folds, self.analysis = request.stream, a
+        self.folds, self.analysis = request.folds, a
         self.block_of = {b.attention: b for b in a.blocks}
         kept = crossing(captured) | set(a.sources) | {a.primary}
         self.droppable = {n for b in a.blocks for n in (b.attention, b.value, b.features)
                           if n is not None and n not in kept}
+        #: the nodes at which the walk calls :meth:`reached` (the attention maps)
+        self.nodes = frozenset(self.block_of)
         self.first = segments(captured)[0]
         self.seen: List[int] = []
         self.token_count = None
-        self.walker = None
+        self.walked = False
 
-    def attach(self, walker, env, grad, batch: int) -> None:
-        """Called by the run once its forward values ``env``, gradients ``grad`` and ``walker``
-        (None without the relevance walk) exist."""
-        self.env, self.grad, self.batch, self.walker = env, grad, batch, walker
-        if walker is not None:
-            for node in self.block_of:
-                walker.reached[node] = self._reached
-                walker.keep.discard(node)
-            walker.needed_later = walker.needed_later - self.droppable
+    def attach(self, env, grad, batch: int, walked: bool) -> None:
+        """Called by the run once its forward values ``env`` and gradients ``grad`` exist; ``walked``:
+        a relevance walk runs (a :class:`relprop.engine.walk.Walker` given this folder as its hooks)."""
+        self.env, self.grad, self.batch, self.walked = env, grad, batch, walked
 
-    def _reached(self, node, relevance) -> None:
+    def reached(self, node, relevance) -> None:
+        """The walk reached attention map ``node`` with its complete ``relevance`` (None: none
+        reaches it): hand its block to the folds."""
         self._hand_over(self.block_of[node], {node: relevance})
 
     def _hand_over(self, b, rel_at) -> None:
@@ -77,7 +78,7 @@ class Streamer:
         returns the nodes whose values and gradients were freed."""
         inside = set(seg)
         blocks = sorted((b for b in self.analysis.blocks if b.attention in inside), key=lambda b: -b.index)
-        if self.walker is None:
+        if not self.walked:
             for b in blocks:
                 self._hand_over(b, {})
         dropped = set()
@@ -90,6 +91,6 @@ class Streamer:
         if seg is self.first:
             missing = [b.index for b in self.analysis.blocks if b.index not in self.seen]
             if missing:
-                raise RelpropError(f"a streamed run did not reach blocks {missing} (a bug of relprop's segments: "
-                                   "please report it; keep_blocks=True explains without streaming)")
+                raise RelpropError(f"a folded run did not reach blocks {missing} (a bug of relprop's segments: "
+                                   "please report it; keep_blocks=True explains without folding)")
         return dropped
