@@ -1,9 +1,11 @@
 """Every argument of :func:`relprop.explain` and :func:`relprop.coverage` checked before any work,
-each bad value answered by a :class:`relprop.RelpropError` that names the choices."""
+each bad value answered by a :class:`relprop.RelpropError` that names the choices; the methods of a
+call checked into :class:`Job` objects (:func:`check_jobs`)."""
 from __future__ import annotations
 
+import dataclasses
 import math
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
@@ -16,6 +18,37 @@ from .rules import Preset, get_preset, presets
 
 #: the values of ``explain(..., fast_path=...)``
 FAST_PATH_CHOICES = (None, True, False)
+#: preset of the methods that do not name their own, when explain() is given none
+DEFAULT_PRESET = "chefer2021"
+
+
+@dataclasses.dataclass(frozen=True)
+class Job:
+    """One method of a checked call.
+
+    Attributes
+    ----------
+    info : the method (:class:`relprop.methods.MethodInfo`).
+    options : the options it is given, checked (:func:`method_options`).
+    preset : the :class:`relprop.rules.Preset` whose relevance it reads: the call's preset when
+        one is given, else the method's own (``@method(preset=...)``), else :data:`DEFAULT_PRESET`;
+        None for a method that reads no relevance.
+    """
+
+    info: MethodInfo
+    options: Mapping[str, Any]
+    preset: Optional[Preset]
+
+
+def check_jobs(pairs: Sequence[Tuple[MethodInfo, Mapping[str, Any]]], preset: Optional[Preset]) -> Tuple[Job, ...]:
+    """The :class:`Job` of each (method, checked options) pair under the call's ``preset`` (None:
+    each method's own). Every method's own preset is resolved here, also for a method that reads no
+    relevance (an unknown name is an error before any work); nothing below looks a preset up again."""
+    own = {info.name: get_preset(info.preset) for info, _ in pairs if info.preset}
+    default = get_preset(DEFAULT_PRESET)
+    return tuple(Job(info, options, (preset if preset is not None else own.get(info.name, default))
+                     if info.needs_relevance else None)
+                 for info, options in pairs)
 
 
 def check_methods(method: Any) -> Tuple[List[MethodInfo], bool]:
@@ -30,14 +63,15 @@ def check_methods(method: Any) -> Tuple[List[MethodInfo], bool]:
     return infos, many
 
 
-def check_preset(preset: Any) -> Optional[str]:
-    """The name of the preset asked for (None: each method's own)."""
+def check_preset(preset: Any) -> Optional[Preset]:
+    """The :class:`relprop.rules.Preset` asked for, by name or as the object (None: each method's own).
+    The one place a call's preset is resolved: what comes back flows down to the engine unchanged."""
     if preset is None:
         return None
     if not isinstance(preset, (str, Preset)):
         raise OptionError(f"preset must be a preset's name or a relprop.Preset, not {type(preset).__name__}. "
                           f"Choices: {sorted(presets())}")
-    return get_preset(preset).name
+    return get_preset(preset)
 
 
 def check_fast_path(fast_path: Any) -> None:

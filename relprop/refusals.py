@@ -35,7 +35,8 @@ from .methods import all_methods
 from .methods.apply import apply
 from .methods.layout import grid_tokens
 from .methods.rollout_utils import rollout_blocks
-from .rules.registry import get_preset
+from .options import DEFAULT_PRESET
+from .rules.registry import Preset, get_preset
 
 #: methods whose cost is in re-running the model: judged by the checks they make before re-running
 RERUNS = ("input_x_gradient", "smoothgrad", "integrated_gradients", "vit_cx", "value_zeroing")
@@ -43,13 +44,24 @@ RERUNS = ("input_x_gradient", "smoothgrad", "integrated_gradients", "vit_cx", "v
 _LIST = re.compile(r"\s*(Methods that apply|Methods for text:|Methods that need no patch grid|use input_x_gradient, "
                    r"smoothgrad or integrated_gradients instead|Use rollout or transformer_attribution instead).*$",
                    re.S)
-DEFAULT_PRESET = "chefer2021"
 
 
-def _covered(captured, preset: str, cache: dict) -> bool:
+def _preset_of(info, preset: Optional[Preset]) -> Optional[Preset]:
+    """The preset method ``info`` would read under the call's ``preset``: that one, else the method's
+    own, else the default (None: the method's own preset does not exist)."""
+    if preset is not None:
+        return preset
+    try:
+        return get_preset(info.preset or DEFAULT_PRESET)
+    except RelpropError:
+        return None
+
+
+def _covered(captured, preset: Optional[Preset], cache: dict) -> bool:
+    if preset is None:
+        return False
     if preset not in cache:
         try:
-            get_preset(preset)
             cache[preset] = not report(captured, preset).missing
         except RelpropError:
             cache[preset] = False
@@ -81,18 +93,19 @@ def _reruns_apply(name: str, trace) -> bool:
     return True
 
 
-def applicable(refused: str, trace, preset: Optional[str], model_name: str, trace_preset: Optional[str] = None
-               ) -> List[str]:
+def applicable(refused: str, trace, preset: Optional[Preset], model_name: str,
+               trace_preset: Optional[Preset] = None) -> List[str]:
     """The names of the methods other than ``refused`` that give an explanation of the model ``trace``
-    was recorded on (see the module docstring); ``trace_preset`` is the preset whose relevance the trace
-    holds (None: none)."""
+    was recorded on (see the module docstring); ``preset`` is the call's :class:`relprop.rules.Preset`
+    (None: each method's own), ``trace_preset`` the one whose relevance the trace holds (None: none)."""
     captured = trace.session.captured
     coverage: dict = {}
     names = []
     for name, info in sorted(all_methods().items()):
         if name == refused:
             continue
-        method_preset = preset or info.preset or DEFAULT_PRESET
+        method_preset = _preset_of(info, preset)
+        label = method_preset.name if method_preset is not None else (info.preset or DEFAULT_PRESET)
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
@@ -106,12 +119,12 @@ def applicable(refused: str, trace, preset: Optional[str], model_name: str, trac
                     t = _without_relevance(trace)
                 if name in RERUNS:
                     apply_checks_only = dataclasses.replace(info, fn=lambda tr, **kw: None)
-                    apply(apply_checks_only, t, {}, method_preset, model_name)
+                    apply(apply_checks_only, t, {}, label, model_name)
                     if _reruns_apply(name, t):
                         names.append(name)
                     continue
-                out = apply(info, t, {}, method_preset, model_name)
-                build(info, method_preset, out, t, None, "")
+                out = apply(info, t, {}, label, model_name)
+                build(info, label, out, t, None, "")
             names.append(name)
         except Exception:  # noqa: BLE001 - any failure (a refusal, a crash) means: not listed
             continue

@@ -12,7 +12,7 @@ and a rule that loses relevance otherwise still shows as a conservation error.
 from __future__ import annotations
 
 import operator
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, Union
 
 import torch
 import torch.fx
@@ -26,6 +26,7 @@ from ..graph.nodes import (evaluate, is_live, module_path, module_paths, module_
                           relevance_path)
 from ..rules.context import RuleContext
 from ..rules.gradient_forms import stabilizer_ledger
+from ..rules.registry import Preset, get_preset
 from ..rules.stabilize import promote, relevance_dtype
 from .memory import read_after_walk
 from .node_rules import rule_finder
@@ -36,15 +37,17 @@ from .trace import BlockConservation, Conservation
 STABILIZER = "eps stabilizer (the ε-rules' denominators z + ε·sign z)"
 
 
-def check_rules(captured: Captured, preset: str, unsupported: str) -> None:
+def check_rules(captured: Captured, preset: Union[str, Preset], unsupported: str) -> None:
     """Raise :class:`UnsupportedOperation` for the first op on the relevance path with no rule in
-    ``preset`` (unless ``unsupported="z_rule"``)."""
+    ``preset`` (the request's :class:`relprop.rules.Preset`; a name, from a direct caller, is resolved
+    here) unless ``unsupported="z_rule"``."""
     a = captured.analysis
+    preset = get_preset(preset)
     rule_of = rule_finder(captured, preset, unsupported)
     for node in relevance_path(captured.graph, a.live, a.sources, rule_of):
         if node.op == "call_function" and node not in a.sources and node.target is not operator.getitem \
                 and rule_of(node) is None:
-            raise UnsupportedOperation(node.target, module_path(node), module_type(node), preset)
+            raise UnsupportedOperation(node.target, module_path(node), module_type(node), preset.name)
 
 
 def walk(walker: "Walker") -> tuple:
@@ -203,7 +206,7 @@ class Walker:
         preset = self.preset
         spec = self.rule_of(node)
         if spec is None:
-            raise UnsupportedOperation(node.target, module_path(node), module_type(node), preset)
+            raise UnsupportedOperation(node.target, module_path(node), module_type(node), preset.name)
         # rules compute in float32 at least: half-precision activations are upcast, float64 kept
         value = self.value
         # a rule explaining a subgraph as a whole names its operands (an element-wise function: its input)
@@ -226,7 +229,7 @@ class Walker:
                 self.absorb(STABILIZER, kept, node, None)
         del ctx, args, kw, r
         if shares is None:
-            raise UnsupportedOperation(node.target, module_path(node), module_type(node), preset,
+            raise UnsupportedOperation(node.target, module_path(node), module_type(node), preset.name,
                                        detail="Its rule does not apply to these operands.")
         held = spec.constant_positions  # arguments a rule holds constant (selection parameters)
         for i, arg in enumerate(arg_nodes):
@@ -291,7 +294,7 @@ class Walker:
                 blocks.append(BlockConservation(b.name, self.per_block_in[b.layer],
                                                 self.per_block_out.get(b.layer, self._zeros()),
                                                 self.per_block_absorbed[b.layer]))
-        cons = Conservation(self.injected, reached, absorbed, self.absorbed_by, blocks, self.preset)
+        cons = Conservation(self.injected, reached, absorbed, self.absorbed_by, blocks, self.preset.name)
         return self.rel_at, cons, input_rel
 
 
