@@ -144,28 +144,24 @@ def method_options(infos: Sequence[MethodInfo], options: Dict[str, Any], many: b
         raise MethodError(f"'{key}' is not an option of any of the methods {[i.name for i in infos]}. "
                           f"Options: {listed}")
     per_method = {i.name: {k: v for k, v in options.items() if k in i.options} for i in infos}
-    for name, opts in per_method.items():
-        check_aggregation(name, opts)
+    for info in infos:
+        check_aggregation(info, per_method[info.name])
     return per_method
-
-
-#: head fusions of the methods whose heads are not fused by a mean of maps (see their docstrings)
-_OWN_FUSIONS = {"attention_norm": ("combined",) + HEAD_FUSIONS, "attn_res_ln_norm": ("combined",),
-                "value_zeroing": ("all",)}
 
 
 def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
-def check_aggregation(method: str, options: Dict[str, Any]) -> None:
-    """The aggregation options of a rollout-style method (:mod:`relprop.methods.aggregation`):
-    an :class:`OptionError` naming the valid choices for a value it does not take. The block range
-    is checked against the model's blocks when the method runs."""
+def check_aggregation(info: MethodInfo, options: Dict[str, Any]) -> None:
+    """The aggregation options of a rollout-style method ``info`` (:mod:`relprop.methods.aggregation`;
+    the head fusions it declares, ``@method(head_fusions=...)``): an :class:`OptionError` naming the
+    valid choices for a value it does not take. The block range is checked against the model's
+    blocks when the method runs."""
     def bad(key, why):
-        raise OptionError(f"{method}: {key}={options[key]!r} is not a choice. {why}")
+        raise OptionError(f"{info.name}: {key}={options[key]!r} is not a choice. {why}")
     if "head_fusion" in options:
-        fusions = _OWN_FUSIONS.get(method, HEAD_FUSIONS)
+        fusions = info.head_fusions if info.head_fusions is not None else HEAD_FUSIONS
         if options["head_fusion"] not in fusions:
             bad("head_fusion", f"Choices: {list(fusions)}")
     if "layers" in options and options["layers"] not in LAYER_AGGREGATIONS:

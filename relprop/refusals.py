@@ -13,8 +13,9 @@ run it, and lists the ones that give an explanation:
   and they run on the trace, with the trace's relevance when it came from that preset, else with
   zeros in its place (the structure they need is what is tested);
 * ``lrp``: every op must have a rule in its preset;
-* methods that re-run the model (input × gradient, SmoothGrad, integrated gradients, ViT-CX, value
-  zeroing): the checks they make before any re-run.
+* methods declared ``@method(..., checks_only=True)``, those that re-run the model (SmoothGrad,
+  integrated gradients, ViT-CX, value zeroing) and input × gradient: the checks they make before any
+  work.
 
 :func:`with_applicable` replaces the list a refusal wrote (whatever follows "Methods that apply") with
 the verified one.
@@ -38,8 +39,6 @@ from .methods.rollout_utils import rollout_blocks
 from .options import DEFAULT_PRESET
 from .rules.registry import Preset, get_preset
 
-#: methods whose cost is in re-running the model: judged by the checks they make before re-running
-RERUNS = ("input_x_gradient", "smoothgrad", "integrated_gradients", "vit_cx", "value_zeroing")
 #: where a refusal's own list of methods begins (cut and replaced by :func:`with_applicable`)
 _LIST = re.compile(r"\s*(Methods that apply|Methods for text:|Methods that need no patch grid|use input_x_gradient, "
                    r"smoothgrad or integrated_gradients instead|Use rollout or transformer_attribution instead).*$",
@@ -117,7 +116,7 @@ def applicable(refused: str, trace, preset: Optional[Preset], model_name: str,
                 t = trace
                 if info.needs_relevance and trace_preset != method_preset:
                     t = _without_relevance(trace)
-                if name in RERUNS:
+                if info.checks_only:  # @method(checks_only=True): judged by its checks, not run
                     apply_checks_only = dataclasses.replace(info, fn=lambda tr, **kw: None)
                     apply(apply_checks_only, t, {}, label, model_name)
                     if _reruns_apply(name, t):
