@@ -1,6 +1,7 @@
 """Capabilities are declared, not looked for: a rule's in its RuleSpec (keywords of @rule), a
 method's in its MethodInfo (keywords of @method). No module of relprop reads a capability off a
 function with getattr, and the declarations say what relprop's own rules and methods do."""
+import ast
 import dataclasses
 import re
 from pathlib import Path
@@ -26,8 +27,14 @@ READS = [re.compile(r"getattr\(\s*(fn|rule|_rule|spec|rule_fn|func)\b"),
          re.compile(r"^\s*\w+\.(%s)\s*=" % "|".join(c for c in CAPABILITIES if c != "WRITES_OUT"), re.M)]
 #: the lists that said which methods can do what before MethodInfo declared it
 #: and the words that called block folding streaming before "stream" kept its encoder–decoder meaning only
-OLD_LISTS = re.compile(r"\b(STREAM_MAPS|TWO_STREAM_METHODS|NOT_APPLICABLE|streamable|Streamer|STREAM_WINDOWS|streamed|"
-                       r"streaming)\b")
+OLD_LISTS = re.compile(r"\b(STREAM_MAPS|TWO_STREAM_METHODS|NOT_APPLICABLE|streamable|RERUNS|ROLLOUT_METHODS|"
+                       r"_OWN_FUSIONS|Streamer|STREAM_WINDOWS|streamed|streaming)\b")
+#: module-level collections that name several methods and are not capability lists: (file, line's name)
+NOT_CAPABILITIES = {
+    ("relprop/cli/parser.py", "DEFAULT_METHODS"),  # the paper's line-up the CLI evaluates by default
+    ("relprop/methods/__init__.py", "__all__"),  # module names (transformer_attribution.py, attcat.py)
+    ("relprop/viz/blocks.py", "METHOD_SOURCE"),  # which per-block quantity a picture draws (viz, not a method's)
+}
 
 
 def test_no_capability_is_read_off_a_function():
@@ -39,6 +46,33 @@ def test_no_capability_is_read_off_a_function():
                 line = text.count("\n", 0, m.start()) + 1
                 found.append(f"{path.relative_to(PACKAGE.parent)}:{line}: {m.group(0).strip()}")
     assert not found, "capabilities read or set as function attributes:\n" + "\n".join(found)
+
+
+def _name_collections(tree, methods):
+    """(line, assigned name) of every module-level tuple, list, set or dict (its keys) holding the
+    names of two methods or more."""
+    for node in tree.body:
+        if not isinstance(node, (ast.Assign, ast.AnnAssign)) or node.value is None:
+            continue
+        target = node.targets[0] if isinstance(node, ast.Assign) else node.target
+        for sub in ast.walk(node.value):
+            elts = (sub.keys if isinstance(sub, ast.Dict) else
+                    sub.elts if isinstance(sub, (ast.Tuple, ast.List, ast.Set)) else [])
+            named = [e.value for e in elts if isinstance(e, ast.Constant) and e.value in methods]
+            if len(named) >= 2:
+                yield node.lineno, getattr(target, "id", ast.dump(target))
+                break
+
+
+def test_no_module_level_list_of_method_names():
+    methods = set(all_methods())
+    found = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        rel = str(path.relative_to(PACKAGE.parent))
+        for line, name in _name_collections(ast.parse(path.read_text()), methods):
+            if (rel, name) not in NOT_CAPABILITIES:
+                found.append(f"{rel}:{line}: {name}")
+    assert not found, "method names listed in a module, not declared with @method(...):\n" + "\n".join(found)
 
 
 def test_rules_declare_what_the_engine_reads():
@@ -66,6 +100,13 @@ def test_methods_declare_where_they_apply():
         "cat", "attcat", "attgrads", "attention_norm", "attn_res_ln_norm", "gradcam", "vit_cx", "value_zeroing"}
     assert {n for n, m in methods.items() if m.folds is not None} == {
         "transformer_attribution", "rollout", "gradient_rollout"}
+    assert {n for n, m in methods.items() if m.rollout} == {
+        "transformer_attribution", "ta_without_gradient", "rollout", "gradient_rollout", "value_zeroing"}
+    assert {n for n, m in methods.items() if m.checks_only} == {
+        "input_x_gradient", "smoothgrad", "integrated_gradients", "vit_cx", "value_zeroing"}
+    assert {n: m.head_fusions for n, m in methods.items() if m.head_fusions is not None} == {
+        "attention_norm": ("combined", "mean", "max", "min", "gradient"), "attn_res_ln_norm": ("combined",),
+        "value_zeroing": ("all",)}
 
 
 def test_gradient_forms_are_data():

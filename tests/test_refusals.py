@@ -1,4 +1,4 @@
-"""A refusal lists only methods that run on the model (relprop/refusals.py): every method a MethodError
+"""A refusal lists only methods that run on the model (relprop/api/refusals.py): every method a MethodError
 names under "Methods that apply to ..." gives an explanation of the same inputs, and a method that
 fails there is not named (ViT-CX on SegFormer: its 16 last-stage tokens cannot hold the 8x8 patch grid;
 lrp on Jamba and Mamba: no rule for the selective scan's log1p)."""

@@ -1,16 +1,19 @@
 """The front door: :func:`explain` and :func:`coverage`.
 
-Both check every argument first (:mod:`relprop.options`), then share one prologue
+Both check every argument first (:mod:`relprop.api.options`), then share one prologue
 (:func:`prepare`): the model and inputs are checked, the inputs bound to the model's forward and the
-graph captured (cached). :func:`explain` then runs the engine once per preset the methods need
-(:mod:`relprop.engine`), applies each method (:mod:`relprop.methods`) and builds the Explanations
-(:mod:`relprop.explanation`).
+graph captured (cached). :func:`explain` checks everything once into a frozen :class:`Call` (the
+resolved :class:`relprop.rules.Preset`, each method's options, the engine options as fields), which
+flows down unchanged: the engine runs once per preset the methods need (:mod:`relprop.engine`, each
+:class:`relprop.engine.Request` made by :meth:`Call.request`), each method is applied
+(:mod:`relprop.methods`) and the Explanations built (:mod:`relprop.explanation`).
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import warnings
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -22,15 +25,12 @@ from ..errors import MethodError, OptionError, RelpropError, RelpropWarning
 from ..explanation import build, mask_from_tokenizer, split_tokenizer_keys
 from ..graph.capture import CACHE, Captured, CaptureEvent, capture_notes
 from ..graph.inputs import bind_inputs, primary_input
-from ..methods import MethodInfo, apply, fold_choice, fold_maps
-from ..rules import get_preset
+from ..methods import apply, fold_choice, fold_maps
+from ..rules import Preset, get_preset
 from ..rules.stabilize import DEFAULT_EPS
 from ..targets.target_forms import specify
-from ..targets import resolve
-
-#: preset of the methods that do not name their own, when explain() is given none
-DEFAULT_PRESET = "chefer2021"
-
+from ..targets import Target, resolve
+from .options import DEFAULT_PRESET, Job
 
 @dataclasses.dataclass
 class Prepared:
@@ -56,6 +56,49 @@ def prepare(model: torch.nn.Module, inputs: Any, wrt: Optional[str]) -> Prepared
     events: List[CaptureEvent] = []
     captured = validation.capture_checked(CACHE, model, kwargs, primary, events)
     return Prepared(kwargs, captured, events[0] if events else None)
+
+
+@dataclasses.dataclass(frozen=True)
+class Call:
+    """One call of :func:`explain` or :func:`explain_settings` with every argument checked: what
+    flows from the front door down to each engine :class:`relprop.engine.Request`, unchanged.
+
+    Attributes
+    ----------
+    model, prepared : the model, and its inputs bound and its graph captured (:func:`prepare`).
+    target : what is explained (:class:`relprop.targets.Target`, every form of ``target=`` resolved).
+    jobs : the methods, each with its options and the :class:`relprop.rules.Preset` it reads
+        (:class:`relprop.api.options.Job`); ``many``: a list of Explanations is returned.
+    preset : the preset asked for (None: each method's own); ``fallback``: the preset of a run that
+        reads no relevance (``preset``, else :data:`DEFAULT_PRESET`).
+    special_tokens_mask, mask_source : positions left out of text scores, and where they came from.
+    eps, unsupported, memory, precision : the engine options (:class:`relprop.engine.Request`).
+    fast_path, keep_blocks, records_budget : how the engine is run (see :func:`explain`).
+    """
+
+    model: torch.nn.Module
+    prepared: Prepared
+    target: Target
+    jobs: Tuple[Job, ...]
+    many: bool
+    preset: Optional[Preset]
+    fallback: Preset
+    special_tokens_mask: Optional[torch.Tensor]
+    mask_source: str
+    eps: float
+    unsupported: str
+    memory: str
+    precision: str
+    fast_path: Optional[bool]
+    keep_blocks: Optional[bool]
+    records_budget: Optional[float]
+
+    def request(self, preset: Preset, **fields) -> Request:
+        """The engine's Request for one run under ``preset`` (``fields``: ``relevance``,
+        ``input_gradient``, ``stream``)."""
+        return Request(self.prepared.captured, self.model, self.prepared.kwargs, self.target, preset=preset,
+                       eps=self.eps, unsupported=self.unsupported, memory=self.memory, precision=self.precision,
+                       **fields)
 
 
 def explain(model: torch.nn.Module, inputs: Any, target: Any = None, method: Any = "transformer_attribution",
@@ -127,9 +170,14 @@ def explain(model: torch.nn.Module, inputs: Any, target: Any = None, method: Any
     """
     model, inputs, tokenizer, target, wrt = raw_inputs.adapt(model, inputs, tokenizer, image_processor, target, wrt)
     infos, many = opt.check_methods(method)
-    return _checked_explain(model, inputs, target, infos, many, preset, options, eps, unsupported,
-                            special_tokens_mask, tokenizer, fast_path, memory, wrt, keep_blocks, precision,
-                            records_budget)
+    preset = opt.check_preset(preset)
+    per_method = opt.method_options(infos, options, many)
+    jobs = opt.check_jobs([(i, per_method[i.name]) for i in infos], preset)
+    call = _check(model, inputs, target, jobs, many, preset, tokenizer=tokenizer,
+                  special_tokens_mask=special_tokens_mask, wrt=wrt, eps=eps, unsupported=unsupported, memory=memory,
+                  fast_path=fast_path, keep_blocks=keep_blocks, precision=precision, records_budget=records_budget)
+    with _reported(call.model, call.jobs):
+        return _explain(call)
 
 
 def explain_settings(model: torch.nn.Module, inputs: Any, settings: Sequence[Dict[str, Any]], target: Any = None,
@@ -149,29 +197,28 @@ def explain_settings(model: torch.nn.Module, inputs: Any, settings: Sequence[Dic
     settings = [dict(s) for s in settings]
     if not settings:
         raise OptionError("settings=[] names no setting; give at least one options dict ({} for the defaults)")
-    return _checked_explain(model, inputs, target, infos * len(settings), True, preset, settings, eps, unsupported,
-                            special_tokens_mask, tokenizer, None, memory, wrt)
-
-
-def _checked_explain(model, inputs, target, infos, many, preset, options, eps, unsupported, special_tokens_mask,
-                     tokenizer, fast_path, memory, wrt, keep_blocks=True, precision="float32", records_budget=None):
-    """The shared body of :func:`explain` and :func:`explain_settings`: ``options`` is the method
-    options (a dict), or one dict per entry of ``infos`` (settings of one method)."""
     preset = opt.check_preset(preset)
-    for info in infos:
-        if info.preset:
-            get_preset(info.preset)
+    info = infos[0]
+    jobs = opt.check_jobs([(info, opt.method_options(infos, s, False)[info.name]) for s in settings], preset)
+    call = _check(model, inputs, target, jobs, True, preset, tokenizer=tokenizer,
+                  special_tokens_mask=special_tokens_mask, wrt=wrt, eps=eps, unsupported=unsupported, memory=memory,
+                  fast_path=None, keep_blocks=True, precision="float32", records_budget=None)
+    with _reported(call.model, call.jobs):
+        return _explain(call)
+
+
+def _check(model, inputs, target, jobs: Tuple[Job, ...], many: bool, preset: Optional[Preset], *, tokenizer,
+           special_tokens_mask, wrt, eps, unsupported, memory, fast_path, keep_blocks, precision,
+           records_budget) -> Call:
+    """The :class:`Call` of :func:`explain` and :func:`explain_settings`: the engine options and
+    the special-tokens mask checked, the inputs prepared (:func:`prepare`) and the target resolved
+    (the methods and their presets are checked already: ``jobs``)."""
     opt.check_arguments(eps=eps, unsupported=unsupported, memory=memory, fast_path=fast_path,
                         keep_blocks=keep_blocks, precision=precision, records_budget=records_budget)
     inputs, batch_mask = split_tokenizer_keys(inputs)
     mask_source = "special_tokens_mask=" if special_tokens_mask is not None else "the batch's special_tokens_mask"
     special_tokens_mask = opt.check_special_tokens_mask(special_tokens_mask if special_tokens_mask is not None
                                                         else batch_mask)
-    if isinstance(options, dict):
-        per_method = opt.method_options(infos, options, many)
-        jobs = [(i, per_method[i.name]) for i in infos]
-    else:
-        jobs = [(i, opt.method_options([i], o, False)[i.name]) for i, o in zip(infos, options)]
     prepared = prepare(model, inputs, wrt)
     validation.warn_left_padding(model, prepared.kwargs)
     if special_tokens_mask is None and tokenizer is not None:
@@ -179,116 +226,122 @@ def _checked_explain(model, inputs, target, infos, many, preset, options, eps, u
         if torch.is_tensor(ids) and not ids.is_floating_point():
             special_tokens_mask = mask_from_tokenizer(tokenizer, ids)
             mask_source = f"tokenizer= ({type(tokenizer).__name__}'s special ids)"
+    with _reported(model, jobs):
+        # every form of target= through one path per head, with the mask of the output's positions: target_forms
+        resolved = resolve(specify(target, model, tokenizer, prepared.kwargs), prepared.batch,
+                           prepared.captured.primary)
+    return Call(model, prepared, resolved, jobs, many, preset, preset if preset is not None else get_preset(
+        DEFAULT_PRESET), special_tokens_mask, mask_source, eps, unsupported, memory, precision, fast_path,
+        keep_blocks, records_budget)
+
+
+@contextlib.contextmanager
+def _reported(model, jobs: Tuple[Job, ...]):
+    """Every error that leaves :func:`explain` is a :class:`RelpropError`: one that is not is
+    relprop's failure, reported as such with the model and the methods."""
     try:
-        return _explain(model, prepared, target, jobs, many, preset,
-                        dict(eps=eps, unsupported=unsupported, memory=memory, fast_path=fast_path,
-                             keep_blocks=keep_blocks, precision=precision, records_budget=records_budget),
-                        (special_tokens_mask, mask_source), tokenizer)
+        yield
     except RelpropError:
         raise
     except Exception as e:  # noqa: BLE001 - every error that leaves explain() is a RelpropError
         raise RelpropError(f"relprop could not explain {type(model).__name__} with "
-                           f"{sorted({i.name for i in infos})}: {type(e).__name__}: {str(e).strip()[:600]}. This is "
-                           "relprop's failure, not yours: please report it with the model's name and this "
+                           f"{sorted({j.info.name for j in jobs})}: {type(e).__name__}: {str(e).strip()[:600]}. "
+                           "This is relprop's failure, not yours: please report it with the model's name and this "
                            "message") from e
 
 
-def _explain(model, prepared: "Prepared", target, jobs, many, preset, engine_options, special, tokenizer=None):
-    """The body of :func:`explain` once every argument is checked and the graph captured."""
-    special_tokens_mask, mask_source = special
-    fast_path = engine_options.pop("fast_path")
-    keep_blocks, budget = engine_options.pop("keep_blocks"), engine_options.pop("records_budget")
-    # every form of target= through one path per head, with the mask of the output's positions: target_forms
-    target = specify(target, model, tokenizer, prepared.kwargs)
-    request = Request(prepared.captured, model, prepared.kwargs, resolve(target, prepared.batch,
-                                                                          prepared.captured.primary),
-                      **engine_options)
-    runs = len({_preset_of(i, preset) for i, _ in jobs if i.needs_relevance})
-    fold, note = fold_choice.choose(jobs, prepared.captured.analysis, prepared.batch,
-                                    prepared.kwargs[prepared.captured.primary].device, keep_blocks, budget, runs)
+def _label(key: Optional[Preset], call: Call) -> Optional[str]:
+    """The preset an Explanation names: the one its relevance came from, else the call's (None: none)."""
+    p = key if key is not None else call.preset
+    return p.name if p is not None else None
+
+
+def _explain(call: Call):
+    """The body of :func:`explain` once every argument is checked into ``call``."""
+    captured, batch, model_name = call.prepared.captured, call.prepared.batch, type(call.model).__name__
+    pairs = [(j.info, j.options) for j in call.jobs]
+    runs = len({j.preset for j in call.jobs if j.preset is not None})
+    fold, note = fold_choice.choose(pairs, captured.analysis, batch, call.prepared.kwargs[captured.primary].device,
+                                    call.keep_blocks, call.records_budget, runs)
     results = None
     if fold:
         try:
-            results = _explain_folded(request, jobs, preset, special, note)
+            results = _explain_folded(call, note)
         except MethodError:  # refused: the full-record path below says why, with the methods that apply (refusals.py)
             note = ("not folded block by block (the folded path refused these inputs); the full-record path ran "
                     "and exp.blocks holds every block's records")
     if results is None:
-        traces = _run_engine([i for i, _ in jobs], request, preset, fast_path)
+        traces = _run_engine(call)
         results = []
-        for info, options in jobs:
-            key = _preset_of(info, preset) if info.needs_relevance else next(iter(traces))
+        for job in call.jobs:
+            key = job.preset if job.preset is not None else next(iter(traces))
             trace = traces[key]
             try:
-                out = apply(info, trace, options, key, type(model).__name__)
-                results.append(build(info, key or preset, out, trace, special_tokens_mask, mask_source))
+                out = apply(job.info, trace, job.options, key.name if key is not None else None, model_name)
+                results.append(build(job.info, _label(key, call), out, trace, call.special_tokens_mask,
+                                     call.mask_source))
             except MethodError as e:  # a refusal names only the methods that run on this model
-                name = type(model).__name__
-                raise refusals.with_applicable(e, refusals.applicable(info.name, trace, preset, name, key),
-                                               name) from None
+                raise refusals.with_applicable(e, refusals.applicable(job.info.name, trace, call.preset,
+                                                                      model_name, key), model_name) from None
             if note is not None:
                 results[-1].notes.append(note)
     validation.check_result(results)
     for r in results:
-        r.notes.extend(capture_notes(prepared.event, prepared.captured, type(model).__name__))
-    return results if many else results[0]
+        r.notes.extend(capture_notes(call.prepared.event, captured, model_name))
+    return results if call.many else results[0]
 
 
-def _explain_folded(request: Request, jobs, preset: Optional[str], special, note: Optional[str] = None) -> list:
+def _explain_folded(call: Call, note: Optional[str] = None) -> list:
     """``keep_blocks=False``: one folded run per preset the methods need (gradient-only methods ride
     on the first), each method a :class:`relprop.methods.fold_maps.RowFold` fed block by block from
     the output back; the Explanations have no ``blocks`` or ``matrix`` (:class:`NotKept`)."""
-    a = request.captured.analysis
-    mask = request.kwargs.get("attention_mask")
-    keys = [_preset_of(info, preset) if info.needs_relevance else None for info, _ in jobs]
-    folds = [fold_maps.RowFold(info, options, len(a.blocks), mask, key, a.token_mixing)
-             for (info, options), key in zip(jobs, keys)]
+    a = call.prepared.captured.analysis
+    mask = call.prepared.kwargs.get("attention_mask")
+    keys = [j.preset for j in call.jobs]
+    folds = [fold_maps.RowFold(j.info, j.options, len(a.blocks), mask, k.name if k is not None else None,
+                               a.token_mixing)
+             for j, k in zip(call.jobs, keys)]
     wanted = list(dict.fromkeys(k for k in keys if k is not None)) or [None]
     keys = [k if k is not None else wanted[0] for k in keys]
     outputs = {}
     for p in wanted:
-        mine = [i for i, k in enumerate(keys) if k == p]
-        req = request.but(preset=p or preset or DEFAULT_PRESET, relevance=p is not None,
-                          folds=tuple(folds[i] for i in mine))
+        mine = [i for i, k in enumerate(keys) if k is p]
+        req = call.request(p if p is not None else call.fallback, relevance=p is not None,
+                           folds=tuple(folds[i] for i in mine))
         trace = run(req)
         trace.notes.append(note or "keep_blocks=False: each attention block was folded into the scores during the "
                            "reverse walk and its records dropped (exp.blocks and exp.matrix are not kept)")
         for i, out in zip(mine, trace.folded):
-            outputs[i] = (out, trace, p)
-    special_tokens_mask, mask_source = special
-    return [build(info, key or preset, outputs[j][0], outputs[j][1], special_tokens_mask, mask_source)
-            for j, ((info, _), key) in enumerate(zip(jobs, keys))]
+            outputs[i] = (out, trace)
+    return [build(j.info, _label(key, call), outputs[i][0], outputs[i][1], call.special_tokens_mask,
+                  call.mask_source)
+            for i, (j, key) in enumerate(zip(call.jobs, keys))]
 
 
-def _preset_of(info: MethodInfo, preset: Optional[str]) -> str:
-    """An explicit preset wins over the method's own, which wins over :data:`DEFAULT_PRESET`."""
-    return preset if preset is not None else (info.preset or DEFAULT_PRESET)
-
-
-def _run_engine(infos: List[MethodInfo], request: Request, preset: Optional[str],
-                fast_path: Optional[bool]) -> Dict[Optional[str], Trace]:
+def _run_engine(call: Call) -> Dict[Optional[Preset], Trace]:
     """One trace per preset whose relevance the methods need (gradient-only methods reuse any); the
     one-backward fast path when every method reads only the input relevance."""
-    wanted = list(dict.fromkeys(_preset_of(i, preset) for i in infos if i.needs_relevance))
+    infos = [j.info for j in call.jobs]
+    wanted = list(dict.fromkeys(j.preset for j in call.jobs if j.preset is not None))
     input_only = all(i.needs_relevance and not i.needs_blocks for i in infos)
-    request = request.but(input_gradient=any(i.needs_input_gradient for i in infos))
-    traces: Dict[Optional[str], Trace] = {}
+    input_gradient = any(i.needs_input_gradient for i in infos)
+    traces: Dict[Optional[Preset], Trace] = {}
     for p in wanted:
         note = None
-        if fast_path is not False and input_only:
+        if call.fast_path is not False and input_only:
             try:
-                traces[p] = run_fast(request.but(preset=p))
+                traces[p] = run_fast(call.request(p, input_gradient=input_gradient))
                 continue
             except FastPathUnavailable as why:
-                note = (f"the one-backward fast path was not taken under preset '{p}' ({why}); the graph was "
+                note = (f"the one-backward fast path was not taken under preset '{p.name}' ({why}); the graph was "
                         "walked rule by rule instead (same relevance, slower)")
-                if fast_path is True:
+                if call.fast_path is True:
                     warnings.warn(note, RelpropWarning, stacklevel=3)
-        traces[p] = run(request.but(preset=p))
+        traces[p] = run(call.request(p, input_gradient=input_gradient))
         if note is not None:
             traces[p].notes.append(note)
     if not traces:
-        traces[None] = run(request.but(preset=preset or DEFAULT_PRESET, relevance=False))
+        traces[None] = run(call.request(call.fallback, relevance=False, input_gradient=input_gradient))
     return traces
 
 
@@ -307,8 +360,8 @@ def coverage(model: torch.nn.Module, inputs: Any, preset: Any = "chefer2021", *,
         shape-only, missing, ...), the attention blocks found and a summary; ``report.missing`` lists
         the ops explain() has no rule for, ``report.complete`` is True when there are none.
     """
-    name = opt.check_preset(preset)
-    if name is None:
-        name = DEFAULT_PRESET
+    checked = opt.check_preset(preset)
+    if checked is None:
+        checked = get_preset(DEFAULT_PRESET)
     prepared = prepare(model, inputs, wrt)
-    return report(prepared.captured, name, type(model).__name__)
+    return report(prepared.captured, checked, type(model).__name__)

@@ -1,9 +1,11 @@
 """Every argument of :func:`relprop.explain` and :func:`relprop.coverage` checked before any work,
-each bad value answered by a :class:`relprop.RelpropError` that names the choices."""
+each bad value answered by a :class:`relprop.RelpropError` that names the choices; the methods of a
+call checked into :class:`Job` objects (:func:`check_jobs`)."""
 from __future__ import annotations
 
+import dataclasses
 import math
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
@@ -16,6 +18,37 @@ from ..rules import Preset, get_preset, presets
 
 #: the values of ``explain(..., fast_path=...)``
 FAST_PATH_CHOICES = (None, True, False)
+#: preset of the methods that do not name their own, when explain() is given none
+DEFAULT_PRESET = "chefer2021"
+
+
+@dataclasses.dataclass(frozen=True)
+class Job:
+    """One method of a checked call.
+
+    Attributes
+    ----------
+    info : the method (:class:`relprop.methods.MethodInfo`).
+    options : the options it is given, checked (:func:`method_options`).
+    preset : the :class:`relprop.rules.Preset` whose relevance it reads: the call's preset when
+        one is given, else the method's own (``@method(preset=...)``), else :data:`DEFAULT_PRESET`;
+        None for a method that reads no relevance.
+    """
+
+    info: MethodInfo
+    options: Mapping[str, Any]
+    preset: Optional[Preset]
+
+
+def check_jobs(pairs: Sequence[Tuple[MethodInfo, Mapping[str, Any]]], preset: Optional[Preset]) -> Tuple[Job, ...]:
+    """The :class:`Job` of each (method, checked options) pair under the call's ``preset`` (None:
+    each method's own). Every method's own preset is resolved here, also for a method that reads no
+    relevance (an unknown name is an error before any work); nothing below looks a preset up again."""
+    own = {info.name: get_preset(info.preset) for info, _ in pairs if info.preset}
+    default = get_preset(DEFAULT_PRESET)
+    return tuple(Job(info, options, (preset if preset is not None else own.get(info.name, default))
+                     if info.needs_relevance else None)
+                 for info, options in pairs)
 
 
 def check_methods(method: Any) -> Tuple[List[MethodInfo], bool]:
@@ -30,14 +63,15 @@ def check_methods(method: Any) -> Tuple[List[MethodInfo], bool]:
     return infos, many
 
 
-def check_preset(preset: Any) -> Optional[str]:
-    """The name of the preset asked for (None: each method's own)."""
+def check_preset(preset: Any) -> Optional[Preset]:
+    """The :class:`relprop.rules.Preset` asked for, by name or as the object (None: each method's own).
+    The one place a call's preset is resolved: what comes back flows down to the engine unchanged."""
     if preset is None:
         return None
     if not isinstance(preset, (str, Preset)):
         raise OptionError(f"preset must be a preset's name or a relprop.Preset, not {type(preset).__name__}. "
                           f"Choices: {sorted(presets())}")
-    return get_preset(preset).name
+    return get_preset(preset)
 
 
 def check_fast_path(fast_path: Any) -> None:
@@ -110,28 +144,24 @@ def method_options(infos: Sequence[MethodInfo], options: Dict[str, Any], many: b
         raise MethodError(f"'{key}' is not an option of any of the methods {[i.name for i in infos]}. "
                           f"Options: {listed}")
     per_method = {i.name: {k: v for k, v in options.items() if k in i.options} for i in infos}
-    for name, opts in per_method.items():
-        check_aggregation(name, opts)
+    for info in infos:
+        check_aggregation(info, per_method[info.name])
     return per_method
-
-
-#: head fusions of the methods whose heads are not fused by a mean of maps (see their docstrings)
-_OWN_FUSIONS = {"attention_norm": ("combined",) + HEAD_FUSIONS, "attn_res_ln_norm": ("combined",),
-                "value_zeroing": ("all",)}
 
 
 def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
-def check_aggregation(method: str, options: Dict[str, Any]) -> None:
-    """The aggregation options of a rollout-style method (:mod:`relprop.methods.aggregation`):
-    an :class:`OptionError` naming the valid choices for a value it does not take. The block range
-    is checked against the model's blocks when the method runs."""
+def check_aggregation(info: MethodInfo, options: Dict[str, Any]) -> None:
+    """The aggregation options of a rollout-style method ``info`` (:mod:`relprop.methods.aggregation`;
+    the head fusions it declares, ``@method(head_fusions=...)``): an :class:`OptionError` naming the
+    valid choices for a value it does not take. The block range is checked against the model's
+    blocks when the method runs."""
     def bad(key, why):
-        raise OptionError(f"{method}: {key}={options[key]!r} is not a choice. {why}")
+        raise OptionError(f"{info.name}: {key}={options[key]!r} is not a choice. {why}")
     if "head_fusion" in options:
-        fusions = _OWN_FUSIONS.get(method, HEAD_FUSIONS)
+        fusions = info.head_fusions if info.head_fusions is not None else HEAD_FUSIONS
         if options["head_fusion"] not in fusions:
             bad("head_fusion", f"Choices: {list(fusions)}")
     if "layers" in options and options["layers"] not in LAYER_AGGREGATIONS:

@@ -13,8 +13,9 @@ run it, and lists the ones that give an explanation:
   and they run on the trace, with the trace's relevance when it came from that preset, else with
   zeros in its place (the structure they need is what is tested);
 * ``lrp``: every op must have a rule in its preset;
-* methods that re-run the model (input × gradient, SmoothGrad, integrated gradients, ViT-CX, value
-  zeroing): the checks they make before any re-run.
+* methods declared ``@method(..., checks_only=True)``, those that re-run the model (SmoothGrad,
+  integrated gradients, ViT-CX, value zeroing) and input × gradient: the checks they make before any
+  work.
 
 :func:`with_applicable` replaces the list a refusal wrote (whatever follows "Methods that apply") with
 the verified one.
@@ -35,21 +36,31 @@ from ..methods import all_methods
 from ..methods.apply import apply
 from ..methods.layout import grid_tokens
 from ..methods.rollout_utils import rollout_blocks
-from ..rules.rule_registry import get_preset
+from .options import DEFAULT_PRESET
+from ..rules.rule_registry import Preset, get_preset
 
-#: methods whose cost is in re-running the model: judged by the checks they make before re-running
-RERUNS = ("input_x_gradient", "smoothgrad", "integrated_gradients", "vit_cx", "value_zeroing")
 #: where a refusal's own list of methods begins (cut and replaced by :func:`with_applicable`)
 _LIST = re.compile(r"\s*(Methods that apply|Methods for text:|Methods that need no patch grid|use input_x_gradient, "
                    r"smoothgrad or integrated_gradients instead|Use rollout or transformer_attribution instead).*$",
                    re.S)
-DEFAULT_PRESET = "chefer2021"
 
 
-def _covered(captured, preset: str, cache: dict) -> bool:
+def _preset_of(info, preset: Optional[Preset]) -> Optional[Preset]:
+    """The preset method ``info`` would read under the call's ``preset``: that one, else the method's
+    own, else the default (None: the method's own preset does not exist)."""
+    if preset is not None:
+        return preset
+    try:
+        return get_preset(info.preset or DEFAULT_PRESET)
+    except RelpropError:
+        return None
+
+
+def _covered(captured, preset: Optional[Preset], cache: dict) -> bool:
+    if preset is None:
+        return False
     if preset not in cache:
         try:
-            get_preset(preset)
             cache[preset] = not report(captured, preset).missing
         except RelpropError:
             cache[preset] = False
@@ -81,18 +92,19 @@ def _reruns_apply(name: str, trace) -> bool:
     return True
 
 
-def applicable(refused: str, trace, preset: Optional[str], model_name: str, trace_preset: Optional[str] = None
-               ) -> List[str]:
+def applicable(refused: str, trace, preset: Optional[Preset], model_name: str,
+               trace_preset: Optional[Preset] = None) -> List[str]:
     """The names of the methods other than ``refused`` that give an explanation of the model ``trace``
-    was recorded on (see the module docstring); ``trace_preset`` is the preset whose relevance the trace
-    holds (None: none)."""
+    was recorded on (see the module docstring); ``preset`` is the call's :class:`relprop.rules.Preset`
+    (None: each method's own), ``trace_preset`` the one whose relevance the trace holds (None: none)."""
     captured = trace.session.captured
     coverage: dict = {}
     names = []
     for name, info in sorted(all_methods().items()):
         if name == refused:
             continue
-        method_preset = preset or info.preset or DEFAULT_PRESET
+        method_preset = _preset_of(info, preset)
+        label = method_preset.name if method_preset is not None else (info.preset or DEFAULT_PRESET)
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
@@ -104,14 +116,14 @@ def applicable(refused: str, trace, preset: Optional[str], model_name: str, trac
                 t = trace
                 if info.needs_relevance and trace_preset != method_preset:
                     t = _without_relevance(trace)
-                if name in RERUNS:
+                if info.checks_only:  # @method(checks_only=True): judged by its checks, not run
                     apply_checks_only = dataclasses.replace(info, fn=lambda tr, **kw: None)
-                    apply(apply_checks_only, t, {}, method_preset, model_name)
+                    apply(apply_checks_only, t, {}, label, model_name)
                     if _reruns_apply(name, t):
                         names.append(name)
                     continue
-                out = apply(info, t, {}, method_preset, model_name)
-                build(info, method_preset, out, t, None, "")
+                out = apply(info, t, {}, label, model_name)
+                build(info, label, out, t, None, "")
             names.append(name)
         except Exception:  # noqa: BLE001 - any failure (a refusal, a crash) means: not listed
             continue

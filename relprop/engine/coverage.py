@@ -30,7 +30,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import operator
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Union
 
 import torch
 
@@ -38,7 +38,7 @@ from ..errors import op_name
 from ..graph.capture import Captured
 from ..graph.nodes import module_path, module_type, relevance_path
 from ..rules import rule_registry as registry
-from ..rules.rule_registry import ELEMENTWISE_FUNCTION
+from ..rules.rule_registry import ELEMENTWISE_FUNCTION, Preset
 from .node_rules import rule_finder
 
 STATUSES = ("rule", "shape-only", "missing", "source", "no relevance", "constant")
@@ -158,8 +158,10 @@ class Coverage:
                 f"rule={c['rule']}, shape_only={c['shape-only']}, missing={c['missing']}, blocks={len(self.blocks)})")
 
 
-def report(captured: Captured, preset: str, model_name: str = "model") -> Coverage:
-    """Build the :class:`Coverage` of a captured graph under ``preset``."""
+def report(captured: Captured, preset: Union[str, Preset], model_name: str = "model") -> Coverage:
+    """Build the :class:`Coverage` of a captured graph under ``preset`` (a :class:`relprop.rules.Preset`;
+    a name, from a direct caller, is resolved here)."""
+    preset = registry.get_preset(preset)
     a = captured.analysis
     rule_of = rule_finder(captured, preset)
     path = set(relevance_path(captured.graph, a.live, a.sources, rule_of, through_missing=True))
@@ -197,7 +199,7 @@ def report(captured: Captured, preset: str, model_name: str = "model") -> Covera
         heads = _int(shape[-3]) if len(shape) >= 4 else None
         tokens = _int(shape[-1]) if shape else None
         blocks.append(BlockReport(b.index, b.name, b.layer, heads, tokens))
-    return Coverage(model_name, preset, a.modality, a.grid, ops, blocks)
+    return Coverage(model_name, preset.name, a.modality, a.grid, ops, blocks)
 
 
 def _int(s) -> Optional[int]:

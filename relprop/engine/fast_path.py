@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import operator
-from typing import Callable, Dict, Optional
+from typing import Callable, Dict, Optional, Union
 
 import torch
 import torch.fx
@@ -31,6 +31,7 @@ from ..graph.capture import Captured
 from ..graph.dispatch import saving_by_name
 from ..graph.nodes import evaluate, is_live, live_outputs, module_path, output_leaves, relevance_path
 from ..rules import rule_registry as registry
+from ..rules.rule_registry import Preset
 from ..rules.stabilize import on_nonzero_rows, promote, relevance_dtype, safe_divide
 from ..targets import find_logits, fixed, require_input_dependence
 from .forward import bind, count_forward
@@ -58,15 +59,18 @@ class Plan:
     functions: Dict[torch.fx.Node, tuple] = dataclasses.field(default_factory=dict)
 
 
-def plan(captured: Captured, preset: str, eps: float) -> Plan:
+def plan(captured: Captured, preset: Union[str, Preset], eps: float) -> Plan:
     """The replacement of every node on the relevance path whose rule is not its own gradient.
 
     Follows the relevance path of :func:`relprop.graph.nodes.relevance_path` (a rule's
     ``no_relevance_to`` positions are not followed). Raises :class:`FastPathUnavailable` naming the
     first op whose rule has no gradient form. Cached on ``captured`` per (preset, eps, rules seen).
+    ``preset``: the :class:`relprop.rules.Preset` of the request (a name, from a direct caller, is
+    resolved here).
     """
+    preset = registry.get_preset(preset)
     cache = captured.plans.setdefault("modified_gradient", {})
-    key = (preset, eps, registry.state(preset))
+    key = (preset.name, eps, registry.state(preset))
     if key not in cache:
         try:
             cache[key] = _plan(captured, preset, eps)
@@ -82,7 +86,7 @@ def plan(captured: Captured, preset: str, eps: float) -> Plan:
 _ADJOINT_RULES = frozenset(registry.get_preset("base").rules.values())
 
 
-def _plan(captured: Captured, preset: str, eps: float) -> Plan:
+def _plan(captured: Captured, preset: Preset, eps: float) -> Plan:
     a = captured.analysis
     rule_of = rule_finder(captured, preset)
     replacements, functions = {}, {}
@@ -91,13 +95,13 @@ def _plan(captured: Captured, preset: str, eps: float) -> Plan:
             continue
         spec = rule_of(node)
         if spec is None:
-            raise FastPathUnavailable(f"no rule for {node.target} (in '{module_path(node)}') in preset '{preset}'")
+            raise FastPathUnavailable(f"no rule for {node.target} (in '{module_path(node)}') in preset '{preset.name}'")
         if spec in _ADJOINT_RULES:  # routing rules give relevance exactly as the gradient does
             continue
         form = spec.gradient_form
         if form is None:
             raise FastPathUnavailable(f"the rule {spec.name} of {node.target} (in '{module_path(node)}') in "
-                                      f"preset '{preset}' has no gradient form")
+                                      f"preset '{preset.name}' has no gradient form")
         operands = spec.operands
         if operands is not None:  # a subgraph explained as a whole: its output from its operands and itself
             functions[node] = (operands, form(node, tuple(is_live(x, a.live) for x in operands), eps))
@@ -105,7 +109,7 @@ def _plan(captured: Captured, preset: str, eps: float) -> Plan:
         rep = form(node, tuple(is_live(x, a.live) for x in node.args), eps)
         if rep is not None:
             replacements[node] = rep
-    return Plan(preset, eps, replacements, functions)
+    return Plan(preset.name, eps, replacements, functions)
 
 
 def _gradient_seed(seed: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -118,7 +122,7 @@ def _score_seed(seed: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return torch.where(y != 0, seed, torch.zeros_like(seed))
 
 
-def supports(captured: Captured, preset: str, eps: float) -> Optional[str]:
+def supports(captured: Captured, preset: Union[str, Preset], eps: float) -> Optional[str]:
     """None if ``preset`` runs as a modified gradient on ``captured``; else the reason it does not."""
     try:
         plan(captured, preset, eps)
@@ -176,7 +180,7 @@ def run_fast(request: Request) -> Trace:
         require_input_dependence(scores)
         seeds = torch.autograd.grad(scores.sum(), [leaves[n] for n in out_nodes], allow_unused=True)
         roots, grad_outputs = [], []
-        by_value = registry.get_preset(request.preset).seed == "score"
+        by_value = request.preset.seed == "score"
         for n, seed in zip(out_nodes, seeds):
             if seed is None:
                 continue

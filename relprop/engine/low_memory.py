@@ -17,7 +17,6 @@ from ..graph.aliasing import shares_memory
 from ..graph.dispatch import saving_by_name
 from ..graph.nodes import evaluate
 from ..graph.tokens import token_positions
-from ..rules.rule_registry import get_preset
 from .forward import forward, output_seed, relevance_seed
 from .memory import crossing, last_uses, read_after_walk, rematerializable, segments
 from .request import Request
@@ -71,7 +70,7 @@ def run_low(request: Request, out_nodes: List[torch.fx.Node], wrt: List[torch.fx
     grad: Dict[torch.fx.Node, torch.Tensor] = {}
     walker = None
     if request.relevance:  # (no memo of |W| here: memory="high" only)
-        walker = Walker(request, env, relevance_seed(seed, env, get_preset(request.preset).seed), out_nodes, batch,
+        walker = Walker(request, env, relevance_seed(seed, env, request.preset.seed), out_nodes, batch,
                         remat, hooks=folder)
     needed_later = read_after_walk(a)
     dropped: set = set()

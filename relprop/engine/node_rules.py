@@ -16,7 +16,7 @@ whole instead, found structurally by :mod:`relprop.graph` and cached on the capt
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Dict, FrozenSet, Optional
+from typing import Callable, Dict, FrozenSet, Optional, Union
 
 import torch
 import torch.fx
@@ -27,7 +27,7 @@ from ..graph.torch_fixes import safe_target
 from ..graph.selective_scan import selection_parameters
 from ..rules import rule_registry as registry
 from ..rules.generic import gradient_times_input
-from ..rules.rule_registry import ELEMENTWISE_FUNCTION
+from ..rules.rule_registry import ELEMENTWISE_FUNCTION, Preset
 from ..rules.spec import GradientForm, RuleSpec, as_spec
 
 
@@ -91,11 +91,12 @@ def constants(captured: Captured) -> Dict[torch.fx.Node, FrozenSet[int]]:
 _Z_RULE = as_spec(gradient_times_input)
 
 
-def rule_finder(captured: Captured, preset: str, unsupported: str = "error") -> Callable[[torch.fx.Node],
-                                                                                         Optional[RuleSpec]]:
+def rule_finder(captured: Captured, preset: Union[str, Preset], unsupported: str = "error"
+                ) -> Callable[[torch.fx.Node], Optional[RuleSpec]]:
     """``node -> RuleSpec`` under ``preset`` (None when the node has none): the rule of an element-wise
     function at its output node, the rule of the node's op with selection parameters held constant,
-    else the rule of its op; the generic z-rule for an op without one when ``unsupported="z_rule"``."""
+    else the rule of its op; the generic z-rule for an op without one when ``unsupported="z_rule"``.
+    ``preset`` is the request's :class:`relprop.rules.Preset` (a name, from a direct caller, is resolved)."""
     p = registry.get_preset(preset)
     function_rule = p.lookup(ELEMENTWISE_FUNCTION)
     found = regions(captured) if function_rule is not None else {}

@@ -4,12 +4,13 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
-from typing import Any, Mapping, Optional
+from typing import Any, Mapping, Optional, Union
 
 import torch
 
 from ..errors import OptionError
 from ..graph.capture import Captured
+from ..rules.rule_registry import Preset, get_preset
 from ..rules.stabilize import DEFAULT_EPS
 from ..targets import Target
 
@@ -33,7 +34,9 @@ class Request:
     model : the model whose current parameters the program is evaluated with.
     kwargs : the model's inputs, by name.
     target : what is explained (:class:`relprop.targets.Target`).
-    preset : the name of the preset whose rules the walk applies.
+    preset : the :class:`relprop.rules.Preset` whose rules the walk applies, resolved once by the
+        caller (:func:`relprop.explain` hands down the object it checked); a name given here is
+        resolved when the Request is made, and the engine never looks a preset up again.
     relevance : walk the relevance back (else only the forward pass and the gradients).
     eps : the rules' denominator stabilizer.
     unsupported : ``"error"`` or ``"z_rule"`` (:data:`UNSUPPORTED_MODES`).
@@ -52,7 +55,7 @@ class Request:
     model: torch.nn.Module
     kwargs: Mapping[str, Any]
     target: Target
-    preset: str = "chefer2021"
+    preset: Union[Preset, str] = "chefer2021"
     relevance: bool = True
     eps: float = DEFAULT_EPS
     unsupported: str = "error"
@@ -60,6 +63,10 @@ class Request:
     folds: tuple = ()
     input_gradient: bool = True
     precision: str = "float32"
+
+    def __post_init__(self):
+        if not isinstance(self.preset, Preset):
+            object.__setattr__(self, "preset", get_preset(self.preset))
 
     @property
     def compute(self) -> Optional[torch.dtype]:

@@ -20,7 +20,6 @@ from ..graph.nodes import live_outputs
 from ..graph.tokens import token_positions
 from ..graph.window_attention import globalize, locate_windows
 from ..targets import find_logits, fixed, require_input_dependence
-from ..rules.rule_registry import get_preset
 from .forward import forward, output_seed
 from .low_memory import run_low
 from .memory import rematerializable
@@ -92,7 +91,7 @@ def run(request: Request) -> Trace:
     if request.relevance:
         with torch.no_grad():
             seed = {**grad, **output_seed(captured, env, request.target.score, out_nodes,
-                                          seed=get_preset(request.preset).seed)}
+                                          seed=request.preset.seed)}
             walked = walk(Walker(request, env, seed, out_nodes, batch, remat), captured.graph)
             result.rel_at, result.conservation = walked.relevance_at, walked.conservation
             result.input_relevance, result.stream_relevance = walked.input_relevance, walked.stream_relevance

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import operator
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, Union
 
 import torch
 import torch.fx
@@ -27,6 +27,7 @@ from ..graph.analysis import INDEX_ROUTING
 from ..graph.capture import Captured
 from ..graph.nodes import is_live, module_path, module_type, relevance_path
 from ..rules.context import RuleContext
+from ..rules.rule_registry import Preset, get_preset
 from ..rules.stabilize import promote, relevance_dtype
 from .ledger import STABILIZER, Ledger
 from .node_rules import rule_finder
@@ -37,15 +38,17 @@ from .value_store import ValueStore
 __all__ = ["STABILIZER", "WalkResult", "Walker", "check_rules", "walk"]
 
 
-def check_rules(captured: Captured, preset: str, unsupported: str) -> None:
+def check_rules(captured: Captured, preset: Union[str, Preset], unsupported: str) -> None:
     """Raise :class:`UnsupportedOperation` for the first op on the relevance path with no rule in
-    ``preset`` (unless ``unsupported="z_rule"``)."""
+    ``preset`` (the request's :class:`relprop.rules.Preset`; a name, from a direct caller, is resolved
+    here) unless ``unsupported="z_rule"``."""
     a = captured.analysis
+    preset = get_preset(preset)
     rule_of = rule_finder(captured, preset, unsupported)
     for node in relevance_path(captured.graph, a.live, a.sources, rule_of):
         if node.op == "call_function" and node not in a.sources and node.target is not operator.getitem \
                 and rule_of(node) is None:
-            raise UnsupportedOperation(node.target, module_path(node), module_type(node), preset)
+            raise UnsupportedOperation(node.target, module_path(node), module_type(node), preset.name)
 
 
 def walk(walker: "Walker", graph: torch.fx.Graph) -> "WalkResult":
@@ -163,7 +166,7 @@ class Walker:
         preset = self.preset
         spec = self.rule_of(node)
         if spec is None:
-            raise UnsupportedOperation(node.target, module_path(node), module_type(node), preset)
+            raise UnsupportedOperation(node.target, module_path(node), module_type(node), preset.name)
         # rules compute in float32 at least: half-precision activations are upcast, float64 kept
         # a rule explaining a subgraph as a whole names its operands (an element-wise function: its input)
         operands = spec.operands
@@ -185,7 +188,7 @@ class Walker:
                 self.absorb(STABILIZER, kept, node, None)
         del ctx, args, kw, r
         if shares is None:
-            raise UnsupportedOperation(node.target, module_path(node), module_type(node), preset,
+            raise UnsupportedOperation(node.target, module_path(node), module_type(node), preset.name,
                                        detail="Its rule does not apply to these operands.")
         held = spec.constant_positions  # arguments a rule holds constant (selection parameters)
         for i, arg in enumerate(arg_nodes):
@@ -225,7 +228,7 @@ class Walker:
         """The walk's :class:`WalkResult`, once every node was visited."""
         a = self.a
         input_rel = None
-        conservation = self.ledger.close(self.input_parts, self.preset)
+        conservation = self.ledger.close(self.input_parts, self.preset.name)
         for node, r in primary_parts(a, self.input_parts):
             if a.modality == "text":
                 r = r.sum(-1)

@@ -41,7 +41,7 @@ from typing import Optional
 import torch
 
 from ..errors import MethodError, OptionError
-from .aggregation import Aggregation, aggregate, fuse_heads
+from .aggregation import HEAD_FUSIONS, Aggregation, aggregate, fuse_heads
 from .norm_flows import norm_map
 from .method_registry import method
 from .layout import patch_tokens
@@ -250,7 +250,7 @@ def attgrads(trace, token_scores: str = "rows"):
         class_specific=False, signed=False,
         reference="Kobayashi et al., 'Attention is not only a weight' (EMNLP 2020): "
                   "||Σ_h α_ij f_h(x_j)||; survey §1.5",
-        needs_relevance=False,
+        needs_relevance=False, head_fusions=("combined",) + HEAD_FUSIONS,
         no_windows="it needs the value vectors of every token, which window attention computes per window")
 def attention_norm(trace, block: int = -1, head_fusion: str = "combined", positive: bool = False,
                    discard_ratio: float = 0.0, start_block: int = 0, end_block: Optional[int] = None,

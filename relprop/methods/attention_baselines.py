@@ -89,7 +89,7 @@ def _single_block_map(trace, index: int, name: str) -> dict:
         description="Transformer Attribution with the attention A in place of its gradient: "
                     "I + E_h(A ⊙ R_A)⁺ per block, rolled out over the blocks (ablation)",
         class_specific=True, signed=False, reference="Chefer et al., CVPR 2021, Table 3 (i), Eq. 13-14",
-        needs_relevance=True)
+        needs_relevance=True, rollout=True)
 def ta_without_gradient(trace, start_block: int = 0, normalize_rows: bool = False, query: str = "cls",
                         identity: str = DEFAULT_IDENTITY):
     """Ablation (i) of Table 3: Eq. 13 with A_b in place of ∇A_b,
@@ -235,7 +235,7 @@ def _rollout_maps(b):
         description="attention rollout: I + E_h A per block, rows normalized, multiplied over the "
                     "blocks (class-agnostic)",
         class_specific=False, signed=False, reference="Abnar & Zuidema, 2020; Chefer et al., CVPR 2021, Eq. 15-16",
-        needs_relevance=False, folds=_rollout_maps)
+        needs_relevance=False, folds=_rollout_maps, rollout=True)
 def rollout(trace, start_block: int = 0, normalize_rows: bool = True, query: str = "cls",
             end_block: Optional[int] = None, head_fusion: str = "mean", positive: bool = False,
             discard_ratio: float = 0.0, layers: str = "rollout", last_k: int = 1,
@@ -320,7 +320,7 @@ def _gradient_rollout_maps(b):
                     "output block",
         class_specific=True, signed=False, reference="Chefer et al., ICCV 2021 (Generic attention-model "
                                                      "explainability), Eq. 5-6",
-        needs_relevance=False, folds=_gradient_rollout_maps, streams=2)
+        needs_relevance=False, folds=_gradient_rollout_maps, streams=2, rollout=True)
 def gradient_rollout(trace, query: str = "cls", head_fusion: str = "mean", positive: bool = True,
                      discard_ratio: float = 0.0, start_block: int = 0, end_block: Optional[int] = None,
                      layers: str = "rollout", last_k: int = 1, normalize_rows: bool = False,

@@ -136,7 +136,7 @@ class Reruns:
                     "colour channels / embedding size",
         class_specific=True, signed=True,
         reference="survey §2.1 'Input gradient'; Shrikumar et al. 2016 (gradient ⊙ input)",
-        needs_relevance=False, needs_blocks=False, needs_input_gradient=True, streams=2)
+        needs_relevance=False, needs_blocks=False, needs_input_gradient=True, streams=2, checks_only=True)
 def input_x_gradient(trace):
     """x ⊙ ∂f_t/∂x at the source x (pixels, or word embeddings), reduced as the module says:
     images → ``"pixels"`` Σ_c x_c ∂f_t/∂x_c per pixel; text → ``"tokens"`` Σ_k e_k ∂f_t/∂e_k per
@@ -177,7 +177,7 @@ def smoothgrad_noise(seed: int, sample_shape: Sequence[int], n: int) -> torch.Te
         description="SmoothGrad: input × gradient (or the gradient) averaged over noisy copies of the input",
         class_specific=True, signed=True,
         reference="Smilkov et al. 2017, 'SmoothGrad: removing noise by adding noise', Eq. 3",
-        needs_relevance=False, needs_blocks=False, streams=2)
+        needs_relevance=False, needs_blocks=False, streams=2, checks_only=True)
 def smoothgrad(trace, n_samples: int = 16, noise_level: float = 0.15, multiply_by_input: bool = True,
                batch_size: int = 32, seed: int = 0):
     """SmoothGrad (Smilkov et al. 2017, Eq. 3): M̂(x) = 1/n Σ_{s=1..n} M(x + ε_s), ε_s ~ N(0, σ²),
@@ -262,7 +262,7 @@ def _baseline(baseline: Union[str, torch.Tensor], x: torch.Tensor) -> torch.Tens
         description="Integrated Gradients from a zero (or given) baseline to the input, midpoint Riemann sum",
         class_specific=True, signed=True,
         reference="Sundararajan et al. 2017, 'Axiomatic attribution for deep networks', Eq. 1 and §5 (Riemann sum)",
-        needs_relevance=False, needs_blocks=False, streams=2)
+        needs_relevance=False, needs_blocks=False, streams=2, checks_only=True)
 def integrated_gradients(trace, baseline: Union[str, torch.Tensor] = "zero", n_steps: int = 32,
                          batch_size: int = 32):
     """Integrated Gradients (Sundararajan et al. 2017, Eq. 1), approximated by a Riemann sum (§5):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import inspect
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Tuple
 
 from ..errors import MethodError
 
@@ -33,6 +33,15 @@ class MethodInfo:
         bi-modal rules, or the input relevance of every stream), else 1 (refused on such models).
     no_windows : why it does not apply to models with window attention (Swin), in words; None:
         it applies (:mod:`relprop.methods.windowed` says how the methods read such models).
+    rollout : it multiplies (or averages) the maps of several blocks, so it needs every block to
+        map the same tokens to themselves and tokens to mix nowhere but in the attention blocks
+        (:func:`relprop.methods.rollout_utils.rollout_blocks`).
+    checks_only : whether it applies to a model is judged by the checks it makes before any work,
+        not by running it (:mod:`relprop.api.refusals`): its cost is in re-running the model, or it
+        reads the input gradient, which a trace keeps only when a method of the call asks for it.
+    head_fusions : the values its ``head_fusion=`` option takes, for a method whose heads are not
+        fused as a mean of maps (attention norms, value zeroing); None: those of
+        :data:`relprop.methods.aggregation.HEAD_FUSIONS`, or it has no such option.
     """
 
     name: str
@@ -48,6 +57,9 @@ class MethodInfo:
     folds: Optional[Callable] = None
     streams: int = 1
     no_windows: Optional[str] = None
+    rollout: bool = False
+    checks_only: bool = False
+    head_fusions: Optional[Tuple[str, ...]] = None
 
     @property
     def options(self) -> List[str]:
@@ -61,7 +73,8 @@ _METHODS: Dict[str, MethodInfo] = {}
 def method(name: str, *, description: str, class_specific: bool, signed: bool, reference: str,
            needs_relevance: bool, preset: Optional[str] = None, needs_blocks: bool = True,
            needs_input_gradient: bool = False, folds: Optional[Callable] = None, streams: int = 1,
-           no_windows: Optional[str] = None, replace: bool = False):
+           no_windows: Optional[str] = None, rollout: bool = False, checks_only: bool = False,
+           head_fusions: Optional[Tuple[str, ...]] = None, replace: bool = False):
     """Register an explanation method under ``name`` (see :class:`MethodInfo` for the fields).
 
     A name registered already is an error unless ``replace=True`` (a second registration never
@@ -77,7 +90,8 @@ def method(name: str, *, description: str, class_specific: bool, signed: bool, r
             raise MethodError(f"a method named '{name}' is registered already ({_METHODS[name].description}); pick "
                               "another name, or pass replace=True to replace it")
         _METHODS[name] = MethodInfo(name, fn, description, class_specific, signed, reference, needs_relevance,
-                                    preset, needs_blocks, needs_input_gradient, folds, streams, no_windows)
+                                    preset, needs_blocks, needs_input_gradient, folds, streams, no_windows,
+                                    rollout, checks_only, None if head_fusions is None else tuple(head_fusions))
         return fn
     return decorate
 

@@ -148,7 +148,7 @@ def residual_norm_map(trace, b, env: dict) -> torch.Tensor:
         class_specific=False, signed=False,
         reference="Kobayashi et al., 'Incorporating Residual and Normalization Layers into Analysis of Masked "
                   "Language Models' (EMNLP 2021), Eq. 6-9; survey §1.5",
-        needs_relevance=False,
+        needs_relevance=False, head_fusions=("combined",),
         no_windows="it needs the value vectors of every token, which window attention computes per window")
 def attn_res_ln_norm(trace, head_fusion: str = "combined", positive: bool = False, discard_ratio: float = 0.0,
                      start_block: int = 0, end_block: Optional[int] = None, layers: str = "rollout", last_k: int = 1,

@@ -50,7 +50,7 @@ def cosine_distance(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
                     "token j are zeroed (cosine distance), row-normalized and rolled out over the blocks",
         class_specific=False, signed=False,
         reference="Mohebbi et al., EACL 2023, 'Quantifying Context Mixing in Transformers', §3 (Value Zeroing)",
-        needs_relevance=False,
+        needs_relevance=False, rollout=True, checks_only=True, head_fusions=("all",),
         no_windows="it zeroes one token's value vector across a block, which window attention holds per window")
 def value_zeroing(trace, head_fusion: str = "all", positive: bool = False, discard_ratio: float = 0.0,
                   start_block: int = 0, end_block: Optional[int] = None, layers: str = "rollout", last_k: int = 1,
@@ -197,7 +197,7 @@ def vitcx_masks(maps: torch.Tensor, gram: torch.Tensor, distance_threshold: floa
         class_specific=True, signed=True,
         reference="Xie et al. 2022, 'ViT-CX: Causal Explanation of Vision Transformers', §3 (mask generation, "
                   "causal impact scoring with coverage-bias correction)",
-        needs_relevance=False,
+        needs_relevance=False, checks_only=True,
         no_windows="it reads the token features entering the attention, which window attention cuts into windows")
 def vit_cx(trace, distance_threshold: float = 0.1, baseline: Union[str, float] = "zero", batch_size: int = 32):
     """ViT-CX (Xie et al. 2022, §3). Images only.

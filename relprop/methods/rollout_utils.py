@@ -66,12 +66,6 @@ def query_row(trace, joint: torch.Tensor, query: str = "cls"):
     raise MethodError(f"query={query!r} is not a choice. Choices: ['cls', 'mean']")
 
 
-#: the methods that multiply (or average) the maps of several blocks: they need every block to map
-#: the same tokens to themselves, and tokens to mix nowhere but in the attention blocks
-ROLLOUT_METHODS = ("transformer_attribution", "ta_without_gradient", "rollout", "gradient_rollout",
-                   "value_zeroing")
-
-
 def rollout_blocks(trace, name: str, start_block: int = 0, end_block: Optional[int] = None) -> list:
     """The blocks ``start_block``..``end_block - 1`` of ``trace`` (all from ``start_block`` when
     ``end_block`` is None) when a rollout over them is defined, else a
@@ -89,7 +83,8 @@ def rollout_blocks(trace, name: str, start_block: int = 0, end_block: Optional[i
 
 
 def _others() -> str:
-    return "Methods that apply: " + ", ".join(sorted(set(all_methods()) - set(ROLLOUT_METHODS)))
+    """The methods that are not rollouts (``@method(..., rollout=True)``), for a rollout's refusal."""
+    return "Methods that apply: " + ", ".join(sorted(n for n, m in all_methods().items() if not m.rollout))
 
 
 def check_square(b, name: str) -> None:

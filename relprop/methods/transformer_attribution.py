@@ -18,7 +18,7 @@ def _ta_maps(b):
         description="relevance x gradient of each attention map, positive part, averaged over heads, "
                     "rolled out over the blocks",
         class_specific=True, signed=False, reference="Chefer et al., CVPR 2021, Eq. 13-14",
-        needs_relevance=True, folds=_ta_maps, streams=2)
+        needs_relevance=True, folds=_ta_maps, streams=2, rollout=True)
 def transformer_attribution(trace, start_block: int = 0, normalize_rows: bool = False, query: str = "cls",
                             end_block: Optional[int] = None, head_fusion: str = "mean", positive: bool = True,
                             discard_ratio: float = 0.0, layers: str = "rollout", last_k: int = 1,

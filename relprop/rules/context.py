@@ -2,14 +2,14 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Optional, Sequence
+from typing import Any, Optional, Sequence, Union
 
 import torch
 import torch.fx
 
 from ..errors import RelpropError
 from ..graph.nodes import module_path
-from .rule_registry import lookup
+from .rule_registry import Preset, lookup
 
 
 #: the keyword of ``@rule`` (and field of :class:`relprop.rules.spec.RuleSpec`) by which a rule
@@ -32,8 +32,9 @@ class RuleContext:
     batch_dim : the dimension of ``out`` that indexes samples (None if ``out`` has none).
     batch_size : number of samples.
     eps : stabilizer added to denominators (``relprop.rules.stabilize.safe_divide``).
-    preset : name of the active preset, for messages and for :meth:`rule_for`; a rule never
-        chooses its formula by it (each preset's table names its own rules).
+    preset : the active :class:`relprop.rules.Preset` (the walk hands down the request's object; a
+        name is accepted too), for :meth:`rule_for`; a rule never chooses its formula by it (each
+        preset's table names its own rules).
     options : what the engine knows of this call beyond the node: ``reads_pixels`` (node name ->
         whether the convolution reads the pixel input, for the z^B rule) and ``weight_cache`` (the
         memo of the weights' |W| under ``explain(..., memory="high")``, else None).
@@ -52,7 +53,7 @@ class RuleContext:
     batch_dim: Optional[int]
     batch_size: int
     eps: float = 1e-9
-    preset: str = "chefer2021"
+    preset: Union[str, Preset] = "chefer2021"
     options: dict = dataclasses.field(default_factory=dict)
     out_writable: bool = False
 
