@@ -244,3 +244,18 @@ def test_save_and_show_functions(vision, text, tmp_path, capsys):
         viz_api.save(tta, str(tmp_path / "t2.html"))
     page = viz_api.show(tta, tokens=rows, index=0)
     assert "<span" in page and "explained: class 0" in capsys.readouterr().out
+
+
+def test_colourbar_tick_labels_fit_and_small_values_show():
+    """Long tick labels are not clipped at the figure's edge; small values keep their digits."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from explanations import fake_image
+    assert vimg._ticks([-3.1234e-5, 0.0, 3.1234e-5]) == ["-3.1e-05", "0", "3.1e-05"]
+    m = -123456.7 + np.random.default_rng(0).random((8, 8)) * 2
+    fig = vimg.overlay_figure(fake_image(m, signed=False), 0, np.zeros((8, 8, 3)), percentile=100)
+    canvas = FigureCanvasAgg(fig)
+    canvas.draw()
+    labels = [t for t in fig.axes[-1].get_yticklabels() if t.get_text()]  # the colourbar's
+    assert labels and all("e+05" in t.get_text() for t in labels)
+    width = fig.get_size_inches()[0] * fig.dpi
+    assert max(t.get_window_extent(canvas.get_renderer()).x1 for t in labels) <= width
