@@ -8,6 +8,7 @@ import torch
 
 from ..engine.trace import BlockRecord, Conservation, NotKept
 from ..viz import api as viz_api
+from ..viz import notebook as viz_notebook
 from . import export
 
 
@@ -145,6 +146,11 @@ class Explanation:
         """A tidy table, one row per sample and position (sample, position, name, score, mask, target,
         target_label, method): a ``pandas.DataFrame`` when pandas is installed, else a list of dicts."""
         return export.to_table(self, tokens=tokens, labels=labels)
+
+    def _repr_html_(self) -> str:
+        """The explanation drawn for a notebook (Jupyter calls this): coloured tokens, or the image map as an
+        inline PNG, one panel per sample, with the method and target in the caption."""
+        return viz_notebook.explanation_html(self)
 
     def __repr__(self) -> str:
         blocks = len(self.blocks) if self.kept_blocks else "not kept"
