@@ -66,8 +66,8 @@ def test_overlay_figure_png(vision, tmp_path):
 
 
 def test_sequential_and_diverging_colours():
-    """Non-negative maps: jet from the minimum to the clipped maximum; signed maps: a diverging colormap
-    centred on 0 (0 shows the grey image, + red, - blue) with symmetric limits."""
+    """Non-negative maps: white to red from the minimum to the clipped maximum; signed maps: the diverging
+    map centred on 0 (0 shows the grey image, + red, - blue) with symmetric limits; cmap="jet" the paper's look."""
     values = np.linspace(0, 1, 100).reshape(10, 10)
     lo, hi = vimg.clip_limits(values, False, 100)
     assert (lo, hi) == (0.0, 1.0)
@@ -81,7 +81,9 @@ def test_sequential_and_diverging_colours():
     assert out[1, 1, 0] > out[1, 1, 2]  # positive: red
     assert out[0, 0, 2] > out[0, 0, 0]  # negative: blue
     seq = vimg.blend(None, values, False, 0.0, 1.0)
-    assert seq[0, 0, 2] > seq[0, 0, 0] and seq[-1, -1, 0] > seq[-1, -1, 2]  # jet: blue low, red high
+    assert np.allclose(seq[0, 0], 1.0) and seq[-1, -1, 0] > 0.5 > seq[-1, -1, 2]  # white at the minimum, red high
+    jet = vimg.blend(None, values, False, 0.0, 1.0, cmap="jet")
+    assert jet[0, 0, 2] > jet[0, 0, 0] and jet[-1, -1, 0] > jet[-1, -1, 2]  # jet: blue low, red high
 
 
 def test_display_image_unnormalises():
@@ -158,11 +160,11 @@ def test_html_signed_colours_and_counterfactual(text):
     page = vtext.to_html(lrp, rows, counterfactual=None, merge_words=False)
     p = _Spans()
     p.feed(page)
-    reds = [t for t in p.tokens if t["score"] and float(t["score"]) < 0]
-    greens = [t for t in p.tokens if t["score"] and float(t["score"]) > 0]
-    assert reds and greens, "lrp on a random model has both signs"
-    rgb = lambda t: tuple(int(v) for v in t["style"].split("(")[1].rstrip(")").split(","))  # noqa: E731
-    assert all(rgb(t)[0] > rgb(t)[1] for t in reds) and all(rgb(t)[1] >= rgb(t)[0] for t in greens)
+    blues = [t for t in p.tokens if t["score"] and float(t["score"]) < 0]
+    reds = [t for t in p.tokens if t["score"] and float(t["score"]) > 0]
+    assert reds and blues, "lrp on a random model has both signs"
+    rgb = lambda t: tuple(int(v) for v in t["style"].split("(")[1].split(")")[0].split(","))  # noqa: E731
+    assert all(rgb(t)[2] >= rgb(t)[0] for t in blues) and all(rgb(t)[0] >= rgb(t)[2] for t in reds)
     page = vtext.to_html(ta, rows, counterfactual=other, labels=["neg", "pos"])
     assert page.count('class="explanation counterfactual"') == 2
     assert "counterfactual: <b>pos" in page and "explained: <b>neg" in page
@@ -242,3 +244,18 @@ def test_save_and_show_functions(vision, text, tmp_path, capsys):
         viz_api.save(tta, str(tmp_path / "t2.html"))
     page = viz_api.show(tta, tokens=rows, index=0)
     assert "<span" in page and "explained: class 0" in capsys.readouterr().out
+
+
+def test_colourbar_tick_labels_fit_and_small_values_show():
+    """Long tick labels are not clipped at the figure's edge; small values keep their digits."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from explanations import fake_image
+    assert vimg._ticks([-3.1234e-5, 0.0, 3.1234e-5]) == ["-3.1e-05", "0", "3.1e-05"]
+    m = -123456.7 + np.random.default_rng(0).random((8, 8)) * 2
+    fig = vimg.overlay_figure(fake_image(m, signed=False), 0, np.zeros((8, 8, 3)), percentile=100)
+    canvas = FigureCanvasAgg(fig)
+    canvas.draw()
+    labels = [t for t in fig.axes[-1].get_yticklabels() if t.get_text()]  # the colourbar's
+    assert labels and all("e+05" in t.get_text() for t in labels)
+    width = fig.get_size_inches()[0] * fig.dpi
+    assert max(t.get_window_extent(canvas.get_renderer()).x1 for t in labels) <= width

@@ -1,6 +1,6 @@
-"""Make the figures of docs/methods/aggregation.md, docs/methods/norm_flows.md, docs/methods/heads.md and
-docs/activation-maximization.md (offline: the packaged all-MiniLM-L6-v2 demo model and a tiny timm ViT built from its
-config).
+"""Make the figures of docs/methods/aggregation.md, docs/methods/norm_flows.md, docs/methods/heads.md,
+docs/activation-maximization.md and the colour legend of docs/getting-started.md (offline: the packaged
+all-MiniLM-L6-v2 demo model and a tiny timm ViT built from its config).
 
     PYTHONPATH=. python docs/figures/make_figures.py      # writes docs/figures/*.png, prints what it shows
 """
@@ -15,7 +15,7 @@ import torch
 import relprop
 from relprop import demo
 from relprop.tools.activation_maximization import total_variation
-from relprop.viz import heads_figure, save_figure
+from relprop.viz import colours, heads_figure, save_figure
 
 matplotlib.use("Agg")
 from matplotlib.figure import Figure  # noqa: E402
@@ -39,7 +39,7 @@ def text_rows(model, tok, rows, title, path):
         print(f"{title}: {name:<45} top tokens {top}")
     fig = Figure(figsize=(0.45 * len(tokens) + 3.2, 0.38 * len(rows) + 1.4))
     ax = fig.add_subplot(1, 1, 1)
-    ax.imshow(np.array(data), aspect="auto", cmap="jet", vmin=0, vmax=1)
+    ax.imshow(np.array(data), aspect="auto", cmap=colours.colormap(signed=False), vmin=0, vmax=1)
     ax.set_xticks(range(len(tokens)))
     ax.set_xticklabels(tokens, rotation=90, fontsize=8)
     ax.set_yticks(range(len(names)))
@@ -49,7 +49,13 @@ def text_rows(model, tok, rows, title, path):
     save_figure(fig, path)
 
 
+def legend():
+    """The colour legend (relprop.viz.colours) of docs/getting-started.md#colours."""
+    save_figure(colours.legend_figure(), os.path.join(HERE, "colours.png"))
+
+
 def main():
+    legend()
     torch.manual_seed(0)
     model, tok = demo.load()
     q = {"query": "mean"}  # the demo classifies from mean pooling

@@ -17,7 +17,7 @@ import torch
 import transformers as tf
 
 import relprop
-from relprop.viz import save_figure
+from relprop.viz import colours, save_figure
 
 HERE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "img")
 
@@ -83,7 +83,7 @@ def caption():
     ax.axis("off")
     for t, w in enumerate(words):
         ax = fig.add_subplot(1, g + 1, t + 2)
-        ax.imshow(exp.map[t].numpy(), cmap="inferno")
+        ax.imshow(exp.map[t].numpy(), cmap=colours.colormap(signed=False))
         ax.set_title(f"'{w}'", fontsize=9)
         ax.axis("off")
     fig.tight_layout()

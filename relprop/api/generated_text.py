@@ -66,6 +66,8 @@ class GenerationExplanation:
         return viz_generation.matrix_html(self.matrix, self._row_text(), self._column_text(), self.source_length,
                                           title=f"{self.method}" + (f" ({self.preset})" if self.preset else ""))
 
+    _repr_html_ = viz_generation.notebook_html  # the matrix drawn inline in a notebook
+
     def save(self, path: str, **kwargs) -> str:
         """Write the heatmap to ``path``: ``.html`` (:meth:`html`) or an image (``.png``, ``.pdf``)."""
         if str(path).endswith(".html"):

@@ -8,6 +8,8 @@ import torch
 
 from ..engine.trace import BlockRecord, Conservation, NotKept
 from ..viz import api as viz_api
+from ..viz import notebook as viz_notebook
+from . import export
 
 
 @dataclasses.dataclass
@@ -64,7 +66,7 @@ class Explanation:
     conservation: Optional[Conservation]
     input_relevance: Optional[torch.Tensor]
     logits: Optional[torch.Tensor]
-    preset: str
+    preset: Optional[str]
     modality: str
     grid: Optional[tuple] = None
     prefix_tokens: int = 0
@@ -115,8 +117,43 @@ class Explanation:
     def __len__(self) -> int:
         return self.scores.shape[0]
 
+    def __getitem__(self, key) -> "Explanation":
+        """Sample ``key`` (negative counts from the end) as an Explanation of one sample, or the samples of
+        a slice; an IndexError names the valid range. See :func:`relprop.explanation.export.select`."""
+        return export.select(self, key)
+
+    def to_dict(self, *, tokens=None, labels=None, include_map: bool = False) -> Dict[str, Any]:
+        """JSON-serialisable dict: method, preset, and per sample the target (index, name, score), the
+        position names (token strings, else ``"token j"``; ``"patch (r, c)"`` for images), scores and
+        mask. See :func:`relprop.explanation.export.to_dict`."""
+        return export.to_dict(self, tokens=tokens, labels=labels, include_map=include_map)
+
+    def to_json(self, path=None, **kwargs) -> str:
+        """:meth:`to_dict` as a JSON string, or written to ``path`` (returned)."""
+        return export.to_json(self, path, **kwargs)
+
+    def save_npz(self, path, **kwargs) -> str:
+        """Write the arrays (scores, mask, map, target, target_scores) and a JSON ``meta`` to a compressed
+        ``.npz``; read it with :meth:`load_npz` or ``numpy.load(path)["scores"]``."""
+        return export.save_npz(self, path, **kwargs)
+
+    @classmethod
+    def load_npz(cls, path) -> "Explanation":
+        """The Explanation written by :meth:`save_npz` (its arrays and kind; no block records)."""
+        return cls(**export.npz_fields(path))
+
+    def to_table(self, *, tokens=None, labels=None):
+        """A tidy table, one row per sample and position (sample, position, name, score, mask, target,
+        target_label, method): a ``pandas.DataFrame`` when pandas is installed, else a list of dicts."""
+        return export.to_table(self, tokens=tokens, labels=labels)
+
+    def _repr_html_(self) -> str:
+        """The explanation drawn for a notebook (Jupyter calls this): coloured tokens, or the image map as an
+        inline PNG, one panel per sample, with the method and target in the caption."""
+        return viz_notebook.explanation_html(self)
+
     def __repr__(self) -> str:
         blocks = len(self.blocks) if self.kept_blocks else "not kept"
-        return (f"Explanation(method='{self.method}', preset='{self.preset}', scores={tuple(self.scores.shape)}, "
+        return (f"Explanation(method={self.method!r}, preset={self.preset!r}, scores={tuple(self.scores.shape)}, "
                 f"map={None if self.map is None else tuple(self.map.shape)}, blocks={blocks}, "
                 f"target={None if self.target is None else self.target.tolist()})")

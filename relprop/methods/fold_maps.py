@@ -15,8 +15,8 @@ time: the engine hands each block's record to a :class:`RowFold` as soon as the 
 its A, ∇A and R_A, and frees the record (:mod:`relprop.engine.fold_hooks`). A method is folded
 this way when it declares its per-head maps with ``@method(..., folds=head_maps)``
 (:attr:`relprop.methods.method_registry.MethodInfo.folds`) and its options allow it
-(:func:`why_not`). The peak holds one block instead of blocks × heads × tokens² records, and the products are of a [k, tokens] row with a
-[tokens, tokens] map (k ≤ 2) instead of [tokens, tokens]².
+(:func:`why_not`). The peak holds one block instead of blocks × heads × tokens² records, and the
+products are of a [k, tokens] row with a [tokens, tokens] map (k ≤ 2) instead of [tokens, tokens]².
 
 The query q is read off the block next to the output (the rows its gradient reaches), which the
 fold meets first. Whether the model is causal (a decoder's query is its last position, an encoder's

@@ -58,7 +58,7 @@ METHOD_OPTIONS: Dict[str, str] = {"query": "mean"}
 WHY = ("chosen by measurement (benchmarks/demo_contrast.py, 7 sentences): its top word scores 9.1x the median "
        "word (transformer_attribution: 4.1x, gradient_rollout: 1.9x), and the runner-up label ranks the "
        "words differently (Spearman 0.13 against 0.89 for transformer_attribution, 0.91 for gradient_rollout); "
-       "colours are scaled per sentence, green for the label, red against it")
+       "colours are scaled per sentence, red for the label, blue against it")
 
 
 class DemoUnavailable(RuntimeError):

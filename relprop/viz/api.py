@@ -116,10 +116,11 @@ def show(exp, *, image: Any = None, tokens: Optional[Sequence] = None, tokenizer
 def overlay(exp, image: Any = None, index: int = 0, *, mean=None, std=None, signed: Optional[bool] = None,
             percentile: float = vimg.DEFAULT_PERCENTILE, cmap: Optional[str] = None, alpha: float = 0.5):
     """The picture of sample ``index``'s map as an [H, W, 3] uint8 numpy array (for notebooks and logging
-    tools: ``wandb.Image(relprop.viz.overlay(exp, x))``): the same colours as :func:`save` draws (a
-    non-negative map min-max scaled into ``jet`` blended half-and-half over the image, as in Chefer et al.
-    2021, Fig. 1; a signed map in a diverging colormap centred on 0 over a grey copy), without axes or
-    colourbar. Without ``image`` the coloured map alone, at the size of ``exp.map``."""
+    tools: ``wandb.Image(relprop.viz.overlay(exp, x))``): the same colours as :func:`save` draws
+    (:mod:`relprop.viz.colours`: a signed map red for, blue against, centred on 0; a non-negative map
+    min-max scaled from white to red; both over a grey copy of the image; ``cmap="jet"`` blends the
+    paper's colours half-and-half, as in Chefer et al. 2021, Fig. 1), without axes or colourbar. Without
+    ``image`` the coloured map alone, at the size of ``exp.map``."""
     import numpy as np
     if exp.grid is None:
         raise InputError(f"explanation '{exp.method}' has no patch grid: an overlay is for image explanations; "

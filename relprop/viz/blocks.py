@@ -3,8 +3,8 @@
 Row b is what the hidden states entering block b contribute to the explained score, per token:
 ``exp.blocks[b].hidden_relevance`` summed over the hidden size when the method ran the relevance walk
 (the LRP relevance R_h of the tokens at that depth), else ``hidden * hidden_gradient`` summed over the
-hidden size (AttCAT's class activation tokens, CAT = ∇h ⊙ h). Both are signed: a diverging colormap
-centred on 0 shows them, red for support, blue against.
+hidden size (AttCAT's class activation tokens, CAT = ∇h ⊙ h). Both are signed: relprop's diverging map
+(:mod:`relprop.viz.colours`) shows them, red for support, blue against, white for 0.
 """
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ if TYPE_CHECKING:  # numpy is imported where it is used: an optional dependency 
     import numpy as np
 
 from ..errors import InputError
+from . import colours
 from .image import _new_figure, _ticks, clip_limits, label_name
 from .text import _is_padding, tokens_of
 
@@ -70,7 +71,7 @@ def blocks_figure(exp, tokens: Sequence[str], index: int = 0, *, source: str = "
     ax = fig.subplots(1, 1)
     real = [j for j, t in enumerate(toks) if not t.special]
     vmin, vmax = clip_limits(values[:, real] if real else values, True, 100.0)
-    im = ax.imshow(values, cmap="RdBu_r", norm=colors.Normalize(vmin, vmax), aspect="auto",
+    im = ax.imshow(values, cmap=colours.colormap(colours.DIVERGING), norm=colors.Normalize(vmin, vmax), aspect="auto",
                    interpolation="nearest")
     ax.set_xticks(range(nt))
     ax.set_xticklabels([t.text for t in toks], rotation=60, ha="right", fontsize=8)

@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any, Optional, Sequence
 
 from ..errors import InputError
+from . import colours
 from .image import SEQUENTIAL_CMAP, _new_figure, _numpy, _resize, blend, display_image
 
 
@@ -32,7 +33,8 @@ def heads_figure(exp, index: int = 0, image: Any = None, *, mean: Optional[Seque
                  cols: Optional[int] = None, panel: float = 2.0, fig=None):
     """A matplotlib Figure with one panel per head of sample ``index`` (DINO, Caron et al. 2021,
     Fig. 3). Images: each head's map upsampled to ``image`` (un-normalized with ``mean``/``std``)
-    or to the patch grid, in the ``jet`` colormap, min-max scaled per head. Text: a heads x tokens
+    or to the patch grid, in the positive half of relprop's map (:mod:`relprop.viz.colours`: white to red),
+    min-max scaled per head. Text: a heads x tokens
     heatmap (``tokens`` label the columns)."""
     import numpy as np
     rows = head_rows(exp, index)
@@ -58,7 +60,7 @@ def heads_figure(exp, index: int = 0, image: Any = None, *, mean: Optional[Seque
         return fig
     fig = _new_figure((max(4.0, 0.35 * rows.shape[1] + 1.5), 0.35 * n_heads + 1.2), fig)
     ax = fig.add_subplot(1, 1, 1)
-    ax.imshow(rows, aspect="auto", cmap=SEQUENTIAL_CMAP, interpolation="nearest")
+    ax.imshow(rows, aspect="auto", cmap=colours.colormap(SEQUENTIAL_CMAP), interpolation="nearest")
     ax.set_yticks(range(n_heads))
     ax.set_yticklabels([f"head {h}" for h in range(n_heads)], fontsize=7)
     if tokens is not None:

@@ -1,12 +1,14 @@
 """Image overlays of an :class:`relprop.Explanation` (matplotlib and numpy; no LaTeX).
 
-The look follows the figures of the field (Chefer et al., CVPR 2021, Fig. 1 and 3): the relevance map,
-min-max normalised, in the ``jet`` colormap blended half-and-half over the input image. Signed maps
-(``exp.signed``: LRP, input × gradient, AttCAT, ...) use a diverging colormap centred on 0 (red =
-supports the target, blue = speaks against it) over a grey copy of the image, each pixel's colour as
-opaque as its relevance is large, so that pixels with no relevance show the image. Maps are clipped at a
-percentile (default 99.5: a few extreme pixels do not wash out the rest), and a colourbar gives the
-scale in relevance units.
+The colours are relprop's one colour language (:mod:`relprop.viz.colours`): signed maps (``exp.signed``:
+LRP, input × gradient, AttCAT, ...) in the diverging map centred on 0 (red = supports the target, blue =
+speaks against it, white = none), non-negative maps (rollout-style methods) min-max normalised as in
+the field's figures (Chefer et al., CVPR 2021, Fig. 1 and 3) in its positive half (white to red). The
+colour lies over a grey copy of the image, each pixel's colour as opaque as its relevance is large, so
+that pixels with no relevance show the image. ``cmap="jet"`` (any matplotlib colormap) gives the
+paper's look instead: the map blended half-and-half over the image. Maps are clipped at a percentile
+(default 99.5: a few extreme pixels do not wash out the rest), and a colourbar gives the scale in
+relevance units.
 
 Entry points: :func:`overlay_figure` (one image: the input beside the overlay), :func:`grid_figure`
 (methods side by side, one row per image), :func:`draw_overlay` (onto an existing axes).
@@ -19,12 +21,13 @@ if TYPE_CHECKING:  # numpy is imported where it is used: an optional dependency 
     import numpy as np
 
 from ..errors import InputError
+from . import colours
 
 
-#: colormap of non-negative maps (the field's overlays)
-SEQUENTIAL_CMAP = "jet"
-#: colormap of signed maps, centred on 0
-DIVERGING_CMAP = "RdBu_r"
+#: colormap of non-negative maps: the positive half of relprop's map (:mod:`relprop.viz.colours`)
+SEQUENTIAL_CMAP = colours.POSITIVE
+#: colormap of signed maps, centred on 0: relprop's diverging map
+DIVERGING_CMAP = colours.DIVERGING
 #: maps are clipped at this percentile (of the values, or of |values| for signed maps)
 DEFAULT_PERCENTILE = 99.5
 
@@ -127,18 +130,31 @@ def _resize(m: np.ndarray, shape: Tuple[int, int]) -> np.ndarray:
 
 def blend(image: Optional[np.ndarray], values: np.ndarray, signed: bool, vmin: float, vmax: float,
           cmap: Optional[str] = None, alpha: float = 0.5) -> np.ndarray:
-    """[H, W, 3] overlay of ``values`` (clipped to ``[vmin, vmax]``) on ``image`` (or alone)."""
+    """[H, W, 3] overlay of ``values`` (clipped to ``[vmin, vmax]``) on ``image`` (or alone).
+
+    relprop's colours (``cmap`` None or one of :mod:`relprop.viz.colours`' names) are opaque where the
+    relevance is large and show a grey copy of the image where it is 0 (signed) or at its minimum
+    (non-negative); another matplotlib ``cmap`` is blended with weight ``alpha`` over the image."""
     import numpy as np
-    from matplotlib import colormaps
-    cm = colormaps[cmap or (DIVERGING_CMAP if signed else SEQUENTIAL_CMAP)]
+    ours = cmap in (None, colours.DIVERGING, colours.POSITIVE)
     scaled = np.clip((values - vmin) / (vmax - vmin), 0.0, 1.0)
-    colour = cm(scaled)[..., :3]
+    if ours and signed:
+        lim = max(abs(vmin), abs(vmax))
+        unit = np.clip(values / lim, -1.0, 1.0)
+        colour = colours.rgb_float(unit)
+    elif ours:
+        unit = scaled
+        colour = colours.positive_rgb_float(unit)
+    else:
+        colour = colours.colormap(cmap)(scaled)[..., :3]
     if image is None:
         return colour
-    if signed:  # colour where the relevance is, the (grey) image where it is not
+    if ours or signed:  # colour where the relevance is, the (grey) image where it is not
         grey = image.mean(-1, keepdims=True) * np.ones(3)
         grey = 0.25 + 0.6 * grey
-        weight = np.clip(np.abs(values) / max(abs(vmin), abs(vmax)), 0.0, 1.0)[..., None] ** 0.75
+        lim = max(abs(vmin), abs(vmax))
+        weight = np.abs(unit) if ours else np.clip(np.abs(values) / lim, 0.0, 1.0)
+        weight = weight[..., None] ** 0.75
         return np.clip((1 - weight) * grey + weight * colour, 0.0, 1.0)
     return np.clip((1 - alpha) * image + alpha * colour, 0.0, 1.0)
 
@@ -166,8 +182,7 @@ def draw_overlay(ax, exp, index: int = 0, image: Any = None, *, mean=None, std=N
     ax.set_title(exp.method if title is None else title, fontsize=9)
     if not colorbar:
         return None
-    sm = mcm.ScalarMappable(norm=colors.Normalize(vmin, vmax),
-                            cmap=cmap or (DIVERGING_CMAP if signed else SEQUENTIAL_CMAP))
+    sm = mcm.ScalarMappable(norm=colors.Normalize(vmin, vmax), cmap=colours.colormap(cmap, signed))
     cb = ax.figure.colorbar(sm, ax=ax, orientation=colorbar, fraction=0.046 if colorbar == "vertical" else 0.05,
                             pad=0.03 if colorbar == "vertical" else 0.02)
     cb.ax.tick_params(labelsize=7)
@@ -183,12 +198,30 @@ def draw_overlay(ax, exp, index: int = 0, image: Any = None, *, mean=None, std=N
 
 
 def _ticks(values) -> list:
-    """Tick labels with just enough digits to tell the ends apart."""
+    """Tick labels with just enough significant digits to tell the ends apart (2 to 6); small and
+    large values in scientific notation (``3.1e-05``), never rounded to a string of zeros."""
     for p in range(2, 7):
         out = ["0" if v == 0 else f"{v:.{p}g}" for v in values]
         if len(set(out)) == len(out):
             return out
     return out
+
+
+def fit_labels(fig, right: float = 0.99) -> None:
+    """Move the figure's axes left (``subplots_adjust(right=...)``) until every tick label and title ends
+    inside the figure: a colourbar's tick labels are never clipped, however long."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    canvas = fig.canvas if type(fig.canvas).__name__ != "FigureCanvasBase" else FigureCanvasAgg(fig)
+    width = fig.get_size_inches()[0] * fig.dpi
+    for _ in range(3):
+        canvas.draw()
+        renderer = canvas.get_renderer()
+        texts = [t for ax in fig.axes for t in ax.get_yticklabels() + ax.get_xticklabels() if t.get_visible()
+                 and t.get_text()]
+        over = max((t.get_window_extent(renderer).x1 for t in texts), default=0.0) - width * right
+        if over <= 0:
+            return
+        fig.subplots_adjust(right=fig.subplotpars.right - over / width)
 
 
 def _new_figure(figsize, fig=None):
@@ -201,7 +234,8 @@ def _new_figure(figsize, fig=None):
 
 def _label_line(exp, index: int, labels=None, width: int = 70) -> str:
     if exp.target is None:
-        return f"score {float(exp.target_scores[index]):.3g}"
+        name = getattr(exp, "target_label", None)
+        return f"{name + ' (score' if name else 'target function (score'} {float(exp.target_scores[index]):.3g})"
     t = int(exp.target[index])
     name = short_label(label_name(labels, t), width)
     return f"{name} (score {float(exp.target_scores[index]):.3g})"
@@ -246,6 +280,7 @@ def overlay_figure(exp, index: int = 0, image: Any = None, *, labels=None, mean=
                  title=_method_title(exp))
     fig.suptitle(title if title is not None else _label_line(exp, index, labels), fontsize=10)
     fig.subplots_adjust(left=0.02, right=0.9, top=0.83, bottom=0.03, wspace=0.08)
+    fit_labels(fig)
     return fig
 
 

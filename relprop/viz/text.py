@@ -1,18 +1,19 @@
 """Text explanations as HTML pages and coloured terminal output.
 
 Each token (or word, when word pieces are merged) is one element whose background colour says how much
-it drove the explained class: green for relevance that supports it, red for relevance that speaks against
-it (signed methods), white for none — the convention of the field's text figures (Captum's
-``visualize_text``, which the authors of Transformer Attribution use for BERT). Colours are scaled per
-sample by the largest |score| of its tokens. Special tokens ([CLS], [SEP], ...) are shown grey and
-uncoloured (their scores are not meaningful, ``exp.mask`` is False there); padding is left out.
+it drove the explained class, in relprop's one colour language (:mod:`relprop.viz.colours`, the same as
+the image overlays and heatmaps): red for relevance that supports it, blue for relevance that speaks
+against it (signed methods), white for none. Colours are scaled per sample by the largest |score| of
+its tokens. In a terminal the colours follow the terminal: the map itself in true colour, its nearest
+of the 256 colours, and in a 16-colour terminal red and blue backgrounds (:func:`colours.terminal16`).
+Special tokens ([CLS], [SEP], ...) are shown grey and uncoloured (their scores are not meaningful,
+``exp.mask`` is False there); padding is left out.
 
 Given a second explanation of the same inputs for another class (``counterfactual=``), each sample shows
 both side by side: what drove the predicted class, and what would drive the other one.
 """
 from __future__ import annotations
 
-import colorsys
 import dataclasses
 import html as _html
 from typing import TYPE_CHECKING, List, Optional, Sequence
@@ -21,8 +22,7 @@ if TYPE_CHECKING:  # numpy is imported where it is used: an optional dependency 
     import numpy as np
 
 from ..errors import InputError
-
-
+from . import colours
 from .image import label_name
 
 #: word-piece markers: BERT's continuation prefix, and the word-start prefixes of BPE / SentencePiece
@@ -114,13 +114,9 @@ def merge_word_pieces(tokens: List[Token]) -> List[Token]:
 
 
 def colour(value: float) -> tuple:
-    """RGB (0-255) of a score scaled to [-1, 1]: white at 0, green for positive, red for negative."""
-    import numpy as np
-    v = float(np.clip(value, -1.0, 1.0))
-    hue = 120 / 360 if v >= 0 else 0.0
-    light = 1.0 - 0.42 * abs(v)  # 100% (white) to 58%: dark text stays readable
-    r, g, b = colorsys.hls_to_rgb(hue, light, 0.75)
-    return int(round(r * 255)), int(round(g * 255)), int(round(b * 255))
+    """RGB (0-255) of a score scaled to [-1, 1]: white at 0, red for positive, blue for negative
+    (:func:`relprop.viz.colours.rgb`)."""
+    return colours.rgb(value)
 
 
 def scale_of(tokens: List[Token]) -> float:
@@ -134,8 +130,10 @@ def _hex(rgb) -> str:
 
 
 def _header(exp, index: int, labels, role: str) -> str:
-    if exp.target is None:
-        return f"{role}: score {float(exp.target_scores[index]):.3g}"
+    if exp.target is None:  # a score function (e.g. a language model's next token): its name when remembered
+        name = getattr(exp, "target_label", None)
+        what = f"{name} (score" if name else "the target function's score ("
+        return f"{role}: {what}{float(exp.target_scores[index]):.3g})"
     t = int(exp.target[index])
     return f"{role}: {label_name(labels, t)} (score {float(exp.target_scores[index]):.3g})"
 
@@ -157,18 +155,28 @@ h1 { font-size: 1.25em; } h2 { font-size: 1.05em; margin-top: 1.6em; border-bott
 """
 
 
-def _tokens_html(tokens: List[Token]) -> str:
+#: inline styles of a token (the page's stylesheet says the same; a notebook output has no stylesheet)
+_TOKEN_STYLE = "padding: 0.15em 0.2em; margin: 0 0.05em; border-radius: 3px; white-space: pre"
+_SPECIAL_STYLE = "color: #999; font-size: 0.8em; background-color: #f3f3f3"
+
+
+def tokens_html(tokens: List[Token]) -> str:
+    """One ``<span class="tok">`` per token, its background the colour of its score scaled by the
+    sample's largest |score| (:func:`scale_of`), its text escaped; special tokens grey. Styled inline:
+    the same in a page and in a notebook."""
     s = scale_of(tokens)
     parts = []
     for t in tokens:
         text = _html.escape(t.text)
         if t.special:
-            parts.append(f'<span class="tok special" title="special token">{text}</span>')
+            parts.append(f'<span class="tok special" title="special token" style="{_TOKEN_STYLE}; {_SPECIAL_STYLE}">'
+                         f'{text}</span>')
             continue
         rgb = colour(t.score / s)
         title = f"{t.score:+.4g}" + (f" ({t.pieces} word pieces)" if t.pieces > 1 else "")
         parts.append(f'<span class="tok" data-score="{t.score:.6g}" title="{title}" '
-                     f'style="background-color: rgb({rgb[0]}, {rgb[1]}, {rgb[2]})">{text}</span>')
+                     f'style="background-color: rgb({rgb[0]}, {rgb[1]}, {rgb[2]}); color: {colours.ink(rgb)}; '
+                     f'{_TOKEN_STYLE}">{text}</span>')
     return " ".join(parts)
 
 
@@ -197,12 +205,12 @@ def sample_html(exp, index: int, tokens: Sequence[str], *, labels=None, counterf
     toks = tokens_of(exp, index, tokens, merge_words)
     head = _html.escape(_header(exp, index, labels, "explained"))
     cells = [f'<div class="explanation predicted"><div class="header">{_bold_label(head)}'
-             f'{_html.escape(extra or "")}</div><div class="tokens">{_tokens_html(toks)}</div></div>']
+             f'{_html.escape(extra or "")}</div><div class="tokens">{tokens_html(toks)}</div></div>']
     if counterfactual is not None:
         ctoks = tokens_of(counterfactual, index, tokens, merge_words)
         chead = _html.escape(_header(counterfactual, index, labels, "counterfactual"))
         cells.append(f'<div class="explanation counterfactual"><div class="header">{_bold_label(chead)}</div>'
-                     f'<div class="tokens">{_tokens_html(ctoks)}</div></div>')
+                     f'<div class="tokens">{tokens_html(ctoks)}</div></div>')
     cap = f'<div class="caption">{_html.escape(caption)}</div>' if caption else ""
     return f'<div class="sample" data-index="{index}">{cap}{"".join(cells)}</div>'
 
@@ -220,13 +228,15 @@ def page_html(sections: Sequence[str], title: Optional[str] = None, note: Option
     :func:`section_html`, with a colour legend."""
     title = title or "relprop explanation"
     pos, neg, weak = _hex(colour(1.0)), _hex(colour(-1.0)), _hex(colour(0.35))
+    pos_ink, neg_ink = colours.ink(colour(1.0)), colours.ink(colour(-1.0))
     body = [f"<h1>{_html.escape(title)}</h1>"]
     if note:
         body.append(f'<p class="legend">{_html.escape(note)}</p>')
     body.append('<p class="legend">Colour = relevance for the class named above the tokens, scaled per '
-                f'sentence: <span style="background-color: {pos}">supports it</span> '
+                f'sentence: <span style="background-color: {pos}; color: {pos_ink}">supports it</span> '
                 f'<span style="background-color: {weak}">a little</span> '
-                f'<span style="background-color: {neg}">speaks against it</span> (signed methods only). '
+                f'<span style="background-color: {neg}; color: {neg_ink}">speaks against it</span> '
+                '(signed methods only). '
                 'Hover a token for its score; a word\'s score is the sum of its word pieces\'.</p>')
     body.extend(sections)
     return ("<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
@@ -271,19 +281,43 @@ def _bold_label(header: str) -> str:
     return f"{role}: <b>{rest}</b>" if rest else header
 
 
-def rich_text(tokens: List[Token]):
-    """A ``rich.text.Text`` of the tokens with their background colours."""
+def rich_text(tokens: List[Token], color_system: Optional[str] = "auto"):
+    """The tokens with their background colours (:mod:`relprop.viz.colours`), for a rich console.
+
+    ``color_system``: rich's name of the terminal's colours. ``"standard"``/``"windows"`` (16 colours):
+    :func:`colours.terminal16` styles (red for, blue against, none near 0); ``"truecolor"``/``"256"``:
+    the map's own colours (rich shows their nearest of 256 in a 256-colour terminal); both return a
+    ``rich.text.Text``. ``"auto"``: a :class:`TerminalTokens` that picks one of these when printed, by
+    the console that prints it."""
+    if color_system == "auto":
+        return TerminalTokens(tokens)
+    from rich.style import Style
     from rich.text import Text
     s = scale_of(tokens)
+    sixteen = color_system in ("standard", "windows")
     out = Text()
     for j, t in enumerate(tokens):
         if j:
             out.append(" ")
         if t.special:
             out.append(t.text, style="dim")
+        elif sixteen:
+            out.append(t.text, style=colours.terminal16(t.score / s) or "")
         else:
-            out.append(t.text, style=f"black on {_hex(colour(t.score / s))}")
+            rgb = colour(t.score / s)
+            out.append(t.text, style=Style(color=colours.ink(rgb), bgcolor=_hex(rgb)))
     return out
+
+
+class TerminalTokens:
+    """Coloured tokens for ``rich``'s ``console.print``: styled for the printing console's colours when
+    printed (:func:`rich_text` with its ``color_system``)."""
+
+    def __init__(self, tokens: List[Token]):
+        self.tokens = list(tokens)
+
+    def __rich_console__(self, console, options):
+        yield rich_text(self.tokens, console.color_system or "truecolor")
 
 
 def top_tokens(tokens: List[Token], k: int = 5) -> List[Token]:
@@ -304,7 +338,7 @@ def print_terminal(exp, tokens, *, labels=None, counterfactual=None, merge_words
                 continue
             toks = tokens_of(e, i, rows[i], merge_words)
             console.print(f"  [bold]{_header(e, i, labels, role)}[/bold]  ({e.method})")
-            console.print(rich_text(toks), soft_wrap=False)
+            console.print(rich_text(toks, console.color_system or "truecolor"), soft_wrap=False)
             best = ", ".join(f"{t.text} {t.score:+.3g}" for t in top_tokens(toks, top))
             console.print(f"  top: {best}", highlight=False)
         console.print()
@@ -354,6 +388,6 @@ def text_figure(exp, tokens, *, labels=None, counterfactual=None, merge_words: b
         elif rgb is None:
             fig.text(fx, fy, text, fontsize=fontsize * 0.8, color="#999999", va="center")
         else:
-            fig.text(fx, fy, text, fontsize=fontsize, va="center",
+            fig.text(fx, fy, text, fontsize=fontsize, va="center", color=colours.ink(rgb),
                      bbox=dict(boxstyle="round,pad=0.2", fc=tuple(c / 255 for c in rgb), ec="none"))
     return fig
