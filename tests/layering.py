@@ -44,7 +44,7 @@ LAYERS: List[Tuple[str, Tuple[str, ...]]] = [
     ("api", ("relprop.api", "relprop.validation", "relprop.options", "relprop.raw_inputs", "relprop.refusals",
              "relprop.zero_shot",
              "relprop.generation")),
-    ("evaluation", ("relprop.evaluation", "relprop.demo", "relprop.actmax")),
+    ("evaluation", ("relprop.evaluation", "relprop.demo", "relprop.actmax", "relprop.interop")),
     ("cli", ("relprop.cli", "relprop.__main__")),
     ("package", ("relprop",)),  # relprop/__init__.py: the public surface re-exports every layer
 ]
