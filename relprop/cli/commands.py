@@ -8,9 +8,9 @@ from typing import Dict, List
 from ..tools import demo
 from ..api import coverage
 from ..methods import get_method, table
-from .common import EXIT_FAILED, EXIT_OK, CliError, check_images, check_numbers, one_line, read_texts
+from .common import EXIT_FAILED, EXIT_OK, CliError, check_explain_arguments, one_line, read_texts
 from .images import explain_images
-from .loading import Loaded, load_demo, load_model, method_options, parse_methods
+from .loading import Loaded, apply_settings, check_preset, load_demo, load_model, method_options, parse_methods
 from .texts import explain_texts
 
 
@@ -53,24 +53,18 @@ def cmd_methods(args) -> int:
 
 
 def cmd_explain(args) -> int:
+    check_explain_arguments(args)  # (main() did it before importing torch; a direct call does it here)
     texts = read_texts(args)
-    check_images(args.image)
-    if args.image and texts:
-        raise CliError("give --image or --text/--text-file, not both")
-    if not args.image and not texts:
-        raise CliError("nothing to explain: give --image PATH or --text TEXT (or --text-file PATH)")
-    check_numbers(args)
     if args.method:
         parse_methods(args.method, "")  # unknown names fail before the model is loaded
-    if args.image and not args.model:
-        raise CliError("--model is required for images (a timm model name, a HuggingFace hub id or a local "
-                       "folder)")
+    check_preset(args.preset)
     loaded = load_model(args.model) if args.model else load_demo()
     if loaded.kind == "image" and texts:
         raise CliError(f"{loaded.name} is an image classifier: give --image, not --text")
     if loaded.kind == "text" and args.image:
         raise CliError(f"{loaded.name} is a text classifier: give --text, not --image")
     names = parse_methods(args.method, loaded.default_method)
+    apply_settings(loaded, names, args)
     if args.coverage:
         print_coverage(loaded, args.image, texts)
     if loaded.kind == "image":
@@ -104,12 +98,14 @@ def print_coverage(loaded: Loaded, images: List[str], texts: List[str]) -> None:
 
 
 def cmd_demo(args) -> int:
+    check_explain_arguments(args)
     texts = read_texts(args) or list(demo.DEFAULT_TEXTS)
-    check_numbers(args)
     if args.method:
         parse_methods(args.method, "")
+    check_preset(args.preset)
     loaded = load_demo(args.labels)
     names = parse_methods(args.method, loaded.default_method)
+    apply_settings(loaded, names, args)
     infos = [get_method(n) for n in names]
     labels = list(loaded.labels.values())
     header = [
@@ -119,12 +115,14 @@ def cmd_demo(args) -> int:
         f"  score of a label = {demo.DEFAULT_SCALE:g} × cosine(sentence embedding, embedding of the label's "
         "description)",
     ] + [f"  method: [bold]{i.name}[/bold]"
-         + (f" under preset '{loaded.default_options['preset']}'" if i.name == loaded.default_method
+         + (f" under preset '{loaded.preset}'" if loaded.preset else
+            f" under preset '{loaded.default_options['preset']}'" if i.name == loaded.default_method
             and "preset" in loaded.default_options else "")
          + f" — {i.description} ({i.reference})"
          + (" — rows of all tokens (query='mean'), as the model mean-pools" if "query" in
             method_options(i.name, loaded.options) else "")
-         + (f"\n  why this method: {demo.WHY}" if i.name == demo.DEFAULT_METHOD else "") for i in infos]
+         + (f"\n  why this method: {demo.WHY}" if i.name == demo.DEFAULT_METHOD and loaded.preset in (
+             None, loaded.default_options.get("preset")) else "") for i in infos]
     cf = None if args.target is not None and len(labels) < 2 else "second"
     if len(labels) < 2:
         cf = None

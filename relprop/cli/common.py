@@ -10,7 +10,7 @@ import logging
 import os
 import sys
 import warnings
-from typing import Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 #: exit statuses
 EXIT_OK = 0
@@ -129,6 +129,55 @@ def resolve_class(spec: str, labels: Optional[Dict[int, str]], n: int, what: str
     more = f", ... ({n} in all)" if n > 8 else ""
     raise CliError(f"{what} '{spec}' is not a class of this model: give an index 0..{n - 1} or a label name "
                    f"({shown}{more}).{hint}")
+
+
+def parse_option(text: str) -> Tuple[str, Any]:
+    """``KEY=VALUE`` of ``--option``: the value as an int, a float, true/false, none, or else the string."""
+    key, sep, value = text.partition("=")
+    key, value = key.strip(), value.strip()
+    if not sep or not key.isidentifier():
+        raise CliError(f"--option {text!r} is not KEY=VALUE (e.g. --option start_block=4)")
+    low = value.lower()
+    if low in ("true", "false"):
+        return key, low == "true"
+    if low in ("none", "null"):
+        return key, None
+    for kind in (int, float):
+        try:
+            return key, kind(value)
+        except ValueError:
+            pass
+    return key, value
+
+
+def parse_options(texts: Sequence[str]) -> Dict[str, Any]:
+    """Every ``--option KEY=VALUE`` as a dict (a key given twice is an error)."""
+    out: Dict[str, Any] = {}
+    for text in texts:
+        key, value = parse_option(text)
+        if key in out:
+            raise CliError(f"--option {key} is given twice")
+        out[key] = value
+    return out
+
+
+def check_explain_arguments(args) -> None:
+    """The checks of ``relprop explain`` and ``relprop demo`` that need no model, done before torch is
+    imported so that a mistake is answered at once: files exist, inputs given, numbers in range,
+    ``--option`` well formed, ``--model`` given for images."""
+    texts = read_texts(args)
+    images = list(getattr(args, "image", []))
+    check_images(images)
+    if args.command == "explain":
+        if images and texts:
+            raise CliError("give --image or --text/--text-file, not both")
+        if not images and not texts:
+            raise CliError("nothing to explain: give --image PATH or --text TEXT (or --text-file PATH)")
+        if images and not args.model:
+            raise CliError("--model is required for images (a timm model name, a HuggingFace hub id or a local "
+                           "folder)")
+    check_numbers(args)
+    parse_options(args.option)
 
 
 def check_numbers(args) -> None:

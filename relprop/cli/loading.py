@@ -12,8 +12,9 @@ from ..tools import demo
 from ..api import explain
 from ..errors import MethodError
 from ..methods import get_method
+from ..rules import presets
 from ..targets import logits_of
-from .common import EXIT_MODEL, CliError, DEMO_NAME, one_line, resolve_class
+from .common import EXIT_MODEL, CliError, DEMO_NAME, one_line, parse_options, resolve_class
 
 
 def parse_methods(values: Sequence[str], default: str) -> List[str]:
@@ -46,6 +47,7 @@ class Loaded:
     note: str = ""
     cosine_scale: Optional[float] = None  # the demo: score = scale × cosine
     why: str = ""  # why the default method explains this model (the demo says it on its page)
+    preset: Optional[str] = None  # --preset: the rules of every method (over default_options' preset)
 
 
 def load_model(spec: str) -> Loaded:
@@ -272,6 +274,28 @@ def early_target(loaded: Loaded, spec) -> Optional[int]:
     return resolve_class(spec, loaded.labels, n) if n else None
 
 
+def check_preset(name: Optional[str]) -> None:
+    """``--preset``: a registered preset (checked before the model is loaded)."""
+    if name is not None and name not in presets():
+        close = difflib.get_close_matches(name, list(presets()), n=1)
+        raise CliError(f"unknown --preset {name!r}: one of {', '.join(presets())}"
+                       + (f" (did you mean {close[0]!r}?)" if close else ""))
+
+
+def apply_settings(loaded: Loaded, names: List[str], args) -> None:
+    """``--preset`` and ``--option`` onto the explain settings of ``loaded``; an option that none of the
+    asked methods takes is an error that lists the options they take."""
+    options = parse_options(args.option)
+    takes = sorted({o for n in names for o in get_method(n).options})
+    for key in options:
+        if key not in takes:
+            raise CliError(f"--option {key} is not an option of {', '.join(names)}; they take: "
+                           + (", ".join(takes) or "no options"))
+    loaded.options.update(options)
+    if args.preset:
+        loaded.preset = args.preset
+
+
 def method_options(name: str, options: dict) -> dict:
     takes = get_method(name).options
     return {k: v for k, v in options.items() if k in takes}
@@ -279,14 +303,16 @@ def method_options(name: str, options: dict) -> dict:
 
 def run_methods(loaded: Loaded, inputs, target, names: List[str]):
     """One explain() call for all methods (they share the forward pass); options only where they apply.
-    The default method with its own explain() options (the demo's preset) is explained in a call of its own."""
-    own = [n for n in names if n == loaded.default_method and loaded.default_options]
+    The default method with its own explain() options (the demo's preset) is explained in a call of its own,
+    unless ``--preset`` gives every method the same rules."""
+    own = [n for n in names if n == loaded.default_method and loaded.default_options and loaded.preset is None]
     rest = [n for n in names if n not in own]
     out = {}
     if own:
-        out[own[0]] = explain(loaded.model, inputs, target=target, method=own[0], **loaded.default_options)
+        out[own[0]] = explain(loaded.model, inputs, target=target, method=own[0],
+                              **{**loaded.default_options, **method_options(own[0], loaded.options)})
     if rest:
-        opts = {}
+        opts = {} if loaded.preset is None else {"preset": loaded.preset}
         for n in rest:
             opts.update(method_options(n, loaded.options))
         out.update(zip(rest, explain(loaded.model, inputs, target=target, method=list(rest), **opts)))

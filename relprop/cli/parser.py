@@ -145,6 +145,12 @@ def build_parser() -> argparse.ArgumentParser:
                        help="an explanation method from 'relprop methods' (repeatable, or comma-separated)")
         q.add_argument("--target", metavar="CLASS",
                        help="the class to explain: an index or a label name (default: the predicted class)")
+        q.add_argument("--preset", metavar="NAME",
+                       help="relevance rules for every method: a name from relprop.presets() (chefer2021, lrp, "
+                            "attnlrp, cp_lrp, ...); default: each method's own")
+        q.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
+                       help="a method option, given to every asked method that takes it (repeatable), e.g. "
+                            "start_block=4, head_fusion=max, normalize_rows=true, identity=keep")
         q.add_argument("--out", metavar="FOLDER", help="write PNG overlays / HTML pages into this folder")
         q.add_argument("--top", type=int, default=5, metavar="K", help="print the K most relevant tokens (5)")
         q.add_argument("--no-merge", action="store_true", help="show word pieces instead of whole words")

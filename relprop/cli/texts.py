@@ -99,7 +99,8 @@ def explain_texts(loaded: Loaded, texts: List[str], names: List[str], args, coun
     if out is not None:
         html = vtext.page_html([vtext.section_html(method_exp[n], sections[n]) for n in names if n in method_exp],
                                title=title, note=f"model: {loaded.name}"
-                               + (f". Method {loaded.why}" if loaded.why and loaded.default_method in names else ""))
+                               + (f". Why {loaded.why}" if loaded.why and loaded.default_method in names
+                                  and loaded.preset in (None, loaded.default_options.get("preset")) else ""))
         path = os.path.join(out, "explanation.html")
         with open(path, "w", encoding="utf-8") as f:
             f.write(html)
