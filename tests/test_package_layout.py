@@ -41,12 +41,8 @@ def duplicated_file_names(root: str) -> dict:
     return {name: sorted(paths) for name, paths in seen.items() if len(paths) > 1}
 
 
-#: names still used twice, each with the change that gives one of them another name
-STILL_TWICE = {"streaming.py": "engine/ and methods/: block folding, whose modules take the name 'fold'"}
-
-
 def test_file_names_are_unique():
-    found = {name: paths for name, paths in duplicated_file_names(PACKAGE).items() if name not in STILL_TWICE}
+    found = duplicated_file_names(PACKAGE)
     assert not found, "\n".join(f"{name}: {', '.join(paths)}" for name, paths in sorted(found.items()))
 
 

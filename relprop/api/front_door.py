@@ -120,7 +120,7 @@ def explain(model: torch.nn.Module, inputs: Any, target: Any = None, method: Any
     model : a ``transformers`` or ``timm`` model (any ``nn.Module`` ``torch.export`` can capture), or a
         HuggingFace text/image classification or zero-shot ``pipeline`` (docs/inputs-and-targets.md).
     inputs : what the model's forward takes (a tensor, a tuple, a dict such as a tokenizer's output), or
-        raw inputs: strings, PIL images or image paths (:mod:`relprop.raw_inputs`).
+        raw inputs: strings, PIL images or image paths (:mod:`relprop.api.raw_inputs`).
     target : None (the predicted class; a language model's next token), a class index or one per sample,
         a label name, :func:`relprop.contrast`, or a callable ``target(outputs) -> [batch]``.
     method : a name from ``relprop.methods()``, or a list of names sharing one forward pass.
