@@ -9,7 +9,7 @@ import torch
 from ..engine.trace import BlockRecord, Conservation, NotKept
 from ..viz import api as viz_api
 from ..viz import notebook as viz_notebook
-from . import export
+from . import data_export as export
 
 
 @dataclasses.dataclass
@@ -119,13 +119,13 @@ class Explanation:
 
     def __getitem__(self, key) -> "Explanation":
         """Sample ``key`` (negative counts from the end) as an Explanation of one sample, or the samples of
-        a slice; an IndexError names the valid range. See :func:`relprop.explanation.export.select`."""
+        a slice; an IndexError names the valid range. See :func:`relprop.explanation.data_export.select`."""
         return export.select(self, key)
 
     def to_dict(self, *, tokens=None, labels=None, include_map: bool = False) -> Dict[str, Any]:
         """JSON-serialisable dict: method, preset, and per sample the target (index, name, score), the
         position names (token strings, else ``"token j"``; ``"patch (r, c)"`` for images), scores and
-        mask. See :func:`relprop.explanation.export.to_dict`."""
+        mask. See :func:`relprop.explanation.data_export.to_dict`."""
         return export.to_dict(self, tokens=tokens, labels=labels, include_map=include_map)
 
     def to_json(self, path=None, **kwargs) -> str:
