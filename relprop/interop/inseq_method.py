@@ -20,6 +20,7 @@ arguments of ``attribute``; default AttnLRP (``method="lrp", preset="attnlrp"``)
 """
 from __future__ import annotations
 
+import functools
 from typing import Any, Dict, Optional
 
 from inseq.attr.feat.feature_attribution import FeatureAttribution
@@ -35,8 +36,9 @@ EXPLAINED_FN = "logit_fn"
 _OURS = ("method", "preset", "eps", "keep_blocks", "fast_path", "memory", "special_tokens_mask")
 
 
-def _fn_name(fn: Any) -> str:
-    inner = getattr(fn, "func", fn)  # functools.partial
+def _step_name(step: Any) -> str:
+    """The name of inseq's step function (``logit_fn``, ``probability_fn``, ...), through a partial."""
+    inner = step.func if isinstance(step, functools.partial) else step
     return getattr(inner, "__name__", type(inner).__name__)
 
 
@@ -71,8 +73,8 @@ class RelpropInseqAttribution(FeatureAttribution):
         else:
             ids, target_ids, fn, mask = args[:4]
             inputs = {"input_ids": ids, "attention_mask": mask}
-        if _fn_name(fn) != EXPLAINED_FN:
-            raise OptionError(f"relprop explains the target token's logit, not inseq's '{_fn_name(fn)}': call "
+        if _step_name(fn) != EXPLAINED_FN:
+            raise OptionError(f"relprop explains the target token's logit, not inseq's '{_step_name(fn)}': call "
                               "attribute(..., attributed_fn='logit')")
         options = dict(attribution_args or {})
         method = options.pop("method", "lrp")
