@@ -8,7 +8,7 @@ from typing import Dict, List
 from ..tools import demo
 from ..api import coverage
 from ..methods import get_method, table
-from .common import EXIT_FAILED, EXIT_OK, CliError, check_explain_arguments, one_line, read_texts
+from .common import EXIT_FAILED, EXIT_OK, CliError, check_explain_arguments, one_line
 from .images import explain_images
 from .loading import Loaded, apply_settings, check_preset, load_demo, load_model, method_options, parse_methods
 from .texts import explain_texts
@@ -53,8 +53,7 @@ def cmd_methods(args) -> int:
 
 
 def cmd_explain(args) -> int:
-    check_explain_arguments(args)  # (main() did it before importing torch; a direct call does it here)
-    texts = read_texts(args)
+    texts = check_explain_arguments(args)  # (main() checked before importing torch; a direct call checks here)
     if args.method:
         parse_methods(args.method, "")  # unknown names fail before the model is loaded
     check_preset(args.preset)
@@ -98,8 +97,7 @@ def print_coverage(loaded: Loaded, images: List[str], texts: List[str]) -> None:
 
 
 def cmd_demo(args) -> int:
-    check_explain_arguments(args)
-    texts = read_texts(args) or list(demo.DEFAULT_TEXTS)
+    texts = check_explain_arguments(args) or list(demo.DEFAULT_TEXTS)
     if args.method:
         parse_methods(args.method, "")
     check_preset(args.preset)

@@ -161,10 +161,10 @@ def parse_options(texts: Sequence[str]) -> Dict[str, Any]:
     return out
 
 
-def check_explain_arguments(args) -> None:
+def check_explain_arguments(args) -> List[str]:
     """The checks of ``relprop explain`` and ``relprop demo`` that need no model, done before torch is
     imported so that a mistake is answered at once: files exist, inputs given, numbers in range,
-    ``--option`` well formed, ``--model`` given for images."""
+    ``--option`` well formed, ``--model`` given for images. Returns the texts to explain."""
     texts = read_texts(args)
     images = list(getattr(args, "image", []))
     check_images(images)
@@ -178,6 +178,7 @@ def check_explain_arguments(args) -> None:
                            "folder)")
     check_numbers(args)
     parse_options(args.option)
+    return texts
 
 
 def check_numbers(args) -> None:

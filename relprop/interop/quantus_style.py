@@ -24,12 +24,7 @@ import torch
 
 from ..api import explain
 from ..errors import InputError
-
-
-def _device_of(model: torch.nn.Module) -> torch.device:
-    for p in model.parameters():
-        return p.device
-    return torch.device("cpu")
+from ..evaluation._util import model_device
 
 
 def quantus_explain_func(model: torch.nn.Module, inputs: Any, targets: Any, method: str = "transformer_attribution",
@@ -53,7 +48,7 @@ def quantus_explain_func(model: torch.nn.Module, inputs: Any, targets: Any, meth
     x = torch.as_tensor(np.asarray(inputs) if not torch.is_tensor(inputs) else inputs)
     if x.is_floating_point():
         x = x.float()
-    x = x.to(_device_of(model))
+    x = x.to(model_device(model))
     t = torch.as_tensor(np.asarray(targets) if not torch.is_tensor(targets) else targets).long()
     if t.dim() == 0:
         t = t.expand(x.shape[0])
