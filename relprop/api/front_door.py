@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import warnings
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -21,7 +20,7 @@ from . import options as opt
 from . import raw_inputs, refusals, validation
 from ..engine import FastPathUnavailable, Request, Trace, report, run, run_fast
 from ..engine.coverage import Coverage
-from ..errors import MethodError, OptionError, RelpropError, RelpropWarning
+from ..errors import MethodError, OptionError, RelpropError, warn
 from ..explanation import build, mask_from_tokenizer, split_tokenizer_keys
 from ..graph.capture import CACHE, Captured, CaptureEvent, capture_notes
 from ..graph.inputs import bind_inputs, primary_input
@@ -336,7 +335,7 @@ def _run_engine(call: Call) -> Dict[Optional[Preset], Trace]:
                 note = (f"the one-backward fast path was not taken under preset '{p.name}' ({why}); the graph was "
                         "walked rule by rule instead (same relevance, slower)")
                 if call.fast_path is True:
-                    warnings.warn(note, RelpropWarning, stacklevel=3)
+                    warn(note)
         traces[p] = run(call.request(p, input_gradient=input_gradient))
         if note is not None:
             traces[p].notes.append(note)
