@@ -217,3 +217,20 @@ def test_hf_model_with_bare_pixels_remembers_them_without_normalisation():
     exp = relprop.explain(model, x)
     assert torch.equal(exp.image, x) and exp.image_mean is None and exp.image_std is None
     assert np.array_equal(exp.overlay(), exp.overlay(x[0]))
+
+
+def test_zero_shot_text_pipeline_names_the_label_and_remembers_the_pair(tok):
+    torch.manual_seed(1)
+    names = {0: "contradiction", 1: "neutral", 2: "entailment"}
+    cfg = transformers.BertConfig(vocab_size=tok.vocab_size, hidden_size=32, num_hidden_layers=2,
+                                  num_attention_heads=4, intermediate_size=64, max_position_embeddings=64,
+                                  id2label=names, label2id={v: k for k, v in names.items()})
+    nli = transformers.BertForSequenceClassification(cfg).eval()
+    pipe = transformers.pipeline("zero-shot-classification", model=nli, tokenizer=tok)
+    texts = ["the match ended two to one", "shares fell sharply"]
+    exp = relprop.explain(pipe, texts, target=["sports", "business"])
+    pairs = tok(texts, ["This example is sports.", "This example is business."], padding=True,
+                truncation="only_first", return_tensors="pt")
+    assert exp.target_label == ["sports", "business"]  # the label explained, not the NLI class "entailment"
+    assert exp.tokens == token_strings(tok, pairs["input_ids"])
+    assert "sports" in exp.show() and [w for w, _ in exp[1].words(index=0)][:2] == ["shares", "fell"]
