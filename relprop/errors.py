@@ -5,6 +5,10 @@ traceback to find out that, say, a target index was out of range.
 """
 from __future__ import annotations
 
+import os
+import sys
+import warnings
+
 
 class RelpropError(Exception):
     """Base class of every error relprop raises on purpose."""
@@ -82,3 +86,23 @@ class PresetError(RelpropError, ValueError):
 class RelpropWarning(UserWarning):
     """Something relprop did differently from what was asked, and why (e.g. the fast path was asked
     for and not taken; a built-in rule was replaced for the whole process)."""
+
+
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+
+
+def _inside_relprop(filename: str) -> bool:
+    return os.path.abspath(filename).startswith(_PACKAGE_DIR)
+
+
+def warn(message: str, category: type = RelpropWarning) -> None:
+    """Issue a warning attributed to the user's line: the frame just outside the outermost relprop
+    frame of the call stack (a script's ``relprop.explain(...)`` line, not relprop's own code), however
+    deep inside relprop it was raised and whatever it passed through (torch, a rule called by the
+    engine). Without a relprop frame on the stack, the caller's line."""
+    frame, level, outermost = sys._getframe(1), 2, None
+    while frame is not None:
+        if _inside_relprop(frame.f_code.co_filename):
+            outermost = level
+        frame, level = frame.f_back, level + 1
+    warnings.warn(message, category, stacklevel=outermost + 1 if outermost is not None else 2)

@@ -12,16 +12,15 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import warnings
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
 from . import options as opt
-from . import raw_inputs, refusals, validation
+from . import raw_inputs, refusals, remembered, validation
 from ..engine import FastPathUnavailable, Request, Trace, report, run, run_fast
 from ..engine.coverage import Coverage
-from ..errors import MethodError, OptionError, RelpropError, RelpropWarning
+from ..errors import MethodError, OptionError, RelpropError, warn
 from ..explanation import build, mask_from_tokenizer, split_tokenizer_keys
 from ..graph.capture import CACHE, Captured, CaptureEvent, capture_notes
 from ..graph.inputs import bind_inputs, primary_input
@@ -74,6 +73,9 @@ class Call:
     special_tokens_mask, mask_source : positions left out of text scores, and where they came from.
     eps, unsupported, memory, precision : the engine options (:class:`relprop.engine.Request`).
     fast_path, keep_blocks, records_budget : how the engine is run (see :func:`explain`).
+    tokenizer, image_processor, given_target, spec : what the Explanations remember to draw
+        themselves (:mod:`relprop.api.remembered`): the tokenizer and image processor (given or a
+        pipeline's), ``target=`` as given and as specified for the model's head.
     """
 
     model: torch.nn.Module
@@ -92,6 +94,10 @@ class Call:
     fast_path: Optional[bool]
     keep_blocks: Optional[bool]
     records_budget: Optional[float]
+    tokenizer: Any = None
+    image_processor: Any = None
+    given_target: Any = None
+    spec: Any = None
 
     def request(self, preset: Preset, **fields) -> Request:
         """The engine's Request for one run under ``preset`` (``fields``: ``relevance``,
@@ -168,6 +174,9 @@ def explain(model: torch.nn.Module, inputs: Any, target: Any = None, method: Any
     >>> exp.scores          # [batch, tokens], special tokens and padding at 0
     >>> exps = relprop.explain(vit, pixels, method=["transformer_attribution", "rollout"])
     """
+    given_target = target
+    if raw_inputs.is_pipeline(model) and image_processor is None:
+        image_processor = getattr(model, "image_processor", None)
     model, inputs, tokenizer, target, wrt = raw_inputs.adapt(model, inputs, tokenizer, image_processor, target, wrt)
     infos, many = opt.check_methods(method)
     preset = opt.check_preset(preset)
@@ -175,7 +184,8 @@ def explain(model: torch.nn.Module, inputs: Any, target: Any = None, method: Any
     jobs = opt.check_jobs([(i, per_method[i.name]) for i in infos], preset)
     call = _check(model, inputs, target, jobs, many, preset, tokenizer=tokenizer,
                   special_tokens_mask=special_tokens_mask, wrt=wrt, eps=eps, unsupported=unsupported, memory=memory,
-                  fast_path=fast_path, keep_blocks=keep_blocks, precision=precision, records_budget=records_budget)
+                  fast_path=fast_path, keep_blocks=keep_blocks, precision=precision, records_budget=records_budget,
+                  image_processor=image_processor, given_target=given_target)
     with _reported(call.model, call.jobs):
         return _explain(call)
 
@@ -209,7 +219,7 @@ def explain_settings(model: torch.nn.Module, inputs: Any, settings: Sequence[Dic
 
 def _check(model, inputs, target, jobs: Tuple[Job, ...], many: bool, preset: Optional[Preset], *, tokenizer,
            special_tokens_mask, wrt, eps, unsupported, memory, fast_path, keep_blocks, precision,
-           records_budget) -> Call:
+           records_budget, image_processor=None, given_target=None) -> Call:
     """The :class:`Call` of :func:`explain` and :func:`explain_settings`: the engine options and
     the special-tokens mask checked, the inputs prepared (:func:`prepare`) and the target resolved
     (the methods and their presets are checked already: ``jobs``)."""
@@ -228,11 +238,12 @@ def _check(model, inputs, target, jobs: Tuple[Job, ...], many: bool, preset: Opt
             mask_source = f"tokenizer= ({type(tokenizer).__name__}'s special ids)"
     with _reported(model, jobs):
         # every form of target= through one path per head, with the mask of the output's positions: target_forms
-        resolved = resolve(specify(target, model, tokenizer, prepared.kwargs), prepared.batch,
-                           prepared.captured.primary)
+        spec = specify(target, model, tokenizer, prepared.kwargs)
+        resolved = resolve(spec, prepared.batch, prepared.captured.primary)
     return Call(model, prepared, resolved, jobs, many, preset, preset if preset is not None else get_preset(
         DEFAULT_PRESET), special_tokens_mask, mask_source, eps, unsupported, memory, precision, fast_path,
-        keep_blocks, records_budget)
+        keep_blocks, records_budget, tokenizer, image_processor, given_target if given_target is not None
+        else target, spec)
 
 
 @contextlib.contextmanager
@@ -286,6 +297,9 @@ def _explain(call: Call):
             if note is not None:
                 results[-1].notes.append(note)
     validation.check_result(results)
+    remembered.remember(results, model=call.model, inputs=call.prepared.kwargs, primary=captured.primary,
+                        tokenizer=call.tokenizer, image_processor=call.image_processor, target=call.given_target,
+                        spec=call.spec)
     for r in results:
         r.notes.extend(capture_notes(call.prepared.event, captured, model_name))
     return results if call.many else results[0]
@@ -336,7 +350,7 @@ def _run_engine(call: Call) -> Dict[Optional[Preset], Trace]:
                 note = (f"the one-backward fast path was not taken under preset '{p.name}' ({why}); the graph was "
                         "walked rule by rule instead (same relevance, slower)")
                 if call.fast_path is True:
-                    warnings.warn(note, RelpropWarning, stacklevel=3)
+                    warn(note)
         traces[p] = run(call.request(p, input_gradient=input_gradient))
         if note is not None:
             traces[p].notes.append(note)

@@ -11,12 +11,11 @@ The result is checked too: relprop never hands back NaN or ±inf scores (:func:`
 """
 from __future__ import annotations
 
-import warnings
 from typing import Any, Dict, Iterable
 
 import torch
 
-from ..errors import CaptureError, InputError, RelpropError, RelpropWarning
+from ..errors import CaptureError, InputError, RelpropError, warn
 from ..graph.dispatch import offloaded_weights
 from ..graph.state import eval_mode
 
@@ -102,10 +101,10 @@ def warn_left_padding(model: torch.nn.Module, kwargs: Dict[str, Any]) -> bool:
     left = (~m[:, 0]) & m.any(1)
     if not bool(left.any()):
         return False
-    warnings.warn(f"{type(model).__name__}: samples {left.nonzero().flatten().tolist()} are left-padded; this "
-                  "decoder numbers positions 0..n-1 whatever the mask, so a left-padded text is not computed as it "
-                  "is alone and its explanation is not the text's. Pad on the right (tokenizer.padding_side = "
-                  "'right') or pass position_ids", RelpropWarning, stacklevel=4)
+    warn(f"{type(model).__name__}: samples {left.nonzero().flatten().tolist()} are left-padded; this "
+         "decoder numbers positions 0..n-1 whatever the mask, so a left-padded text is not computed as it "
+         "is alone and its explanation is not the text's. Pad on the right (tokenizer.padding_side = "
+         "'right') or pass position_ids")
     return True
 
 

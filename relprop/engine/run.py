@@ -8,14 +8,13 @@ block the Trace records A, dA = ∂y_t/∂A, R_A, h and dh.
 """
 from __future__ import annotations
 
-import warnings
 from typing import List
 
 import torch
 import torch.fx
 import torch.utils._pytree as pytree
 
-from ..errors import RelpropError, RelpropWarning
+from ..errors import RelpropError, warn
 from ..graph.nodes import live_outputs
 from ..graph.tokens import token_positions
 from ..graph.window_attention import globalize, locate_windows
@@ -59,7 +58,7 @@ def run(request: Request) -> Trace:
     if request.relevance:
         check_rules(captured, request.preset, request.unsupported)
     if request.memory == "low" and a.windows:
-        warnings.warn(WINDOWS_LOW_MEMORY, RelpropWarning, stacklevel=3)
+        warn(WINDOWS_LOW_MEMORY)
         notes.append(WINDOWS_LOW_MEMORY)
         request = request.but(memory="default")
     out_nodes = live_outputs(captured.graph, a.live)

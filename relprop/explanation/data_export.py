@@ -16,10 +16,12 @@ import torch
 
 from ..engine.trace import NotKept
 from ..errors import InputError
-from ..viz.image import label_name
+from ..viz.names import target_name as _name_of
 
 #: BlockRecord fields that are per model, not per sample (never sliced)
 _PER_MODEL = {"out_proj_weight"}
+#: Explanation fields that are Python lists with one entry per sample
+PER_SAMPLE_LISTS = ("tokens", "target_label")
 #: format version of to_dict / save_npz
 FORMAT = 1
 
@@ -69,6 +71,10 @@ def select(exp, key):
         idx = slice(i, i + 1)
     values = {f.name: _take(object.__getattribute__(exp, f.name), n, idx) for f in dataclasses.fields(exp)}
     values["notes"] = list(exp.notes)
+    for name in PER_SAMPLE_LISTS:  # lists of one entry per sample: indexed, not walked into
+        v = object.__getattribute__(exp, name)
+        if isinstance(v, list) and len(v) == n:
+            values[name] = v[idx]
     return dataclasses.replace(exp, **values)
 
 
@@ -114,10 +120,7 @@ def position_names(exp, index: int, tokens: Optional[Sequence] = None) -> List[s
 def target_name(exp, index: int, labels=None) -> Optional[str]:
     """The name of sample ``index``'s explained class (``labels`` or the remembered ones, else
     ``"class t"``), or None when the target was not a class (a callable)."""
-    if exp.target is None:
-        return _remembered(exp, "target_label")
-    labels = labels if labels is not None else _remembered(exp, "labels")
-    return label_name(labels, int(exp.target[index]))
+    return _name_of(exp, index, labels)
 
 
 def to_dict(exp, *, tokens: Optional[Sequence] = None, labels=None, include_map: bool = False) -> Dict[str, Any]:

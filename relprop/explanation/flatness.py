@@ -10,12 +10,11 @@ the method gave (``"flat_cause"`` in its output), and says the same in ``exp.not
 """
 from __future__ import annotations
 
-import warnings
 from typing import List, Optional
 
 import torch
 
-from ..errors import RelpropWarning
+from ..errors import warn
 
 #: a sample's shown scores are uniform when max − min ≤ FLAT_ULPS · eps(dtype) · max |score|
 FLAT_ULPS = 8
@@ -62,4 +61,4 @@ def check(method: str, scores: torch.Tensor, mask: Optional[torch.Tensor], cause
     message = (f"{method}: the map of sample(s) {samples} is uniform to {scores.dtype} resolution ({what}): every "
                f"position would be drawn the same. Cause: {why}")
     notes.append(message)
-    warnings.warn(message, RelpropWarning, stacklevel=4)
+    warn(message)

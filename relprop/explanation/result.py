@@ -53,6 +53,18 @@ class Explanation:
         the other methods.
     notes : what relprop decided for this explanation and why, in words (e.g. why the one-backward
         fast path was not taken, or a fallback of the memory mode).
+    tokens : per sample, the token strings of the explained input (from the tokenizer given to
+        :func:`relprop.explain` or the pipeline's), one per position of ``scores``; None when unknown.
+    labels : the model's class names (``config.id2label``, a pipeline's, timm's
+        ``pretrained_cfg["label_names"]``), or None when it has none (or only ``LABEL_i`` defaults).
+    target_label : per sample, the name of what is explained: the label name given as ``target=``,
+        ``labels[target]``, or a language model's next token as text (``" Paris"``); None when unknown.
+    image, image_mean, image_std : the [batch, C, H, W] pixels the model was given, and the
+        normalisation its preprocessing applied (undone for display), when known.
+
+    ``tokens``, ``labels``, ``target_label`` and ``image`` are what ``show()``, ``save()``, ``words()``,
+    ``overlay()`` and the notebook display use when no argument says otherwise; nothing is stored on
+    the model.
     """
 
     method: str
@@ -82,6 +94,12 @@ class Explanation:
     #: two-stream models: the stream whose tokens the target reads (the rows of ``matrix``)
     output_stream: Optional[str] = None
     convergence_delta: Optional[torch.Tensor] = None  # integrated_gradients: Σ IG − (f(x) − f(x₀)) per sample
+    tokens: Optional[List[List[str]]] = None
+    labels: Any = None
+    target_label: Optional[List[Optional[str]]] = None
+    image: Optional[torch.Tensor] = None
+    image_mean: Optional[tuple] = None
+    image_std: Optional[tuple] = None
 
     def __getattribute__(self, name):
         value = object.__getattribute__(self, name)
@@ -156,4 +174,5 @@ class Explanation:
         blocks = len(self.blocks) if self.kept_blocks else "not kept"
         return (f"Explanation(method={self.method!r}, preset={self.preset!r}, scores={tuple(self.scores.shape)}, "
                 f"map={None if self.map is None else tuple(self.map.shape)}, blocks={blocks}, "
-                f"target={None if self.target is None else self.target.tolist()})")
+                f"target={None if self.target is None else self.target.tolist()}"
+                + (f", target_label={self.target_label!r}" if self.target_label is not None else "") + ")")

@@ -18,12 +18,11 @@ so in its notes and a :class:`relprop.RelpropWarning` asks for the tokenizer.
 from __future__ import annotations
 
 import os
-import warnings
 from typing import Any, Dict, Optional, Tuple
 
 import torch
 
-from ..errors import OptionError, RelpropError, RelpropWarning
+from ..errors import OptionError, RelpropError, warn
 
 SPECIAL_ID_FIELDS = ("cls_token_id", "sep_token_id", "bos_token_id", "eos_token_id", "pad_token_id")
 #: keys a tokenizer adds to a batch that are not inputs of the model
@@ -82,7 +81,7 @@ def special_positions(model, kwargs: Dict[str, Any], primary: str, shape, device
         if not (known - {getattr(cfg, "pad_token_id", None)}):
             why = ("no special token: the model's config names no id of [CLS]/[SEP]/<s>/</s> and no tokenizer was "
                    "given, so such tokens are scored like words; pass tokenizer= or special_tokens_mask=")
-            warnings.warn(f"{type(model).__name__}: {why}", RelpropWarning, stacklevel=5)
+            warn(f"{type(model).__name__}: {why}")
     else:
         why = "no special token (the model has no config naming special ids)"
     return special, "left out of the scores: " + ("padding (attention_mask 0) and " if padded else "") + why

@@ -31,12 +31,11 @@ import os
 import sys
 import tempfile
 import threading
-import warnings
 from typing import Any, Dict, List, Optional
 
 import torch
 
-from ..errors import RelpropWarning
+from ..errors import warn
 from ..version import __version__
 from . import serialize
 from .program import Program
@@ -284,9 +283,8 @@ def store(model: torch.nn.Module, kwargs: Dict[str, Any], program: Program) -> b
         with _lock:
             if not _setting["warned"]:
                 _setting["warned"] = True
-                warnings.warn(f"relprop could not write its graph cache under {root} ({e}); models will be captured "
-                              "again in every new process. Set RELPROP_CACHE_DIR to a writable directory, or to 'off'",
-                              RelpropWarning, stacklevel=2)
+                warn(f"relprop could not write its graph cache under {root} ({e}); models will be captured "
+                     "again in every new process. Set RELPROP_CACHE_DIR to a writable directory, or to 'off'")
         return False
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import html
 import inspect
 from typing import Callable, Dict, List, Optional, Tuple
 
@@ -111,9 +112,38 @@ def all_methods() -> Dict[str, MethodInfo]:
     return dict(_METHODS)
 
 
-def table() -> Dict[str, dict]:
+class MethodTable(dict):
+    """``relprop.methods()``: a dict of method name -> {description, class_specific, signed,
+    reference} that prints as a table (a REPL's ``repr``, ``str``) and renders as an HTML table in a
+    notebook (``_repr_html_``); as a dict it is unchanged (keys, ``in``, indexing, ``==`` a dict)."""
+
+    COLUMNS = ("method", "class-specific", "signed", "description")
+
+    def _rows(self):
+        return [(name, "yes" if d["class_specific"] else "no", "yes" if d["signed"] else "no",
+                 d["description"]) for name, d in self.items()]
+
+    def __repr__(self) -> str:
+        rows = [self.COLUMNS] + self._rows()
+        widths = [max(len(r[c]) for r in rows) for c in range(3)]
+        lines = ["  ".join(r[c].ljust(widths[c]) for c in range(3)) + "  " + r[3] for r in rows]
+        lines.insert(1, "  ".join("-" * w for w in widths) + "  " + "-" * len(self.COLUMNS[3]))
+        return "\n".join(lines) + f"\n({len(self)} methods; relprop.methods()[name]['reference'] cites each)"
+
+    __str__ = __repr__
+
+    def _repr_html_(self) -> str:
+        esc = html.escape
+        head = "".join(f"<th style='text-align: left'>{esc(c)}</th>" for c in self.COLUMNS + ("reference",))
+        body = "".join("<tr>" + "".join(f"<td style='text-align: left'>{esc(str(v))}</td>"
+                                        for v in row + (self[row[0]]["reference"],)) + "</tr>"
+                       for row in self._rows())
+        return f"<table class='relprop-methods'><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+
+
+def table() -> MethodTable:
     """Every method name with its description, class-specificity, sign and reference
-    (``relprop.methods()``)."""
-    return {name: {"description": m.description, "class_specific": m.class_specific, "signed": m.signed,
-                   "reference": m.reference}
-            for name, m in _METHODS.items()}
+    (``relprop.methods()``): a :class:`MethodTable`, a dict that prints as a table."""
+    return MethodTable({name: {"description": m.description, "class_specific": m.class_specific,
+                               "signed": m.signed, "reference": m.reference}
+                        for name, m in _METHODS.items()})

@@ -38,12 +38,11 @@ import contextlib
 import contextvars
 import difflib
 import threading
-import warnings
 from typing import Callable, Dict, Iterable, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 
-from ..errors import PresetError, RelpropWarning
+from ..errors import PresetError, warn
 from .spec import RuleFn, RuleSpec, as_spec
 
 #: where relevance starts at the outputs (:attr:`Preset.seed`): "gradient" R = ∂s/∂y (relevance 1 at
@@ -238,10 +237,9 @@ class Preset:
                                       "replace=True to replace it for the whole process, or change it for a "
                                       "block of code with relprop.rules.override(...)")
                 if new and _BUILTIN.get(self.name, {}).get(ov) is old:
-                    warnings.warn(f"rule {spec.name} replaces relprop's built-in rule {old.name} for {ov} "
-                                  f"in preset '{self.name}' for the whole process; "
-                                  f"relprop.rules.get_preset('{self.name}').reset({ov}) restores it",
-                                  RelpropWarning, stacklevel=3)
+                    warn(f"rule {spec.name} replaces relprop's built-in rule {old.name} for {ov} "
+                         f"in preset '{self.name}' for the whole process; "
+                         f"relprop.rules.get_preset('{self.name}').reset({ov}) restores it")
             self._warn_without_gradient_form(spec, overloads)
             for ov in overloads:
                 self.rules[ov] = spec
@@ -260,11 +258,10 @@ class Preset:
 
     def _warn_without_gradient_form(self, spec: RuleSpec, ops) -> None:
         if self.modified_gradient and spec.gradient_form is None:
-            warnings.warn(f"rule {spec.name} for {', '.join(map(str, ops))} in preset '{self.name}' "
-                          "has no modified-gradient form: explain(method='lrp') under this preset will walk the "
-                          "graph rule by rule instead of one backward pass. Declare one with "
-                          "@relprop.rule(op, preset=..., gradient_form=...) (relprop.rules.gradient_forms)",
-                          RelpropWarning, stacklevel=4)
+            warn(f"rule {spec.name} for {', '.join(map(str, ops))} in preset '{self.name}' "
+                 "has no modified-gradient form: explain(method='lrp') under this preset will walk the "
+                 "graph rule by rule instead of one backward pass. Declare one with "
+                 "@relprop.rule(op, preset=..., gradient_form=...) (relprop.rules.gradient_forms)")
 
     def __repr__(self) -> str:
         return (f"Preset('{self.name}', extends={list(self.parents)}, rules={len(self.rules)}, "

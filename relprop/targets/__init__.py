@@ -18,13 +18,13 @@ module             job
 ``relprop.targets`` is the public path of all of them (``relprop.targets.next_token(mask)``).
 """
 from .target_scores import (Contrast, NextToken, PositionTarget, PredictedNextToken, Target, check_mask_argument,
-                            contrast, find_logits, fixed, last_positions, logits_of, next_token, predicted_next_token,
-                            require_input_dependence, resolve)
+                            contrast, explained_tokens, find_logits, fixed, last_positions, logits_of, next_token,
+                            predicted_next_token, require_input_dependence, resolve)
 from .target_heads import QA_PARTS, QuestionAnswering, TokenClassification, best_span, question_answering, \
     token_classification
 from .target_forms import HEADS, head_kind, specify
 
 __all__ = ["Contrast", "HEADS", "NextToken", "PositionTarget", "PredictedNextToken", "QA_PARTS", "QuestionAnswering",
-           "Target", "TokenClassification", "best_span", "check_mask_argument", "contrast", "find_logits", "fixed",
-           "head_kind", "last_positions", "logits_of", "next_token", "predicted_next_token", "question_answering",
-           "require_input_dependence", "resolve", "specify", "token_classification"]
+           "Target", "TokenClassification", "best_span", "check_mask_argument", "contrast", "explained_tokens",
+           "find_logits", "fixed", "head_kind", "last_positions", "logits_of", "next_token", "predicted_next_token",
+           "question_answering", "require_input_dependence", "resolve", "specify", "token_classification"]

@@ -288,6 +288,25 @@ def predicted_next_token(attention_mask: Optional[torch.Tensor] = None) -> Calla
     return PredictedNextToken(attention_mask)
 
 
+def explained_tokens(target: Any, logits: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """The [batch] token ids a next-token target explains (:func:`next_token`,
+    :func:`predicted_next_token`) given the model's [batch, positions, vocabulary] ``logits`` on the
+    explained inputs; None for any other target or without such logits."""
+    if isinstance(target, PredictedNextToken):
+        chosen = target.chosen.get("token")
+        if chosen is not None:
+            return chosen
+        target = NextToken(target.mask)
+    if not isinstance(target, NextToken) or not torch.is_tensor(logits) or logits.dim() != 3:
+        return None
+    b, n, _ = logits.shape
+    if target.token is None:
+        pos = last_positions(target.mask, b, n).to(logits.device)
+        return logits[torch.arange(b, device=logits.device), pos].detach().argmax(-1)
+    t = torch.as_tensor(target.token, device=logits.device).long().reshape(-1)
+    return t.expand(b).clone() if t.numel() == 1 else t
+
+
 class Contrast(NamedTuple):
     """The target ``score(a) − score(b)``: what makes the model choose ``a`` over ``b`` (see :func:`contrast`)."""
 

@@ -5,7 +5,10 @@ Images: an overlay of the map on the input (the input as fed to the model; pass 
 preprocessing to show its true colours), a grid of all samples when the batch has several and no
 ``index`` is given. Text: coloured tokens (HTML in notebooks and ``.html`` files, rich colours in a
 terminal, a drawn figure in ``.png``/``.pdf``/``.svg``); the token strings come from ``tokens=`` (one
-list per sample) or from ``tokenizer=`` with ``inputs=`` (the tokenizer's output that was explained).
+list per sample), from ``tokenizer=`` with ``inputs=`` (the tokenizer's output that was explained), or
+from the explanation itself (``exp.tokens``, remembered by :func:`relprop.explain`). Likewise the
+image (``exp.image`` and its normalisation) and the class names (``exp.labels``, ``exp.target_label``):
+every argument is optional after any input form ``explain()`` takes; an argument given wins.
 """
 from __future__ import annotations
 
@@ -26,11 +29,26 @@ def _tokens(exp, tokens, tokenizer, inputs):
     if tokenizer is not None and inputs is not None:
         ids = inputs["input_ids"] if isinstance(inputs, dict) or hasattr(inputs, "keys") else inputs
         return vtext.token_strings(tokenizer, ids)
+    remembered = getattr(exp, "tokens", None)
+    if remembered is not None:
+        return [list(r) for r in remembered]
     raise InputError("a text explanation needs its token strings: pass tokens=[[...], ...] (one list per "
                      "sample) or tokenizer= and inputs= (the tokenizer output that was explained)")
 
 
+def remembered(exp, image=None, labels=None, mean=None, std=None):
+    """``image``, ``labels``, ``mean``, ``std`` as given, else what the explanation remembers
+    (``exp.image`` with its ``image_mean``/``image_std``, ``exp.labels``); the remembered
+    normalisation is undone only on the remembered image."""
+    if image is None and getattr(exp, "image", None) is not None:
+        image = exp.image
+        mean = mean if mean is not None else getattr(exp, "image_mean", None)
+        std = std if std is not None else getattr(exp, "image_std", None)
+    return image, (labels if labels is not None else getattr(exp, "labels", None)), mean, std
+
+
 def _image_figure(exp, index, image, labels, mean, std, percentile, fig=None):
+    image, labels, mean, std = remembered(exp, image, labels, mean, std)
     n = exp.map.shape[0] if exp.map is not None else 0
     if index is None and n > 1:
         return vimg.grid_figure([exp], image, labels=labels, mean=mean, std=std, percentile=percentile, fig=fig)
@@ -60,6 +78,7 @@ def save(exp, path: str, *, image: Any = None, tokens: Optional[Sequence] = None
             raise InputError(f"cannot save an image explanation as '{suffix}': use one of {FIGURE_SUFFIXES}")
         return vimg.save_figure(_image_figure(exp, index, image, labels, mean, std, percentile), str(path), dpi)
     rows = _tokens(exp, tokens, tokenizer, inputs)
+    labels = labels if labels is not None else getattr(exp, "labels", None)
     idx = None if index is None else [index]
     if suffix in (".html", ".htm"):
         if idx is not None:
@@ -103,6 +122,7 @@ def show(exp, *, image: Any = None, tokens: Optional[Sequence] = None, tokenizer
         plt.show()
         return fig
     rows = _tokens(exp, tokens, tokenizer, inputs)
+    labels = labels if labels is not None else getattr(exp, "labels", None)
     page = vtext.to_html(exp, rows, labels=labels, counterfactual=counterfactual, merge_words=merge_words)
     if _in_notebook():
         from IPython.display import HTML, display
@@ -128,6 +148,9 @@ def overlay(exp, image: Any = None, index: int = 0, *, mean=None, std=None, sign
     values = vimg.relevance_map(exp, index)
     signed = bool(exp.signed) if signed is None else signed
     img = None
+    if image is None and getattr(exp, "image", None) is not None:
+        image, _, mean, std = remembered(exp, None, None, mean, std)
+        image = image[index]
     if image is not None:
         img = vimg.display_image(image, mean, std)
         values = vimg._resize(values, img.shape[:2])

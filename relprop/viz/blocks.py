@@ -16,7 +16,8 @@ if TYPE_CHECKING:  # numpy is imported where it is used: an optional dependency 
 
 from ..errors import InputError
 from . import colours
-from .image import _new_figure, _ticks, clip_limits, label_name
+from .image import _new_figure, _ticks, clip_limits
+from .names import target_name
 from .text import _is_padding, tokens_of
 
 SOURCES = ("auto", "relevance", "gradient_x_hidden")
@@ -84,7 +85,7 @@ def blocks_figure(exp, tokens: Sequence[str], index: int = 0, *, source: str = "
     what = "relevance R_h" if used == "relevance" else "∇h ⊙ h (CAT)"
     head = title
     if head is None:
-        cls = "" if exp.target is None else f" for {label_name(labels, int(exp.target[index]))}"
+        cls = "" if exp.target is None else f" for {target_name(exp, index, labels)}"
         preset = f", preset {exp.preset}" if used == "relevance" and getattr(exp, "preset", None) else ""
         head = f"{what} entering each block, summed over the hidden size{cls} ({exp.method}{preset})"
     width_in = fig.get_size_inches()[0]

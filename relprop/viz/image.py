@@ -22,6 +22,7 @@ if TYPE_CHECKING:  # numpy is imported where it is used: an optional dependency 
 
 from ..errors import InputError
 from . import colours
+from .names import is_next_token, label_name, remembered_label, target_caption, target_name  # noqa: F401 (label_name: its old home)
 
 
 #: colormap of non-negative maps: the positive half of relprop's map (:mod:`relprop.viz.colours`)
@@ -233,12 +234,12 @@ def _new_figure(figsize, fig=None):
 
 
 def _label_line(exp, index: int, labels=None, width: int = 70) -> str:
-    if exp.target is None:
-        name = getattr(exp, "target_label", None)
-        return f"{name + ' (score' if name else 'target function (score'} {float(exp.target_scores[index]):.3g})"
-    t = int(exp.target[index])
-    name = short_label(label_name(labels, t), width)
-    return f"{name} (score {float(exp.target_scores[index]):.3g})"
+    if exp.target is None and remembered_label(exp, index) is None:
+        return f"target function (score {float(exp.target_scores[index]):.3g})"
+    name = target_name(exp, index, labels)
+    if is_next_token(exp):
+        return target_caption(exp, index, labels)
+    return f"{short_label(name, width)} (score {float(exp.target_scores[index]):.3g})"
 
 
 def short_label(name: str, width: int = 28) -> str:
@@ -248,17 +249,6 @@ def short_label(name: str, width: int = 28) -> str:
     if len(name) > width and "," in name:
         name = name.split(",")[0].strip()
     return name if len(name) <= width else name[:width - 1] + "…"
-
-
-def label_name(labels, t: int) -> str:
-    """``labels[t]`` for a dict (id2label) or a list of names; ``"class t"`` without a name."""
-    if labels is None:
-        return f"class {t}"
-    try:
-        name = labels[t] if not isinstance(labels, dict) else labels.get(t, labels.get(str(t)))
-    except (IndexError, TypeError):
-        name = None
-    return f"{name}" if name is not None else f"class {t}"
 
 
 def overlay_figure(exp, index: int = 0, image: Any = None, *, labels=None, mean=None, std=None,

@@ -20,7 +20,7 @@ from typing import Any, List, Optional, Sequence
 from . import api as vapi
 from . import colours
 from . import text as vtext
-from .image import label_name
+from .names import target_caption
 
 #: at most this many samples are drawn; the caption says how many more there are
 MAX_SAMPLES = 24
@@ -51,11 +51,7 @@ def _sample_rows(exp, tokens) -> Optional[List[List[str]]]:
 
 
 def _target(exp, index: int, labels) -> str:
-    score = float(exp.target_scores[index])
-    if exp.target is None:
-        name = getattr(exp, "target_label", None)
-        return f"{name} (score {score:.3g})" if name else f"score {score:.3g}"
-    return f"{label_name(labels, int(exp.target[index]))} (score {score:.3g})"
+    return target_caption(exp, index, labels)
 
 
 def _png(rgb) -> str:
@@ -89,7 +85,7 @@ def explanation_html(exp, *, tokens: Optional[Sequence] = None, labels=None, ima
     :func:`relprop.viz.api.show`; those not given are read from the explanation when it has them."""
     tokens = _remembered(exp, "tokens", tokens)
     labels = _remembered(exp, "labels", labels)
-    image = _remembered(exp, "image", image)
+    image, _, mean, std = vapi.remembered(exp, image, None, mean, std)
     n = int(exp.scores.shape[0])
     shown = min(n, max_samples)
     vision = exp.map is not None

@@ -23,7 +23,7 @@ if TYPE_CHECKING:  # numpy is imported where it is used: an optional dependency 
 
 from ..errors import InputError
 from . import colours
-from .image import label_name
+from .names import target_caption
 
 #: word-piece markers: BERT's continuation prefix, and the word-start prefixes of BPE / SentencePiece
 CONTINUATION = "##"
@@ -130,12 +130,10 @@ def _hex(rgb) -> str:
 
 
 def _header(exp, index: int, labels, role: str) -> str:
-    if exp.target is None:  # a score function (e.g. a language model's next token): its name when remembered
-        name = getattr(exp, "target_label", None)
-        what = f"{name} (score" if name else "the target function's score ("
-        return f"{role}: {what}{float(exp.target_scores[index]):.3g})"
-    t = int(exp.target[index])
-    return f"{role}: {label_name(labels, t)} (score {float(exp.target_scores[index]):.3g})"
+    caption = target_caption(exp, index, labels)
+    if caption.startswith("score "):  # a score function without a name
+        return f"{role}: the target function's score ({float(exp.target_scores[index]):.3g})"
+    return f"{role}: {caption}"
 
 
 _STYLE = """
