@@ -72,7 +72,7 @@ class Coverage:
     """The coverage report of one model on one input signature (see the module docstring).
 
     ``str(report)`` is the full table (every op, then the blocks, then a summary);
-    :attr:`missing` lists the ops :func:`relprop.explain` has no rule for.
+    ``missing`` lists the ops ``relprop.explain`` has no rule for.
     """
 
     model: str
@@ -93,7 +93,7 @@ class Coverage:
         return not self.missing
 
     def counts(self) -> Dict[str, int]:
-        """Number of ops per handling, in the order of :data:`STATUSES`."""
+        """Number of ops per handling, in the order of ``STATUSES``."""
         c = collections.Counter(o.status for o in self.ops)
         return {s: c.get(s, 0) for s in STATUSES}
 

@@ -201,20 +201,28 @@ def maximize_activation(model: torch.nn.Module, unit: Any, *, steps: int = 200, 
 
     Parameters
     ----------
-    model : an image or text classifier (HF or timm); not modified.
-    unit : see the module docstring (``"class:207"``, ``"neuron:3:100"``, ``"head:11:2"``, ...).
-    jitter, blur, blur_every, tv : the optional regularizers (0: off).
-    image_size, normalization : images: default the model's (:func:`relprop.api.raw_inputs.model_image_size`,
-        :func:`model_normalization`; else (0.5, 0.5, 0.5) / (0.5, 0.5, 0.5)); ``normalization`` is
+    model
+        an image or text classifier (HF or timm); not modified.
+    unit
+        see the module docstring (``"class:207"``, ``"neuron:3:100"``, ``"head:11:2"``, ...).
+    jitter, blur, blur_every, tv
+        the optional regularizers (0: off).
+    image_size, normalization
+        images: default the model's (``relprop.api.raw_inputs.model_image_size``,
+        ``model_normalization``; else (0.5, 0.5, 0.5) / (0.5, 0.5, 0.5)); ``normalization`` is
         ``(mean, std)``.
-    length : text: the number of relaxed positions (a [CLS]-like first position included).
-    tokenizer : text: names the nearest tokens (else their ids as strings).
-    seed : the random start and the jitter come from ``torch.Generator().manual_seed(seed)``:
+    length
+        text: the number of relaxed positions (a [CLS]-like first position included).
+    tokenizer
+        text: names the nearest tokens (else their ids as strings).
+    seed
+        the random start and the jitter come from ``torch.Generator().manual_seed(seed)``:
         the same seed gives the same result.
 
     Returns
     -------
-    MaximizingInput : the input, the image (or nearest tokens) and the unit's value per step.
+    MaximizingInput
+        the input, the image (or nearest tokens) and the unit's value per step.
     """
     u = Unit.parse(unit)
     for name, v in (("steps", steps), ("length", length), ("blur_every", blur_every)):
