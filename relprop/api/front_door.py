@@ -164,8 +164,7 @@ def explain(model: torch.nn.Module, inputs: Any, target: Any = None, method: Any
     records_budget
         bytes the kept records may take; None: 1 GiB or a quarter of the free memory.
     **options
-        method options (``start_block=``, ``normalize_rows=``, ...), each given to the methods
-        that take it.
+        method options (``start_block=``, ``normalize_rows=``, ...), each given to the methods that take it.
 
     Returns
     -------
@@ -382,8 +381,7 @@ def coverage(model: torch.nn.Module, inputs: Any, preset: Any = "chefer2021", *,
     Parameters
     ----------
     model, inputs, wrt
-        as for ``explain`` (the capture is shared with it and cached; the
-        model is not modified and nothing is run but the capture).
+        as for ``explain`` (the capture is shared with it and cached; the model is unmodified; only the capture runs).
     preset
         the rules to report, a name or a ``relprop.Preset`` (``relprop.presets()`` lists them).
 
