@@ -153,15 +153,19 @@ def is_type(text: str) -> bool:
 
 
 def misplaced_descriptions(doc: str) -> list:
-    """``name : description`` lines of the item sections of a numpy docstring."""
+    """Lines of the item sections of a numpy docstring that the parser would misread: ``name : description``
+    (the description lands in the type column) and prose at the items' indentation (read as an item, or
+    swallowed by the item above it: write such a paragraph before the sections)."""
     lines = inspect.cleandoc(doc).splitlines()
     bad, section = [], None
     for i, line in enumerate(lines):
         if i + 1 < len(lines) and re.fullmatch(r"\s*-{3,}\s*", lines[i + 1]):
             section = line.strip().lower()
             continue
+        if section not in ITEM_SECTIONS or not line.strip() or line[0].isspace() or re.fullmatch(r"-{3,}", line):
+            continue
         m = re.match(r"^([\w*][\w*, ]*?) : (.+)$", line)
-        if section in ITEM_SECTIONS and m and not is_type(m.group(2)):
+        if not (is_type(m.group(2)) if m else re.fullmatch(r"[\w*]+(, [\w*]+)*", line) or is_type(line)):
             bad.append(line)
     return bad
 
@@ -175,8 +179,18 @@ def test_the_type_check_tells_types_from_descriptions():
         the input.
     k : int, optional
     model : the classifier (eval mode); not modified.
+    a, b
+        two more.
+
+    Returns
+    -------
+    Explanation
+        the result.
+
+    A paragraph after the sections.
     """
-    assert misplaced_descriptions(doc) == ["model : the classifier (eval mode); not modified."]
+    assert misplaced_descriptions(doc) == ["model : the classifier (eval mode); not modified.",
+                                           "A paragraph after the sections."]
 
 
 def test_parameter_descriptions_are_not_in_the_type_column():

@@ -16,6 +16,10 @@ from . import data_export as export
 class Explanation:
     """Which input positions drove the target score.
 
+    ``tokens``, ``labels``, ``target_label`` and ``image`` are what ``show()``, ``save()``, ``words()``,
+    ``overlay()`` and the notebook display use when no argument says otherwise; nothing is stored on
+    the model.
+
     Attributes
     ----------
     method
@@ -79,10 +83,6 @@ class Explanation:
     image, image_mean, image_std
         the [batch, C, H, W] pixels the model was given, and the
         normalisation its preprocessing applied (undone for display), when known.
-
-    ``tokens``, ``labels``, ``target_label`` and ``image`` are what ``show()``, ``save()``, ``words()``,
-    ``overlay()`` and the notebook display use when no argument says otherwise; nothing is stored on
-    the model.
     """
 
     method: str

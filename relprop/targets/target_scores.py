@@ -249,11 +249,14 @@ def next_token(attention_mask: Optional[torch.Tensor] = None, token: Any = None)
         None (each sample's predicted next token: the argmax at that position), an int (the
         same token id for every sample), or one id per sample.
 
-    Returns a callable ``target(outputs) -> [batch]`` for ``relprop.explain``: ``outputs.logits``
-    (or the output tensor) of shape [batch, positions, vocabulary] indexed at
-    ``[b, last_b, token_b]``. ``relprop.explain(lm, batch, target="next_token")`` is the same with
-    the predicted token. The relevance seed is then the one-hot of that token at that position
-    (CVPR 2021, §3.3).
+    Returns
+    -------
+    Callable
+        ``target(outputs) -> [batch]`` for ``relprop.explain``: ``outputs.logits``
+        (or the output tensor) of shape [batch, positions, vocabulary] indexed at
+        ``[b, last_b, token_b]``. ``relprop.explain(lm, batch, target="next_token")`` is the same with
+        the predicted token. The relevance seed is then the one-hot of that token at that position
+        (CVPR 2021, §3.3).
     """
     return NextToken(attention_mask, token)
 
