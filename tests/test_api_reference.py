@@ -10,6 +10,7 @@ when it is in the subpackage's ``__all__``), and every such name a guide writes 
 """
 import ast
 import importlib
+import importlib.util
 import inspect
 import re
 import types
@@ -43,7 +44,18 @@ def entries():
 
 
 def resolve(path: str):
-    """The object a dotted path names: the longest importable module, then attributes."""
+    """The object a dotted path names, read as users read it: attribute by attribute from ``relprop``,
+    importing a submodule only where no attribute has the name."""
+    parts = path.split(".")
+    obj = importlib.import_module(parts[0])
+    for i, name in enumerate(parts[1:], start=2):
+        obj = getattr(obj, name) if hasattr(obj, name) else importlib.import_module(".".join(parts[:i]))
+    return obj
+
+
+def resolve_on_disk(path: str):
+    """The object a path of an entry names, read as the docs tool reads it: the longest module path, then
+    attributes."""
     parts = path.split(".")
     for i in range(len(parts), 0, -1):
         try:
@@ -54,6 +66,16 @@ def resolve(path: str):
             obj = getattr(obj, name)
         return obj
     raise ImportError(path)
+
+
+def shadowed_module(path: str) -> bool:
+    """Whether ``path`` names a function or class at run time but a module of the same name on disk
+    (``relprop.evaluation.tune``), which the docs tool, reading files, would document instead."""
+    try:
+        spec = importlib.util.find_spec(path)
+    except (ImportError, ValueError):  # a parent is not a package (relprop.evaluation.tune.tune)
+        spec = None
+    return spec is not None and not isinstance(resolve(path), types.ModuleType)
 
 
 def public_names(subpackage: str) -> set:
@@ -88,10 +110,11 @@ def test_an_entry_names_a_public_name(path, shown):
         assert len(parts) == 3 and parts[1] in PUBLIC_SUBPACKAGES, f"{shown}: an internal module path"
         assert parts[2] in public_names(parts[1]), f"{shown} is not a public name of relprop.{parts[1]}"
     assert not any(p.startswith("_") and not p.startswith("__") for p in path.split(".")), path
+    assert not shadowed_module(path), f"{path} is a module on disk: write the path of the object in it"
     if shown.endswith("()"):  # relprop.methods() is the function the entry documents
-        assert resolve(name)() == resolve(path)()
+        assert resolve(name)() == resolve_on_disk(path)()
     else:
-        assert resolve(name) is resolve(path), f"{shown} and {path} are different objects"
+        assert resolve(name) is resolve_on_disk(path), f"{shown} and {path} are different objects"
 
 
 def guide_names():
@@ -117,7 +140,7 @@ def test_the_guides_names_have_entries():
 def documented_objects():
     """(label, docstring) of every entry and of the members it renders (public ones; those listed, if any)."""
     for path, shown, members in entries():
-        obj = resolve(path)
+        obj = resolve_on_disk(path)
         yield shown, obj.__doc__
         if isinstance(obj, type):
             inner = {n: v for n, v in vars(obj).items() if not re.match(r"^_[^_]", n)}
