@@ -169,7 +169,9 @@ def explain_generation(model, tokenizer=None, prompt: Union[str, torch.Tensor, S
                        max_new_tokens: int = 16, method: str = "lrp", preset: Optional[str] = "attnlrp",
                        target: Any = None, contrast: Any = None, batch_size: Optional[int] = None, **options
                        ) -> Union[GenerationExplanation, List[GenerationExplanation]]:
-    """Explain every token a model generates for ``prompt`` (see the module docstring).
+    """Explain every token a model generates for ``prompt``: row t of the result is the relevance of each
+    prompt (or source) token and each earlier generated token for the t-th generated token
+    (docs/models/generation.md).
 
     Parameters
     ----------

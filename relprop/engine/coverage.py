@@ -69,7 +69,8 @@ class BlockReport:
 
 @dataclasses.dataclass
 class Coverage:
-    """The coverage report of one model on one input signature (see the module docstring).
+    """The coverage report of one model on one input signature: every op of the captured graph and how
+    a preset handles it (rule, shape-only, missing, source, no relevance, constant; docs/models.md).
 
     ``str(report)`` is the full table (every op, then the blocks, then a summary);
     ``missing`` lists the ops ``relprop.explain`` has no rule for.

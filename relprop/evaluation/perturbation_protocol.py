@@ -181,7 +181,8 @@ def perturbation_curve(model: torch.nn.Module, inputs: Any, scores_or_explanatio
         removed fractions (default 0.1, …, 0.9).
     baseline
         images: value of a removed pixel in the un-normalized space (scalar, per channel, or a
-        tensor of the input's shape); default 0. See the module docstring.
+        tensor of the input's shape); default 0 (black for images in [0, 1]); with ``normalization``
+        a removed pixel becomes ``(baseline - mean) / std`` in the space the model sees.
     normalization
         the model's input normalization: ``(mean, std)``, a dict, a HuggingFace image
         processor or a timm model; None: the inputs' own space is the un-normalized space.
