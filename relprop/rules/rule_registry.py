@@ -302,8 +302,8 @@ def rule(*ops, preset: Union[str, Preset, Sequence[Union[str, Preset]]] = "chefe
 
     The presets must exist (``Preset`` makes a new one). See ``Preset.rule`` for
     ``replace``. The function is called as ``fn(ctx, relevance)`` with a
-    ``relprop.rules.RuleContext`` and returns one entry per positional argument of the op (a
-    tensor of relevance, or None; docs/extending.md); it is returned unchanged. The other keywords declare what the rule can
+    ``relprop.rules.RuleContext`` and returns one entry per positional argument of the op (a tensor of
+    relevance, or None; docs/extending.md); it is returned unchanged. The other keywords declare what the rule can
     do (the fields of ``relprop.rules.spec.RuleSpec``, stored with it in every preset named):
 
     gradient_form : its modified-gradient form (``relprop.rules.gradient_forms``), for the
