@@ -123,32 +123,48 @@ def explain(model: torch.nn.Module, inputs: Any, target: Any = None, method: Any
 
     Parameters
     ----------
-    model : a ``transformers`` or ``timm`` model (any ``nn.Module`` ``torch.export`` can capture), or a
+    model
+        a ``transformers`` or ``timm`` model (any ``nn.Module`` ``torch.export`` can capture), or a
         HuggingFace text/image classification or zero-shot ``pipeline`` (docs/inputs-and-targets.md).
-    inputs : what the model's forward takes (a tensor, a tuple, a dict such as a tokenizer's output), or
-        raw inputs: strings, PIL images or image paths (:mod:`relprop.api.raw_inputs`).
-    target : None (the predicted class; a language model's next token), a class index or one per sample,
-        a label name, :func:`relprop.contrast`, or a callable ``target(outputs) -> [batch]``.
-    method : a name from ``relprop.methods()``, or a list of names sharing one forward pass.
-    preset : relevance rules, a name from ``relprop.presets()`` or a :class:`relprop.Preset`; None: each
+    inputs
+        what the model's forward takes (a tensor, a tuple, a dict such as a tokenizer's output), or
+        raw inputs: strings, PIL images or image paths (``relprop.api.raw_inputs``).
+    target
+        None (the predicted class; a language model's next token), a class index or one per sample,
+        a label name, ``relprop.contrast``, or a callable ``target(outputs) -> [batch]``.
+    method
+        a name from ``relprop.methods()``, or a list of names sharing one forward pass.
+    preset
+        relevance rules, a name from ``relprop.presets()`` or a ``relprop.Preset``; None: each
         method's own preset, else ``"chefer2021"``.
-    eps : denominator stabilizer of the rules (finite, >= 0).
-    unsupported : ``"error"`` refuses an op without a rule; ``"z_rule"`` gives it gradient x input.
-    special_tokens_mask : [batch, positions] bool, True at positions left out of text scores; None: from
+    eps
+        denominator stabilizer of the rules (finite, >= 0).
+    unsupported
+        ``"error"`` refuses an op without a rule; ``"z_rule"`` gives it gradient x input.
+    special_tokens_mask
+        [batch, positions] bool, True at positions left out of text scores; None: from
         the batch, ``tokenizer`` or the model's config (``exp.notes`` says which).
-    tokenizer : tokenizes raw text, marks special tokens, turns string targets into token ids.
-    fast_path : None takes AttnLRP/CP-LRP's one-backward form when it applies; True also warns when it
+    tokenizer
+        tokenizes raw text, marks special tokens, turns string targets into token ids.
+    fast_path
+        None takes AttnLRP/CP-LRP's one-backward form when it applies; True also warns when it
         does not; False always walks rule by rule (with the conservation ledger).
-    memory : ``"default"``, ``"low"`` (block by block, lower peak, about one more forward pass) or
+    memory
+        ``"default"``, ``"low"`` (block by block, lower peak, about one more forward pass) or
         ``"high"`` (keeps a memo of |W| with the model for later calls).
-    wrt : name of the input to explain onto when the model takes several (CLIP: ``"pixel_values"``).
-    image_processor : a HuggingFace image processor for raw images.
-    keep_blocks : None keeps the per-block records while they fit ``records_budget`` and folds the
+    wrt
+        name of the input to explain onto when the model takes several (CLIP: ``"pixel_values"``).
+    image_processor
+        a HuggingFace image processor for raw images.
+    keep_blocks
+        None keeps the per-block records while they fit ``records_budget`` and folds the
         rollout-style methods block by block beyond it; True always keeps them, False always folds.
-    precision : ``"float32"`` evaluates a half-precision model in float32; ``"model"`` keeps its dtype.
-    records_budget : bytes the kept records may take; None: 1 GiB or a quarter of the free memory.
-    **options : method options (``start_block=``, ``normalize_rows=``, ...), each given to the methods
-        that take it.
+    precision
+        ``"float32"`` evaluates a half-precision model in float32; ``"model"`` keeps its dtype.
+    records_budget
+        bytes the kept records may take; None: 1 GiB or a quarter of the free memory.
+    **options
+        method options (``start_block=``, ``normalize_rows=``, ...), each given to the methods that take it.
 
     Returns
     -------
@@ -194,12 +210,12 @@ def explain_settings(model: torch.nn.Module, inputs: Any, settings: Sequence[Dic
                      method: str = "transformer_attribution", preset: Any = None, *, eps: float = DEFAULT_EPS,
                      unsupported: str = "error", special_tokens_mask: Optional[torch.Tensor] = None,
                      tokenizer: Any = None, memory: str = "default", wrt: Optional[str] = None) -> list:
-    """:func:`explain` of one ``method`` once per options dict of ``settings``, all from one
+    """``explain`` of one ``method`` once per options dict of ``settings``, all from one
     forward/backward pass: the per-block records of one trace serve every setting (the survey's
-    §1.4, aggregation as hyperparameters, evaluated by :func:`relprop.evaluation.tune`).
+    §1.4, aggregation as hyperparameters, evaluated by ``relprop.evaluation.tune``).
 
-    Returns one :class:`relprop.Explanation` per setting, in order; each setting's options are
-    checked as :func:`explain` checks them, all before any work.
+    Returns one ``relprop.Explanation`` per setting, in order; each setting's options are
+    checked as ``explain`` checks them, all before any work.
     """
     infos, many = opt.check_methods(method)
     if many:
@@ -364,13 +380,15 @@ def coverage(model: torch.nn.Module, inputs: Any, preset: Any = "chefer2021", *,
 
     Parameters
     ----------
-    model, inputs, wrt : as for :func:`explain` (the capture is shared with it and cached; the
-        model is not modified and nothing is run but the capture).
-    preset : the rules to report, a name or a :class:`relprop.Preset` (``relprop.presets()`` lists them).
+    model, inputs, wrt
+        as for ``explain`` (the capture is shared with it and cached; the model is unmodified; only the capture runs).
+    preset
+        the rules to report, a name or a ``relprop.Preset`` (``relprop.presets()`` lists them).
 
     Returns
     -------
-    Coverage : ``print(report)`` shows every op with its module path and handling (rule and preset,
+    Coverage
+        ``print(report)`` shows every op with its module path and handling (rule and preset,
         shape-only, missing, ...), the attention blocks found and a summary; ``report.missing`` lists
         the ops explain() has no rule for, ``report.complete`` is True when there are none.
     """

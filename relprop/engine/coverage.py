@@ -69,10 +69,11 @@ class BlockReport:
 
 @dataclasses.dataclass
 class Coverage:
-    """The coverage report of one model on one input signature (see the module docstring).
+    """The coverage report of one model on one input signature: every op of the captured graph and how
+    a preset handles it (rule, shape-only, missing, source, no relevance, constant; docs/models.md).
 
     ``str(report)`` is the full table (every op, then the blocks, then a summary);
-    :attr:`missing` lists the ops :func:`relprop.explain` has no rule for.
+    ``missing`` lists the ops ``relprop.explain`` has no rule for.
     """
 
     model: str
@@ -93,7 +94,7 @@ class Coverage:
         return not self.missing
 
     def counts(self) -> Dict[str, int]:
-        """Number of ops per handling, in the order of :data:`STATUSES`."""
+        """Number of ops per handling, in the order of ``STATUSES``."""
         c = collections.Counter(o.status for o in self.ops)
         return {s: c.get(s, 0) for s in STATUSES}
 

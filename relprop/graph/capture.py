@@ -271,7 +271,7 @@ def capture(model: torch.nn.Module, kwargs: Dict[str, Any], primary: str) -> Cap
 def clear_cache(model: Optional[torch.nn.Module] = None) -> None:
     """Forget captured programs (of ``model``, or of every model) in this process. Needed only if a
     model's structure (not its weights) was changed after it was explained; the disk cache is keyed
-    by the structure, so it needs no clearing (:func:`relprop.graph.disk_cache.clear` empties it)."""
+    by the structure, so it needs no clearing (``relprop.graph.disk_cache.clear`` empties it)."""
     CACHE.clear(model)
 
 

@@ -96,17 +96,23 @@ class Preset:
 
     Parameters
     ----------
-    name : the name ``explain(preset=...)`` takes; must be new (``relprop.presets()`` lists the
+    name
+        the name ``explain(preset=...)`` takes; must be new (``relprop.presets()`` lists the
         existing ones).
-    extends : the preset (name or object), or presets, searched for any op this one has no rule
+    extends
+        the preset (name or object), or presets, searched for any op this one has no rule
         for, e.g. ``"chefer2021"``. Every preset extends at least ``"base"`` (the shape-only
         routing rules).
-    description : one line saying what the preset is (shown by ``relprop.presets()``).
-    conservative : whether its rules conserve relevance (documentation for reports).
-    modified_gradient : whether its rules are meant to have modified-gradient forms, so that
+    description
+        one line saying what the preset is (shown by ``relprop.presets()``).
+    conservative
+        whether its rules conserve relevance (documentation for reports).
+    modified_gradient
+        whether its rules are meant to have modified-gradient forms, so that
         ``explain(method="lrp", preset=...)`` runs as one backward pass (``"attnlrp"``,
         ``"cp_lrp"``); a rule registered in it without a form then warns. Inherited.
-    seed : where relevance starts at the model's outputs (:data:`SEEDS`): ``"gradient"``, the
+    seed
+        where relevance starts at the model's outputs (``SEEDS``): ``"gradient"``, the
         derivative of the explained score by each output (the one-hot of the target logit, CVPR
         2021 §3.3: relevance 1), or ``"score"``, that derivative times the output (the target
         logit's value, sign included: Bach et al. 2015, AttnLRP and LXT). None: inherited
@@ -149,7 +155,7 @@ class Preset:
 
     @property
     def seed(self) -> str:
-        """Where relevance starts (:data:`SEEDS`): this preset's own choice, else the first found in
+        """Where relevance starts (``SEEDS``): this preset's own choice, else the first found in
         the presets it extends, else ``"gradient"``."""
         for p in self.lineage():
             if p._seed is not None:
@@ -171,9 +177,9 @@ class Preset:
         return self.rules.get(op)
 
     def lookup(self, op) -> Optional[RuleSpec]:
-        """The rule for ``op`` (its :class:`RuleSpec`, called like the function): this preset's
+        """The rule for ``op`` (its ``RuleSpec``, called like the function): this preset's
         own, else the first found in the presets it extends. An op overload without one is looked
-        up by its :func:`qualified_name` too (rules for ops of other libraries, registered by name:
+        up by its ``qualified_name`` too (rules for ops of other libraries, registered by name:
         ``rule("transformers::grouped_mm_fallback.default")``)."""
         found = self._lookup(op)
         if found is None:
@@ -207,10 +213,10 @@ class Preset:
              no_relevance_to: Optional[Iterable[int]] = None, constant_positions: Optional[Iterable[int]] = None):
         """Decorator: register the function as this preset's rule for ``ops`` (op overloads such
         as ``torch.ops.aten.gelu.default``, or packets such as ``torch.ops.aten.gelu`` for every
-        overload), with what it declares (the keywords, fields of :class:`RuleSpec`; a keyword
+        overload), with what it declares (the keywords, fields of ``RuleSpec``; a keyword
         left None declares nothing). Returns the function unchanged. An op that already has a rule
         in this preset's own table is an error unless ``replace=True``; replacing one of relprop's
-        built-in rules warns (:meth:`reset` restores it; :func:`override` changes a rule for a
+        built-in rules warns (``reset`` restores it; ``override`` changes a rule for a
         ``with`` block only)."""
         if not ops:
             raise PresetError("rule() needs at least one op, e.g. rule(torch.ops.aten.gelu.default)")
@@ -226,7 +232,7 @@ class Preset:
         return decorate
 
     def register(self, ops: Sequence, spec: RuleSpec, replace: bool = False) -> None:
-        """Put ``spec`` in this preset's table for ``ops`` (see :meth:`rule`)."""
+        """Put ``spec`` in this preset's table for ``ops`` (see ``rule``)."""
         overloads = [ov for op in ops for ov in _overloads(op)]
         with _LOCK:
             for ov in overloads:
@@ -292,15 +298,15 @@ def rule(*ops, preset: Union[str, Preset, Sequence[Union[str, Preset]]] = "chefe
          writes_out: Optional[bool] = None, no_relevance_to: Optional[Iterable[int]] = None,
          constant_positions: Optional[Iterable[int]] = None):
     """Register the decorated function as the relevance rule of ``ops`` in ``preset`` (a name or
-    :class:`Preset`, or several): ``@relprop.rule(torch.ops.aten.gelu.default, preset="chefer2021")``.
+    ``Preset``, or several): ``@relprop.rule(torch.ops.aten.gelu.default, preset="chefer2021")``.
 
-    The presets must exist (:class:`Preset` makes a new one). See :meth:`Preset.rule` for
+    The presets must exist (``Preset`` makes a new one). See ``Preset.rule`` for
     ``replace``. The function is called as ``fn(ctx, relevance)`` with a
-    :class:`relprop.rules.RuleContext` and returns one entry per positional argument of the op (see
-    the module docstring); it is returned unchanged. The other keywords declare what the rule can
-    do (the fields of :class:`relprop.rules.spec.RuleSpec`, stored with it in every preset named):
+    ``relprop.rules.RuleContext`` and returns one entry per positional argument of the op (a tensor of
+    relevance, or None; docs/extending.md); it is returned unchanged. The other keywords declare what the rule can
+    do (the fields of ``relprop.rules.spec.RuleSpec``, stored with it in every preset named):
 
-    gradient_form : its modified-gradient form (:mod:`relprop.rules.gradient_forms`), for the
+    gradient_form : its modified-gradient form (``relprop.rules.gradient_forms``), for the
         one-backward fast path of ``explain(method="lrp")``.
     formula : for a rule of ``aten.linear``, ``formula(x, w, relevance, eps) -> R_x``, applied by
         other rules to linear maps that are not ``aten.linear``.
@@ -329,7 +335,7 @@ def rule(*ops, preset: Union[str, Preset, Sequence[Union[str, Preset]]] = "chefe
 
 
 def lookup(preset: Union[str, Preset], op) -> Optional[RuleSpec]:
-    """The rule ``preset`` applies to ``op`` (its own or inherited) as a :class:`RuleSpec` (called
+    """The rule ``preset`` applies to ``op`` (its own or inherited) as a ``RuleSpec`` (called
     like the function; ``.fn`` is the function), or None."""
     return get_preset(preset).lookup(op)
 
@@ -342,7 +348,7 @@ def describe(preset: Union[str, Preset], op) -> Optional[str]:
 @contextlib.contextmanager
 def override(rules: Mapping[object, RuleFn], preset: Union[str, Preset] = "chefer2021"):
     """Within this ``with`` block (in this thread or task only), ``preset`` and every preset
-    extending it use ``rules`` ({op: rule}, a rule a function or a :class:`RuleSpec` with its
+    extending it use ``rules`` ({op: rule}, a rule a function or a ``RuleSpec`` with its
     declarations) in place of their own; everything is as before on exit.
 
     >>> with relprop.rules.override({torch.ops.aten.gelu.default: my_gelu}, preset="chefer2021"):

@@ -68,27 +68,36 @@ class RuleSpec:
 
     Attributes
     ----------
-    fn : the rule, ``fn(ctx, relevance) -> one share per positional argument`` (see
-        :mod:`relprop.rules.rule_registry`).
-    gradient_form : its modified-gradient form, a :class:`GradientForm` (a plain
+    fn
+        the rule, ``fn(ctx, relevance) -> one share per positional argument`` (see
+        ``relprop.rules.rule_registry``).
+    gradient_form
+        its modified-gradient form, a ``GradientForm`` (a plain
         ``form(node, live, eps) -> replacement | None`` function is wrapped in one), for the
-        one-backward fast path (:mod:`relprop.rules.gradient_forms`); None: the rule has none, and a
+        one-backward fast path (``relprop.rules.gradient_forms``); None: the rule has none, and a
         preset that uses it walks the graph rule by rule.
-    formula : for a rule of ``aten.linear``, the formula ``formula(x, w, relevance, eps) -> R_x``
+    formula
+        for a rule of ``aten.linear``, the formula ``formula(x, w, relevance, eps) -> R_x``
         (``w`` [in, out]) it applies, so that other rules apply the active preset's linear rule to
         linear maps that are not ``aten.linear`` (a product with a constant matrix, MoE experts).
-    writes_out : the rule may compute into its node's output buffer when the engine says it is dead
-        (:attr:`relprop.rules.RuleContext.out_writable`); False: it is never told.
-    no_relevance_to : positions of arguments the rule never gives relevance to (the divisor of a
+    writes_out
+        the rule may compute into its node's output buffer when the engine says it is dead
+        (``relprop.rules.RuleContext.out_writable``); False: it is never told.
+    no_relevance_to
+        positions of arguments the rule never gives relevance to (the divisor of a
         normalization), so that ops feeding only those need no rule.
-    constant_positions : positions of arguments held constant for this node (selection parameters
+    constant_positions
+        positions of arguments held constant for this node (selection parameters
         of a selective scan): a share the rule gives them is booked as absorbed.
-    operands : the nodes the rule is applied to instead of the node's arguments (a whole subgraph
+    operands
+        the nodes the rule is applied to instead of the node's arguments (a whole subgraph
         explained at its output node, e.g. an element-wise function written out op by op, applied
         to its input); None: the node's own arguments. Set per node by
-        :mod:`relprop.engine.node_rules`, not at registration.
-    region : the subgraph an ``operands`` rule explains (:class:`relprop.graph.elementwise.Region`).
-    name, module : the function's name and the last part of its module, for messages.
+        ``relprop.engine.node_rules``, not at registration.
+    region
+        the subgraph an ``operands`` rule explains (``relprop.graph.elementwise.Region``).
+    name, module
+        the function's name and the last part of its module, for messages.
     """
 
     fn: RuleFn
