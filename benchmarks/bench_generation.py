@@ -19,6 +19,7 @@ above the start, glibc's mmap threshold lowered so that freed tensors leave it; 
   ``--no-all`` leaves it out).
 
     PYTHONPATH=. python benchmarks/bench_generation.py --memory --prompt 1024 --new 64
+    PYTHONPATH=. python benchmarks/bench_generation.py --memory --arch llama --prompt 1024 --new 64 --no-all
 """
 import argparse
 import copy
@@ -45,22 +46,29 @@ def best_of(fns, repeat):
     return [min(ts) for ts in times]
 
 
-def build(layers, width, prompt_len, new):
-    """A random GPT-2 (eager attention, as relprop's graph computes it), a prompt and a continuation."""
+def build(layers, width, prompt_len, new, arch="gpt2"):
+    """A random GPT-2 or LLaMA-style decoder (eager attention, as relprop's graph computes it), a
+    prompt and a continuation."""
     torch.manual_seed(0)
-    cfg = tf.GPT2Config(vocab_size=1000, n_embd=width, n_layer=layers, n_head=4,
-                        n_positions=max(512, prompt_len + new), attn_implementation="eager")
-    model = tf.GPT2LMHeadModel(cfg).eval()
+    if arch == "llama":
+        cfg = tf.LlamaConfig(vocab_size=1000, hidden_size=width, intermediate_size=2 * width, num_hidden_layers=layers,
+                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=prompt_len + new,
+                             pad_token_id=0, bos_token_id=1, eos_token_id=2, attn_implementation="eager")
+        model = tf.LlamaForCausalLM(cfg).eval()
+    else:
+        cfg = tf.GPT2Config(vocab_size=1000, n_embd=width, n_layer=layers, n_head=4,
+                            n_positions=max(512, prompt_len + new), attn_implementation="eager")
+        model = tf.GPT2LMHeadModel(cfg).eval()
     prompt = torch.randint(0, 1000, (1, prompt_len))
     cont = torch.randint(0, 1000, (new,))
     return model, prompt, cont
 
 
-def child(what, layers, width, prompt_len, new):
+def child(what, arch, layers, width, prompt_len, new):
     """One peak-memory measurement in this (fresh) process; prints one JSON line."""
     from peak_memory import PeakMeter
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-    model, prompt, cont = build(layers, width, prompt_len, new)
+    model, prompt, cont = build(layers, width, prompt_len, new, arch)
     full = torch.cat([prompt, cont[None, :-1]], 1)
     size = {"generation": None, "generation-all": new}.get(what)
     calls = 0
@@ -80,13 +88,14 @@ def memory(a):
     """Peak memory of fwd+bwd, chunked and all-at-once generation attribution (fresh processes)."""
     from peak_memory import run_child
     tokens = a.prompt + a.new - 1
-    print(f"GPT-2 {a.layers} layers x {a.width}, 4 heads, eager attention; prompt {a.prompt} + {a.new} generated "
+    name = {"gpt2": "GPT-2", "llama": "LLaMA-style decoder (2 key/value heads)"}[a.arch]
+    print(f"{name} {a.layers} layers x {a.width}, 4 heads, eager attention; prompt {a.prompt} + {a.new} generated "
           f"tokens ({tokens} tokens per copy); CPU peak RSS delta, {os.environ.get('OMP_NUM_THREADS', '1')} thread(s)")
     print("| measured | calls of explain() | peak MiB | x fwd+bwd | seconds |")
     print("|---|---:|---:|---:|---:|")
     ref = None
     for what in ("fwdbwd", "generation") + (() if a.no_all else ("generation-all",)):
-        r, _, err = run_child(__file__, [what, str(a.layers), str(a.width), str(a.prompt), str(a.new)])
+        r, _, err = run_child(__file__, [what, a.arch, str(a.layers), str(a.width), str(a.prompt), str(a.new)])
         if r is None:
             print(f"| {what} | failed: {err.strip().splitlines()[-1:]} | | | |", flush=True)
             continue
@@ -97,9 +106,11 @@ def memory(a):
 
 def main():
     if len(sys.argv) > 1 and sys.argv[1] == "--child":
-        what, *nums = sys.argv[2:]
-        return child(what, *map(int, nums))
+        what, arch, *nums = sys.argv[2:]
+        return child(what, arch, *map(int, nums))
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--arch", choices=("gpt2", "llama"), default="gpt2",
+                   help="--memory: the decoder measured (GPT-2, or a LLaMA-style decoder: RMSNorm, rotary, GQA)")
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--width", type=int, default=128)
     p.add_argument("--prompt", type=int, default=32)
