@@ -359,7 +359,8 @@ def _run_engine(call: Call) -> Dict[Optional[Preset], Trace]:
     return traces
 
 
-def coverage(model: torch.nn.Module, inputs: Any, preset: Any = "chefer2021", *, wrt: Optional[str] = None) -> Coverage:
+def coverage(model: torch.nn.Module, inputs: Any, preset: Any = "chefer2021", *, wrt: Optional[str] = None,
+             unsupported: str = "error") -> Coverage:
     """Every op of ``model``'s captured graph on ``inputs`` and how ``preset`` handles it.
 
     Parameters
@@ -367,15 +368,21 @@ def coverage(model: torch.nn.Module, inputs: Any, preset: Any = "chefer2021", *,
     model, inputs, wrt : as for :func:`explain` (the capture is shared with it and cached; the
         model is not modified and nothing is run but the capture).
     preset : the rules to report, a name or a :class:`relprop.Preset` (``relprop.presets()`` lists them).
+    unsupported : as for :func:`explain`: ``"error"`` reports an op without a rule as ``missing``,
+        ``"z_rule"`` as a ``fallback`` given the generic gradient-times-input rule.
 
     Returns
     -------
     Coverage : ``print(report)`` shows every op with its module path and handling (rule and preset,
         shape-only, missing, ...), the attention blocks found and a summary; ``report.missing`` lists
-        the ops explain() has no rule for, ``report.complete`` is True when there are none.
+        the ops explain() has no rule for, ``report.complete`` is True when there are none;
+        ``report.shares()`` the percent of nodes handled by an exact rule, a structural one (relevance
+        moved without arithmetic, or no rule needed), a fallback, or missing (``on_path=True``: over
+        the nodes relevance reaches).
     """
+    opt.check_engine_options(eps=DEFAULT_EPS, unsupported=unsupported, memory="default")
     checked = opt.check_preset(preset)
     if checked is None:
         checked = get_preset(DEFAULT_PRESET)
     prepared = prepare(model, inputs, wrt)
-    return report(prepared.captured, checked, type(model).__name__)
+    return report(prepared.captured, checked, type(model).__name__, unsupported)

@@ -1,16 +1,14 @@
 """Presets: named tables of relevance rules, one rule per aten op, that extend other presets.
 
-A *rule* is a function ``rule(ctx, relevance) -> sequence`` called once per graph node on the
-relevance path, walking from the output to the input. ``relevance`` is the relevance that reached
-the node's output (float32 at least, float64 for a float64 model; shaped like the output). The
-rule returns one entry per positional argument of the op (``node.args``): a relevance tensor
-(shaped like that argument, or like the node's output when the argument was broadcast), ``None``
-for arguments that receive nothing (weights, shapes, dims), or a list of those for list arguments
-(``aten.cat``). Relevance given to
-an argument that does not depend on the input (a parameter, the class token, a mask) is counted as
-*absorbed* by that constant; relevance given to an input-dependent argument keeps flowing. A rule
-reads only its :class:`relprop.rules.RuleContext`; it never branches on the preset's name: what
-differs between presets is which function each preset's table names.
+A *rule* is a function ``rule(ctx, relevance) -> sequence`` called once per graph node on the relevance path,
+walking from the output to the input. ``relevance`` is the relevance that reached the node's output (float32
+at least, float64 for a float64 model; shaped like the output). The rule returns one entry per positional
+argument of the op (``node.args``): a relevance tensor (shaped like that argument, or like the node's output
+when the argument was broadcast), ``None`` for arguments that receive nothing (weights, shapes, dims), or a
+list of those for list arguments (``aten.cat``). Relevance given to an argument that does not depend on the
+input (a parameter, the class token, a mask) is counted as *absorbed* by that constant; relevance given to an
+input-dependent argument keeps flowing. A rule reads only its :class:`relprop.rules.RuleContext`; it never
+branches on the preset's name: what differs between presets is which function each preset's table names.
 
 A :class:`Preset` finds the rule of an op in its own table, else in the presets it extends
 (depth first). The built-in presets are ``"base"`` (the shape-only routing every preset shares),
@@ -43,7 +41,7 @@ from typing import Callable, Dict, Iterable, Mapping, Optional, Sequence, Tuple,
 import torch
 
 from ..errors import PresetError, warn
-from .spec import RuleFn, RuleSpec, as_spec
+from .spec import RULE_KINDS, RuleFn, RuleSpec, as_spec
 
 #: where relevance starts at the outputs (:attr:`Preset.seed`): "gradient" R = ∂s/∂y (relevance 1 at
 #: the target logit, CVPR 2021 §3.3) or "score" R = y ⊙ ∂s/∂y (the target logit's value, sign included)
@@ -99,23 +97,25 @@ class Preset:
     name : the name ``explain(preset=...)`` takes; must be new (``relprop.presets()`` lists the
         existing ones).
     extends : the preset (name or object), or presets, searched for any op this one has no rule
-        for, e.g. ``"chefer2021"``. Every preset extends at least ``"base"`` (the shape-only
-        routing rules).
+        for, e.g. ``"chefer2021"``. Every preset extends at least ``"base"`` (the shape-only routing rules).
     description : one line saying what the preset is (shown by ``relprop.presets()``).
     conservative : whether its rules conserve relevance (documentation for reports).
     modified_gradient : whether its rules are meant to have modified-gradient forms, so that
-        ``explain(method="lrp", preset=...)`` runs as one backward pass (``"attnlrp"``,
-        ``"cp_lrp"``); a rule registered in it without a form then warns. Inherited.
-    seed : where relevance starts at the model's outputs (:data:`SEEDS`): ``"gradient"``, the
-        derivative of the explained score by each output (the one-hot of the target logit, CVPR
-        2021 §3.3: relevance 1), or ``"score"``, that derivative times the output (the target
-        logit's value, sign included: Bach et al. 2015, AttnLRP and LXT). None: inherited
-        (``"gradient"`` at ``"base"``).
+        ``explain(method="lrp", preset=...)`` runs as one backward pass (``"attnlrp"``, ``"cp_lrp"``); a
+        rule registered in it without a form then warns. Inherited.
+    seed : where relevance starts at the model's outputs (:data:`SEEDS`): ``"gradient"``, the derivative of
+        the explained score by each output (the one-hot of the target logit, CVPR 2021 §3.3: relevance 1),
+        or ``"score"``, that derivative times the output (the target logit's value, sign included: Bach et
+        al. 2015, AttnLRP and LXT). None: inherited (``"gradient"`` at ``"base"``).
+    rule_kind : what its rules are to the coverage count when they declare no ``kind``
+        (:data:`relprop.rules.spec.RULE_KINDS`): ``"exact"``; ``"structural"`` for ``"base"``.
     """
 
     def __init__(self, name: str, *, extends: Union[str, "Preset", Sequence[Union[str, "Preset"]]],
                  description: str = "", conservative: bool = True, modified_gradient: bool = False,
-                 seed: Optional[str] = None):
+                 seed: Optional[str] = None, rule_kind: str = "exact"):
+        if rule_kind not in RULE_KINDS:
+            raise PresetError(f"rule_kind={rule_kind!r} is not a choice. Choices: {list(RULE_KINDS)}")
         if seed is not None and seed not in SEEDS:
             raise PresetError(f"seed={seed!r} is not a choice. Choices: {list(SEEDS)} (None: the seed of the preset "
                               "it extends)")
@@ -138,6 +138,7 @@ class Preset:
             self.conservative = conservative
             self._modified_gradient = modified_gradient
             self._seed = seed
+            self.rule_kind = rule_kind
             self.rules: Dict[object, RuleSpec] = {}
             _PRESETS[name] = self
 
@@ -192,19 +193,25 @@ class Preset:
                 return found
         return None
 
-    def describe(self, op) -> Optional[str]:
-        """``'<rule module>.<function> (<preset it is registered in>)'`` for ``op``, or None."""
+    def owner(self, op) -> Optional[Tuple[RuleSpec, "Preset"]]:
+        """``(rule, the preset of the lineage whose own table holds it)`` for ``op``, or None."""
         for key in (op, qualified_name(op)):
             for p in self.lineage():
                 spec = p.own_rule(key) if key is not None else None
                 if spec is not None:
-                    return f"{spec.module}.{spec.name} ({p.name})"
+                    return spec, p
         return None
+
+    def describe(self, op) -> Optional[str]:
+        """``'<rule module>.<function> (<preset it is registered in>)'`` for ``op``, or None."""
+        found = self.owner(op)
+        return None if found is None else f"{found[0].module}.{found[0].name} ({found[1].name})"
 
     # -- writing ---------------------------------------------------------------------------------
     def rule(self, *ops, replace: bool = False, gradient_form: Optional[Callable] = None,
              formula: Optional[Callable] = None, writes_out: Optional[bool] = None,
-             no_relevance_to: Optional[Iterable[int]] = None, constant_positions: Optional[Iterable[int]] = None):
+             no_relevance_to: Optional[Iterable[int]] = None, constant_positions: Optional[Iterable[int]] = None,
+             kind: Optional[str] = None):
         """Decorator: register the function as this preset's rule for ``ops`` (op overloads such
         as ``torch.ops.aten.gelu.default``, or packets such as ``torch.ops.aten.gelu`` for every
         overload), with what it declares (the keywords, fields of :class:`RuleSpec`; a keyword
@@ -215,7 +222,7 @@ class Preset:
         if not ops:
             raise PresetError("rule() needs at least one op, e.g. rule(torch.ops.aten.gelu.default)")
         declared = dict(gradient_form=gradient_form, formula=formula, writes_out=writes_out,
-                        no_relevance_to=no_relevance_to, constant_positions=constant_positions)
+                        no_relevance_to=no_relevance_to, constant_positions=constant_positions, kind=kind)
 
         def decorate(fn):
             if not callable(fn):
@@ -290,7 +297,7 @@ def presets() -> Dict[str, str]:
 def rule(*ops, preset: Union[str, Preset, Sequence[Union[str, Preset]]] = "chefer2021", replace: bool = False,
          gradient_form: Optional[Callable] = None, formula: Optional[Callable] = None,
          writes_out: Optional[bool] = None, no_relevance_to: Optional[Iterable[int]] = None,
-         constant_positions: Optional[Iterable[int]] = None):
+         constant_positions: Optional[Iterable[int]] = None, kind: Optional[str] = None):
     """Register the decorated function as the relevance rule of ``ops`` in ``preset`` (a name or
     :class:`Preset`, or several): ``@relprop.rule(torch.ops.aten.gelu.default, preset="chefer2021")``.
 
@@ -309,13 +316,14 @@ def rule(*ops, preset: Union[str, Preset, Sequence[Union[str, Preset]]] = "chefe
     no_relevance_to : positions of arguments it never gives relevance to (e.g. the divisor of a
         normalization), so that ops feeding only those need no rule.
     constant_positions : positions of arguments it holds constant (their shares are absorbed).
+    kind : what it is to the coverage count: "exact", "structural", "fallback" (None: the preset's ``rule_kind``).
     """
     targets = [preset] if isinstance(preset, (str, Preset)) else list(preset)
     if not ops:
         raise PresetError("relprop.rule() needs at least one op, e.g. relprop.rule(torch.ops.aten.gelu.default)")
     objects = [get_preset(p) for p in targets]
     declared = dict(gradient_form=gradient_form, formula=formula, writes_out=writes_out,
-                    no_relevance_to=no_relevance_to, constant_positions=constant_positions)
+                    no_relevance_to=no_relevance_to, constant_positions=constant_positions, kind=kind)
 
     def decorate(fn):
         if not callable(fn):
@@ -381,7 +389,8 @@ def seal_builtins(names: Iterable[str]) -> None:
         _BUILTIN[name] = dict(_PRESETS[name].rules)
 
 
-BASE = Preset("base", extends=(), description="shape-only routing shared by every preset", seed="gradient")
+BASE = Preset("base", extends=(), description="shape-only routing shared by every preset", seed="gradient",
+              rule_kind="structural")
 CHEFER2021 = Preset(
     "chefer2021", extends=BASE,
     description="Chefer, Gur & Wolf, CVPR 2021, as its authors' code applies it: LRP-alpha1beta0 linear layers, "
