@@ -123,38 +123,72 @@ def markdown(rows: Sequence[Row], preset: str) -> str:
     return "\n".join(lines)
 
 
-def draw(rows: Sequence[Row], presets: Sequence[str], path: str) -> None:
-    """A stacked bar per architecture (and the total) of the relevance path's nodes by category, one
-    panel per preset; saved to ``path``."""
+def same_counts(rows: Sequence[Row], presets: Sequence[str]) -> List[str]:
+    """The presets whose rows have exactly the counts of the first preset's, on every architecture."""
+    key = {p: [(r.model, r.counts, r.path_counts) for r in rows if r.preset == p] for p in presets}
+    return [p for p in presets if key[p] == key[presets[0]]]
+
+
+def _stacked(ax, labels, parts, colours, title):
+    """One stacked horizontal bar per label: ``parts`` {name: [percent per label]}."""
+    left = [0.0] * len(labels)
+    for name, widths in parts.items():
+        ax.barh(range(len(labels)), widths, left=left, color=colours[name], label=name, height=0.8)
+        left = [a + b for a, b in zip(left, widths)]
+    ax.set_title(title, fontsize=9)
+    ax.set_xlim(0, 100)
+    ax.set_ylim(len(labels) - 0.5, -0.5)
+    ax.tick_params(labelsize=7)
+    ax.set_xlabel("% of the nodes", fontsize=8)
+
+
+def draw(rows: Sequence[Row], presets: Sequence[str], path: str, peer: Optional[Sequence["PeerRow"]] = None) -> None:
+    """Stacked bars per architecture (and the total) of the nodes by category under the first preset: over
+    the relevance path, over the whole graph, and (``peer``) DynamicLRP's autograd nodes by handling."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    colours = {"exact": "#2b6cb0", "structural": "#90cdf4", "fallback": "#ed8936", "missing": "#c53030"}
-    models = list(dict.fromkeys(r.model for r in rows)) + ["TOTAL"]
-    fig, axes = plt.subplots(1, len(presets), figsize=(4.2 * len(presets) + 1.5, 0.22 * len(models) + 1.6),
-                             sharey=True, squeeze=False)
-    for ax, preset in zip(axes[0], presets):
-        by_model = {r.model: r for r in rows if r.preset == preset}
-        by_model["TOTAL"] = total(rows, preset)
-        left = [0.0] * len(models)
-        for c in CATEGORIES:
-            widths = [by_model[m].share(c, on_path=True) if m in by_model else 0.0 for m in models]
-            ax.barh(range(len(models)), widths, left=left, color=colours[c], label=c, height=0.8)
-            left = [a + b for a, b in zip(left, widths)]
-        t = by_model["TOTAL"]
-        ok = t.share("exact", True) + t.share("structural", True)
-        ax.set_title(f"preset '{preset}': {ok:.2f} % exact or structural\n"
-                     f"({sum(t.path_counts.values())} nodes on the relevance path)", fontsize=9)
-        ax.set_xlim(0, 100)
-        ax.set_xlabel("% of the nodes relevance reaches", fontsize=8)
-        ax.tick_params(labelsize=7)
-    axes[0][0].set_yticks(range(len(models)))
-    axes[0][0].set_yticklabels(models)
-    axes[0][0].invert_yaxis()
-    handles, labels = axes[0][0].get_legend_handles_labels()
-    fig.legend(handles, labels, loc="lower center", ncol=len(CATEGORIES), fontsize=8, frameon=False)
-    fig.tight_layout(rect=(0, 0.6 / fig.get_figheight(), 1, 1))
+    preset = presets[0]
+    colours = {"exact": "#2b6cb0", "structural": "#90cdf4", "fallback": "#ed8936", "missing": "#c53030",
+               "own function": "#2f855a", "AccumulateGrad (leaf)": "#cbd5e0", "IdentityProp by default": "#ed8936"}
+    by_model = {r.model: r for r in rows if r.preset == preset}
+    by_model["TOTAL"] = t = total(rows, preset)
+    models = list(by_model)
+    failed = {p.model for p in peer or () if p.error}
+    labels = [m + (" (relprop: capture refused)" if by_model[m].error else "")
+              + (" (DynamicLRP failed)" if m in failed else "") for m in models]
+    panels = 3 if peer else 2
+    fig, axes = plt.subplots(1, panels, figsize=(4.0 * panels + 1.6, 0.2 * len(models) + 1.8), sharey=True)
+    same = same_counts(rows, presets)
+    for ax, on_path in zip(axes, (True, False)):
+        n = sum((t.path_counts if on_path else t.counts).values())
+        ok = t.share("exact", on_path) + t.share("structural", on_path)
+        _stacked(ax, labels, {c: [by_model[m].share(c, on_path) for m in models] for c in CATEGORIES}, colours,
+                 f"relprop, {'relevance path' if on_path else 'whole graph'}: {n} aten nodes\n"
+                 f"{ok:.2f} % exact or structural")
+    axes[0].set_yticks(range(len(models)))
+    axes[0].set_yticklabels(labels)
+    if peer:
+        ran = {p.model: p for p in peer}
+
+        def pct(p, n):
+            return 100.0 * n / p.nodes if p is not None and not p.error and p.nodes else 0.0
+        sums = [sum(p.nodes for p in peer if not p.error), sum(p.dedicated for p in peer if not p.error),
+                sum(p.leaves for p in peer if not p.error)]
+        whole = PeerRow("TOTAL", *sums, {"": sums[0] - sums[1] - sums[2]})
+        get = {**ran, "TOTAL": whole}.get
+        parts = {"own function": [pct(get(m), get(m).dedicated) if get(m) else 0.0 for m in models],
+                 "AccumulateGrad (leaf)": [pct(get(m), get(m).leaves) if get(m) else 0.0 for m in models],
+                 "IdentityProp by default": [pct(get(m), sum(get(m).identity.values())) if get(m) else 0.0
+                                             for m in models]}
+        _stacked(axes[2], labels, parts, colours, f"DynamicLRP: {sums[0]} autograd nodes\n"
+                 f"{100.0 * sums[1] / max(1, sums[0] - sums[2]):.2f} % of non-leaf nodes with their own function")
+    fig.suptitle(f"Coverage of the zoo ({len(models) - 1} tiny architectures), preset '{preset}'"
+                 + (f" (the same counts under {', '.join(same[1:])})" if len(same) > 1 else ""), fontsize=10)
+    handles = {label: h for ax in axes for h, label in zip(*ax.get_legend_handles_labels())}
+    fig.legend(list(handles.values()), list(handles), loc="lower center", ncol=len(handles), fontsize=8, frameon=False)
+    fig.tight_layout(rect=(0, 0.45 / fig.get_figheight(), 1, 1))
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -217,18 +251,25 @@ def peer_markdown(peer: Sequence[PeerRow], rows: Sequence[Row], preset: str) -> 
     head = ("model", "DynamicLRP nodes", "with own function", "AccumulateGrad", "IdentityProp by default",
             f"relprop path nodes ({preset})", "relprop exact+structural %")
     lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
-    sums = collections.Counter()
+    sums, both = collections.Counter(), []
     for p in peer:
         r = ours.get(p.model)
         mine = (str(sum(r.path_counts.values())), f"{r.share('exact', True) + r.share('structural', True):.1f}") \
-            if r is not None and not r.error else ("-", "-")
+            if r is not None and not r.error else ("capture refused", "-")
         if p.error:
             lines.append(f"| {p.model} | could not run: {p.error} | | | | {mine[0]} | {mine[1]} |")
             continue
         ident = ", ".join(f"{t} x{n}" for t, n in sorted(p.identity.items(), key=lambda kv: -kv[1])) or "-"
         lines.append(f"| {p.model} | {p.nodes} | {p.dedicated} | {p.leaves} | {ident} | {mine[0]} | {mine[1]} |")
-        sums.update(nodes=p.nodes, dedicated=p.dedicated, leaves=p.leaves, identity=sum(p.identity.values()),
-                    ran=1)
-    lines.append(f"| **TOTAL ({sums['ran']} ran)** | {sums['nodes']} | {sums['dedicated']} | {sums['leaves']} | "
-                 f"{sums['identity']} | | |")
+        if r is not None and not r.error:
+            both.append(r)
+            sums.update(nodes=p.nodes, dedicated=p.dedicated, leaves=p.leaves, identity=sum(p.identity.values()))
+    t = total(both, preset)
+    lines.append(f"| **TOTAL, the {len(both)} both ran** | {sums['nodes']} | {sums['dedicated']} | {sums['leaves']} | "
+                 f"{sums['identity']} | {sum(t.path_counts.values())} | "
+                 f"{t.share('exact', True) + t.share('structural', True):.2f} |")
+    inner = sums["nodes"] - sums["leaves"]
+    lines.append(f"\nDynamicLRP, the {len(both)} both ran: {sums['dedicated']} of {inner} non-leaf autograd nodes "
+                 f"({100.0 * sums['dedicated'] / max(1, inner):.2f} %) "
+                 f"have a propagation function of their own, {sums['identity']} get IdentityProp by default")
     return "\n".join(lines)

@@ -100,17 +100,20 @@ def coverage(names, presets, figure, dynamiclrp):
                 print(f"  {category}: {op} x{n} in {', '.join(models)}")
         refused = [r.model for r in rows if r.preset == preset and r.error]
         print(f"  capture refused: {', '.join(refused) or 'none'}\n")
+    print(f"same counts under: {', '.join(zoo_coverage.same_counts(rows, presets))}")
     print(f"({time.perf_counter() - start:.0f} s)")
-    if figure:
-        zoo_coverage.draw(rows, presets, figure)
-        print(f"figure: {os.path.relpath(figure, ROOT)}")
+    peer = None
     if not dynamiclrp:
         print("\nDynamicLRP: no checkout given (--dynamiclrp DIR), its count not run")
-        return
-    start = time.perf_counter()
-    peer = zoo_coverage.dynamiclrp_rows(names, dynamiclrp)
-    print(f"\n## DynamicLRP ({dynamiclrp}) beside relprop\n\n{zoo_coverage.peer_markdown(peer, rows, presets[0])}")
-    print(f"({time.perf_counter() - start:.0f} s)")
+    else:
+        start = time.perf_counter()
+        peer = zoo_coverage.dynamiclrp_rows(names, dynamiclrp)
+        print(f"\n## DynamicLRP ({dynamiclrp}) beside relprop\n\n"
+              f"{zoo_coverage.peer_markdown(peer, rows, presets[0])}")
+        print(f"({time.perf_counter() - start:.0f} s)")
+    if figure:
+        zoo_coverage.draw(rows, presets, figure, peer)
+        print(f"figure: {os.path.relpath(figure, ROOT)}")
 
 
 if __name__ == "__main__":

@@ -40,6 +40,12 @@ class _Odd(torch.nn.Module):
         return self.head(self.inner(x))
 
 
+@pytest.fixture(scope="module")
+def llama():
+    """A tiny LLaMA and its batch, captured once for the module."""
+    return models.hf_llama(), models.decoder_batch()
+
+
 def _declared(preset, target) -> str:
     """The category a node with op ``target`` must have, read off the registry directly."""
     spec, owner = get_preset(preset).owner(target)
@@ -47,13 +53,12 @@ def _declared(preset, target) -> str:
 
 
 @pytest.mark.parametrize("preset", ["chefer2021", "attnlrp"])
-def test_shares_sum_to_100_and_follow_the_declarations(preset):
+def test_shares_sum_to_100_and_follow_the_declarations(preset, llama):
     """Over the graph and over the relevance path the four shares sum to 100 %; the counts cover every
     node once; each node with a rule has the category its rule declares (else its preset's), the
     base preset's routing is structural, the paper presets' own rules exact, and nodes that need no
     rule (source, constant, no relevance) structural."""
-    model = models.hf_llama()
-    x = models.decoder_batch()
+    model, x = llama
     report = relprop.coverage(model, x, preset)
     for on_path in (False, True):
         shares = report.shares(on_path)
@@ -76,10 +81,10 @@ def test_shares_sum_to_100_and_follow_the_declarations(preset):
     assert "exact" in report.shares_line() and report.shares_line() in report.summary()
 
 
-def test_ops_inside_an_elementwise_function_count_as_exact():
+def test_ops_inside_an_elementwise_function_count_as_exact(llama):
     """Under attnlrp an element-wise function written out op by op is explained by one rule at its
     output: the ops inside it receive no relevance of their own but count as exact, on the path."""
-    report = relprop.coverage(models.hf_llama(), models.decoder_batch(), "attnlrp")
+    report = relprop.coverage(*llama, "attnlrp")
     inside = [o for o in report.ops if o.rule and o.rule.startswith("inside the element-wise function")]
     assert inside and all(o.category == "exact" and o.on_path and o.status == "no relevance" for o in inside)
 

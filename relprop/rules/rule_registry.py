@@ -107,8 +107,7 @@ class Preset:
         the explained score by each output (the one-hot of the target logit, CVPR 2021 §3.3: relevance 1),
         or ``"score"``, that derivative times the output (the target logit's value, sign included: Bach et
         al. 2015, AttnLRP and LXT). None: inherited (``"gradient"`` at ``"base"``).
-    rule_kind : what its rules are to the coverage count when they declare no ``kind``
-        (:data:`relprop.rules.spec.RULE_KINDS`): ``"exact"``; ``"structural"`` for ``"base"``.
+    rule_kind : what its rules that declare no ``kind`` are to the coverage count (``spec.RULE_KINDS``): "exact".
     """
 
     def __init__(self, name: str, *, extends: Union[str, "Preset", Sequence[Union[str, "Preset"]]],
@@ -301,20 +300,20 @@ def rule(*ops, preset: Union[str, Preset, Sequence[Union[str, Preset]]] = "chefe
     """Register the decorated function as the relevance rule of ``ops`` in ``preset`` (a name or
     :class:`Preset`, or several): ``@relprop.rule(torch.ops.aten.gelu.default, preset="chefer2021")``.
 
-    The presets must exist (:class:`Preset` makes a new one). See :meth:`Preset.rule` for
-    ``replace``. The function is called as ``fn(ctx, relevance)`` with a
-    :class:`relprop.rules.RuleContext` and returns one entry per positional argument of the op (see
-    the module docstring); it is returned unchanged. The other keywords declare what the rule can
-    do (the fields of :class:`relprop.rules.spec.RuleSpec`, stored with it in every preset named):
+    The presets must exist (:class:`Preset` makes a new one). See :meth:`Preset.rule` for ``replace``. The
+    function is called as ``fn(ctx, relevance)`` with a :class:`relprop.rules.RuleContext` and returns one
+    entry per positional argument of the op (see the module docstring); it is returned unchanged. The other
+    keywords declare what the rule can do (the fields of :class:`relprop.rules.spec.RuleSpec`, stored with
+    it in every preset named):
 
     gradient_form : its modified-gradient form (:mod:`relprop.rules.gradient_forms`), for the
         one-backward fast path of ``explain(method="lrp")``.
     formula : for a rule of ``aten.linear``, ``formula(x, w, relevance, eps) -> R_x``, applied by
         other rules to linear maps that are not ``aten.linear``.
-    writes_out : True when the rule may compute into its node's output once the engine says it is
-        dead (``ctx.out_writable``).
-    no_relevance_to : positions of arguments it never gives relevance to (e.g. the divisor of a
-        normalization), so that ops feeding only those need no rule.
+    writes_out : True when the rule may compute into its node's output once the engine says it is dead
+        (``ctx.out_writable``).
+    no_relevance_to : positions of arguments it never gives relevance to (e.g. the divisor of a normalization),
+        so that ops feeding only those need no rule.
     constant_positions : positions of arguments it holds constant (their shares are absorbed).
     kind : what it is to the coverage count: "exact", "structural", "fallback" (None: the preset's ``rule_kind``).
     """
@@ -337,8 +336,7 @@ def rule(*ops, preset: Union[str, Preset, Sequence[Union[str, Preset]]] = "chefe
 
 
 def lookup(preset: Union[str, Preset], op) -> Optional[RuleSpec]:
-    """The rule ``preset`` applies to ``op`` (its own or inherited) as a :class:`RuleSpec` (called
-    like the function; ``.fn`` is the function), or None."""
+    """The rule ``preset`` applies to ``op`` (its own or inherited): a :class:`RuleSpec`, or None."""
     return get_preset(preset).lookup(op)
 
 
