@@ -69,7 +69,8 @@ def coverage_rows(names: Sequence[str], presets: Sequence[str]) -> List[Row]:
                 report = relprop.coverage(model, inputs, preset, wrt=entry.wrt)
             except relprop.RelpropError as err:
                 empty = dict.fromkeys(CATEGORIES, 0)
-                rows.append(Row(name, preset, empty, dict(empty), error=f"{type(err).__name__}: {err}"[:200]))
+                why = " ".join(f"{type(err).__name__}: {err}".split())[:200]
+                rows.append(Row(name, preset, empty, dict(empty), error=why))
                 continue
             named = {c: collections.Counter(o.op for o in report.ops if o.category == c).most_common()
                      for c in ("fallback", "missing")}
@@ -237,7 +238,7 @@ def dynamiclrp_rows(names: Sequence[str], checkout: str) -> List[PeerRow]:
                 types, _, nodes = engine.get_model_operations(scores)
                 fcn_map = functions.generate_prop_fcn_map(types)
         except Exception as err:  # noqa: BLE001 - the peer's failure is the finding, recorded as it is
-            rows.append(PeerRow(name, error=f"{type(err).__name__}: {err}"[:160]))
+            rows.append(PeerRow(name, error=" ".join(f"{type(err).__name__}: {err}".split())[:160]))
             continue
         identity = {t: n for t, n in types.items() if fcn_map[t] is functions.IdentityProp}
         leaves = types.get("AccumulateGrad", 0)
