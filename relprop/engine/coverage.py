@@ -7,8 +7,8 @@ preset:
 
 ``rule``          on the relevance path, with a rule of the preset (the rule's module, function and
                   the preset it is registered in, e.g. ``linear.linear (chefer2021)``)
-``shape-only``    on the relevance path, routed by a shape-only rule of the ``base`` preset
-                  (view, permute, slice, cat, where, ...): relevance moves, unchanged
+``shape-only``    on the relevance path, routed by a structural rule (those of the ``base`` preset:
+                  view, permute, slice, cat, where, ...): relevance moves, unchanged
 ``missing``       on the relevance path with no rule: :func:`relprop.explain` raises
                   :class:`relprop.UnsupportedOperation` for it
 ``fallback``      on the relevance path with no rule of the preset, given the generic z-rule
@@ -29,6 +29,7 @@ without arithmetic: a shape-only rule, an element of a list output, and the node
 source, constant, no relevance), ``fallback`` (a generic rule declared ``kind="fallback"``) and
 ``missing``. :meth:`Coverage.shares` gives their percentages over the graph or over the relevance path;
 DynamicLRP (Lee & Millan Arias, 2025) reports the same kind of figure over autograd nodes.
+
 The relevance path is the one the engine walks (:func:`relprop.graph.nodes.relevance_path`): from
 the outputs back along every argument a rule can give relevance to. It goes on past an op with no
 rule as if relevance reached all of that op's live arguments, so every missing op of the model is
@@ -55,8 +56,6 @@ from .node_rules import regions, rule_finder
 STATUSES = ("rule", "shape-only", "missing", "fallback", "source", "no relevance", "constant")
 #: what a node is to the coverage count (module docstring)
 CATEGORIES = ("exact", "structural", "fallback", "missing")
-#: the handling of a node that relevance reaches
-_ON_PATH = ("rule", "shape-only", "missing", "fallback", "source")
 
 
 @dataclasses.dataclass(frozen=True)
