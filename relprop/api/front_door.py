@@ -1,12 +1,10 @@
 """The front door: :func:`explain` and :func:`coverage`.
 
-Both check every argument first (:mod:`relprop.api.options`), then share one prologue
-(:func:`prepare`): the model and inputs are checked, the inputs bound to the model's forward and the
-graph captured (cached). :func:`explain` checks everything once into a frozen :class:`Call` (the
-resolved :class:`relprop.rules.Preset`, each method's options, the engine options as fields), which
-flows down unchanged: the engine runs once per preset the methods need (:mod:`relprop.engine`, each
-:class:`relprop.engine.Request` made by :meth:`Call.request`), each method is applied
-(:mod:`relprop.methods`) and the Explanations built (:mod:`relprop.explanation`).
+Both check every argument first (``relprop.api.options``), then share one prologue (``prepare``: inputs
+checked and bound to the model's forward, graph captured and cached). ``explain`` checks everything once
+into a frozen ``Call`` (the resolved Preset, each method's options, the engine options), which flows down
+unchanged: one engine run per preset the methods need (``Call.request``), the methods applied and the
+Explanations built.
 """
 from __future__ import annotations
 
@@ -59,8 +57,7 @@ def prepare(model: torch.nn.Module, inputs: Any, wrt: Optional[str]) -> Prepared
 
 @dataclasses.dataclass(frozen=True)
 class Call:
-    """One call of :func:`explain` or :func:`explain_settings` with every argument checked: what
-    flows from the front door down to each engine :class:`relprop.engine.Request`, unchanged.
+    """One call of ``explain`` / ``explain_settings``, every argument checked, flowing down unchanged.
 
     Attributes
     ----------
@@ -73,9 +70,8 @@ class Call:
     special_tokens_mask, mask_source : positions left out of text scores, and where they came from.
     eps, unsupported, memory, precision : the engine options (:class:`relprop.engine.Request`).
     fast_path, keep_blocks, records_budget : how the engine is run (see :func:`explain`).
-    tokenizer, image_processor, given_target, spec : what the Explanations remember to draw
-        themselves (:mod:`relprop.api.remembered`): the tokenizer and image processor (given or a
-        pipeline's), ``target=`` as given and as specified for the model's head.
+    tokenizer, image_processor, given_target, spec : what the Explanations remember to draw themselves
+        (``relprop.api.remembered``): tokenizer, image processor, ``target=`` as given and as specified.
     """
 
     model: torch.nn.Module
@@ -375,7 +371,8 @@ def _run_engine(call: Call) -> Dict[Optional[Preset], Trace]:
     return traces
 
 
-def coverage(model: torch.nn.Module, inputs: Any, preset: Any = "chefer2021", *, wrt: Optional[str] = None) -> Coverage:
+def coverage(model: torch.nn.Module, inputs: Any, preset: Any = "chefer2021", *, wrt: Optional[str] = None,
+             unsupported: str = "error") -> Coverage:
     """Every op of ``model``'s captured graph on ``inputs`` and how ``preset`` handles it.
 
     Parameters
@@ -384,16 +381,20 @@ def coverage(model: torch.nn.Module, inputs: Any, preset: Any = "chefer2021", *,
         as for ``explain`` (the capture is shared with it and cached; the model is unmodified; only the capture runs).
     preset
         the rules to report, a name or a ``relprop.Preset`` (``relprop.presets()`` lists them).
+    unsupported
+        as for ``explain``: an op without a rule is ``missing`` (``"error"``) or a ``fallback`` (``"z_rule"``).
 
     Returns
     -------
     Coverage
-        ``print(report)`` shows every op with its module path and handling (rule and preset,
-        shape-only, missing, ...), the attention blocks found and a summary; ``report.missing`` lists
-        the ops explain() has no rule for, ``report.complete`` is True when there are none.
+        ``print(report)``: every op with its module path and handling, the blocks found, a summary;
+        ``report.missing`` / ``report.complete``: the ops without a rule; ``report.shares()``: the percent
+        of nodes exact, structural (moved without arithmetic), fallback or missing (``on_path=True``: on
+        the relevance path only).
     """
+    opt.check_engine_options(eps=DEFAULT_EPS, unsupported=unsupported, memory="default")
     checked = opt.check_preset(preset)
     if checked is None:
         checked = get_preset(DEFAULT_PRESET)
     prepared = prepare(model, inputs, wrt)
-    return report(prepared.captured, checked, type(model).__name__)
+    return report(prepared.captured, checked, type(model).__name__, unsupported)

@@ -17,7 +17,16 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable, FrozenSet, Iterable, Optional, Sequence
 
+from ..errors import PresetError
+
 RuleFn = Callable[..., Sequence]
+
+#: what a rule is to the coverage count (:mod:`relprop.engine.coverage`): ``"exact"``, a rule written
+#: for the op with its formula (linear, products, softmax, norms, activations); ``"structural"``,
+#: relevance moved without arithmetic (shape-only routing, selections, scatters: the ``"base"``
+#: preset's rules); ``"fallback"``, a generic rule applied because the preset has nothing for the op
+#: (the gradient-times-input z-rule of ``unsupported="z_rule"``)
+RULE_KINDS = ("exact", "structural", "fallback")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,6 +105,9 @@ class RuleSpec:
         ``relprop.engine.node_rules``, not at registration.
     region
         the subgraph an ``operands`` rule explains (``relprop.graph.elementwise.Region``).
+    kind
+        what the rule is to the coverage count, one of ``RULE_KINDS``; None: the kind the preset it is
+        registered in declares for its rules (``relprop.rules.Preset.rule_kind``).
     name, module
         the function's name and the last part of its module, for messages.
     """
@@ -108,10 +120,14 @@ class RuleSpec:
     constant_positions: FrozenSet[int] = frozenset()
     operands: Optional[tuple] = None
     region: Any = None
+    kind: Optional[str] = None
     name: str = ""
     module: str = ""
 
     def __post_init__(self):
+        if self.kind is not None and self.kind not in RULE_KINDS:
+            raise PresetError(f"kind={self.kind!r} is not a rule kind. Choices: {list(RULE_KINDS)} (None: the kind "
+                             "of the preset it is registered in)")
         object.__setattr__(self, "no_relevance_to", _positions(self.no_relevance_to))
         object.__setattr__(self, "constant_positions", _positions(self.constant_positions))
         object.__setattr__(self, "gradient_form", as_form(self.gradient_form))
