@@ -120,13 +120,13 @@ class Coverage:
         return {s: c.get(s, 0) for s in STATUSES}
 
     def category_counts(self, on_path: bool = False) -> Dict[str, int]:
-        """Number of nodes per :data:`CATEGORIES` entry, over the whole graph or (``on_path``) over
+        """Number of nodes per ``CATEGORIES`` entry, over the whole graph or (``on_path``) over
         the nodes relevance reaches."""
         c = collections.Counter(o.category for o in self.ops if o.on_path or not on_path)
         return {k: c.get(k, 0) for k in CATEGORIES}
 
     def shares(self, on_path: bool = False) -> Dict[str, float]:
-        """Percent of the nodes per :data:`CATEGORIES` entry (they sum to 100; all 0 for an empty graph)."""
+        """Percent of the nodes per ``CATEGORIES`` entry (they sum to 100; all 0 for an empty graph)."""
         c = self.category_counts(on_path)
         total = sum(c.values())
         return {k: 100.0 * n / total if total else 0.0 for k, n in c.items()}
