@@ -69,12 +69,19 @@ class Line:
         self.steps: List[Step] = []
         self.shown = False  # whether the line was ever drawn (tests read it)
         self._bar = None
+        self._tqdm = None
         self._lock = threading.Lock()
         self._done = threading.Event()
         self._thread: Optional[threading.Thread] = None
 
     def start(self) -> "Line":
         if self.show:
+            try:
+                from tqdm.auto import tqdm  # optional dependency (relprop[eval]); without it, no line
+            except ImportError:
+                self.show = False
+                return self
+            self._tqdm = tqdm
             self._thread = threading.Thread(target=self._run, name="relprop-progress", daemon=True)
             self._thread.start()
         return self
@@ -92,14 +99,10 @@ class Line:
             if self._done.is_set() or not steps:
                 return
             if self._bar is None:
-                try:
-                    from tqdm.auto import tqdm  # optional dependency (relprop[eval])
-                except ImportError:
-                    self._done.set()
-                    return
-                self._bar = tqdm(file=sys.stderr, leave=False, bar_format="relprop: {desc} [{elapsed}]",
-                                 dynamic_ncols=True)
+                self._bar = self._tqdm(desc=steps[-1].text(), file=sys.stderr, leave=False, dynamic_ncols=True,
+                                 bar_format="relprop: {desc} [{elapsed}]")
                 self.shown = True
+                return
             self._bar.set_description_str(steps[-1].text(), refresh=False)
             self._bar.refresh()
 

@@ -62,23 +62,27 @@ def test_steps_nest_on_one_line_and_count(monkeypatch):
     assert progress_line._LINE.get() is None
 
 
-def _explain(progress):
-    model = models.hf_bert()
+@pytest.fixture(scope="module")
+def bert():
+    return models.hf_bert()
+
+
+def _explain(model, progress):
     batch = models.text_batch()
     return relprop.explain(model, batch, target=1, method=["transformer_attribution", "smoothgrad"],
                            n_samples=3, seed=0, progress=progress)
 
 
-def test_explain_with_the_line_forced_on_writes_stderr_only_and_changes_no_number(monkeypatch, capsys):
+def test_explain_with_the_line_forced_on_writes_stderr_only_and_changes_no_number(bert, monkeypatch, capsys):
     monkeypatch.setattr(progress_line, "DELAY", 0.0)  # show at once: the tiny model is fast
     monkeypatch.setattr(progress_line, "REFRESH", 0.001)
     shown = []
     close = progress_line.Line.close
     monkeypatch.setattr(progress_line.Line, "close", lambda self: (close(self), shown.append(self.shown)))
-    off = _explain(False)
+    off = _explain(bert, False)
     out, err = capsys.readouterr()
     assert out == "" and "relprop:" not in err and shown == [False]  # (torch may log its own notes on stderr)
-    on = _explain(True)
+    on = _explain(bert, True)
     out, err = capsys.readouterr()
     assert out == ""
     assert shown[-1] is True and "relprop: " in err and "[00:0" in err, err
@@ -87,24 +91,30 @@ def test_explain_with_the_line_forced_on_writes_stderr_only_and_changes_no_numbe
         assert torch.equal(a.scores, b.scores)
 
 
-def test_progress_must_be_none_true_or_false():
+def test_progress_must_be_none_true_or_false(bert):
     with pytest.raises(OptionError, match="progress='yes' is not a choice"):
-        relprop.explain(models.hf_bert(), models.text_batch(), progress="yes")
+        relprop.explain(bert, models.text_batch(), progress="yes")
 
 
 def test_auto_is_off_when_stderr_is_not_a_terminal():
-    """A fresh interpreter whose stderr is a pipe (as in CI): nothing on stderr, with the delay at 0."""
+    """A fresh interpreter whose stderr is a pipe (as in CI), the delay at 0: nothing on stderr; the
+    same with RELPROP_PROGRESS=1 draws the line."""
     script = textwrap.dedent("""
-        import relprop
+        import time
         from relprop import progress_line
-        from tests import models
-        progress_line.DELAY = 0.0
-        exp = relprop.explain(models.hf_bert(), models.text_batch(), target=1, method="smoothgrad", n_samples=4)
-        print(tuple(exp.scores.shape))
+        progress_line.DELAY, progress_line.REFRESH = 0.0, 0.01
+        with progress_line.line("a slow call"):
+            with progress_line.step("smoothgrad", total=3) as s:
+                s.update(2)
+                bar, start = progress_line._LINE.get(), time.time()
+                while bar.show and "2/3" not in getattr(bar._bar, "desc", "") and time.time() < start + 60:
+                    time.sleep(0.01)  # until the thread has drawn the step (at once when not shown)
+        print("done")
     """)
     env = {k: v for k, v in os.environ.items() if k != progress_line.ENV}
     env["PYTHONPATH"] = ROOT
-    p = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, cwd=ROOT,
-                       timeout=300)
-    assert p.returncode == 0, p.stderr[-2000:]
-    assert p.stdout.strip() == "(4, 9)" and "relprop:" not in p.stderr, p.stderr[-2000:]
+    runs = [subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=e, cwd=ROOT,
+                           timeout=120) for e in (env, dict(env, RELPROP_PROGRESS="1"))]
+    assert [(p.returncode, p.stdout) for p in runs] == [(0, "done\n")] * 2, runs[0].stderr[-2000:]
+    assert runs[0].stderr == ""
+    assert "relprop: smoothgrad 2/3 [00:00]" in runs[1].stderr
