@@ -43,7 +43,7 @@ LAYERS: List[str] = ["errors", "graph", "rules", "engine", "methods", "viz", "ex
 #: ``version`` are the two modules everything may import, ``__main__`` is the command line, and the
 #: package itself (``relprop/__init__.py``, the public surface) re-exports every layer.
 PACKAGE_LAYERS: Dict[str, str] = {
-    "errors": "errors", "version": "errors", "progress_line": "errors",
+    "errors": "errors", "version": "errors",
     "graph": "graph",
     "rules": "rules",
     "engine": "engine", "targets": "engine",

@@ -1,4 +1,4 @@
-"""The progress line of slow calls (relprop/progress_line.py): shown on stderr only when asked
+"""The progress line of slow calls (relprop/graph/progress_line.py): shown on stderr only when asked
 (``progress=True``, ``RELPROP_PROGRESS=1``) or when stderr is a terminal, after a delay; never on
 stdout; the numbers are the same with and without it."""
 import io
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import relprop
-from relprop import progress_line
+from relprop.graph import progress_line
 from relprop.errors import OptionError
 from tests import models
 
@@ -101,7 +101,7 @@ def test_auto_is_off_when_stderr_is_not_a_terminal():
     same with RELPROP_PROGRESS=1 draws the line."""
     script = textwrap.dedent("""
         import time
-        from relprop import progress_line
+        from relprop.graph import progress_line
         progress_line.DELAY, progress_line.REFRESH = 0.0, 0.01
         with progress_line.line("a slow call"):
             with progress_line.step("smoothgrad", total=3) as s:

@@ -21,7 +21,7 @@ from . import raw_inputs, refusals, remembered, validation
 from ..engine import FastPathUnavailable, Request, Trace, report, run, run_fast
 from ..engine.coverage import Coverage
 from ..errors import MethodError, OptionError, RelpropError, warn
-from .. import progress_line
+from ..graph import progress_line
 from ..explanation import build, mask_from_tokenizer, split_tokenizer_keys
 from ..graph.capture import CACHE, Captured, CaptureEvent, capture_notes
 from ..graph.inputs import bind_inputs, primary_input
@@ -150,7 +150,7 @@ def explain(model: torch.nn.Module, inputs: Any, target: Any = None, method: Any
     records_budget : bytes the kept records may take; None: 1 GiB or a quarter of the free memory.
     progress : a progress line on stderr once the call has lasted 2 s (the first capture of a model,
         many methods, SmoothGrad's samples); None: when ``RELPROP_PROGRESS`` says so, else when stderr
-        is a terminal (:mod:`relprop.progress_line`). It changes no result.
+        is a terminal (:mod:`relprop.graph.progress_line`). It changes no result.
     **options : method options (``start_block=``, ``normalize_rows=``, ...), each given to the methods
         that take it.
 

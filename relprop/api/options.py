@@ -98,7 +98,7 @@ def check_special_tokens_mask(mask: Any) -> Optional[torch.Tensor]:
 
 
 def check_progress(progress: Any) -> None:
-    """``progress`` is None (:func:`relprop.progress_line.wanted` decides), True or False."""
+    """``progress`` is None (:func:`relprop.graph.progress_line.wanted` decides), True or False."""
     if progress is not None and not isinstance(progress, bool):
         raise OptionError(f"progress={progress!r} is not a choice here. Choices: [None, True, False] (None: a progress "
                           "line on stderr when RELPROP_PROGRESS=1 or stderr is a terminal; True: always; False: never)")

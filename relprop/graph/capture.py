@@ -24,7 +24,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 import torch.fx
 
-from .. import progress_line
+from . import progress_line
 from ..errors import CaptureError
 from . import disk_cache
 from .dispatch import bind_offloaded, export_offloaded, offloaded_weights

@@ -9,7 +9,8 @@ Without ``tqdm`` (an optional dependency: ``relprop[eval]``) nothing is shown.
 
 :func:`line` opens the line of a call; :func:`step` names what the call is doing now (the innermost
 step is shown, with its count when it has a total), on the open line or, outside any, on a line of
-its own. It imports nothing heavy (the command line imports this layer before torch).
+its own. It sits in the lowest layer that reports progress (the capture, :mod:`relprop.graph.capture`);
+the engine, the methods and :func:`relprop.explain` report through it.
 """
 from __future__ import annotations
 
