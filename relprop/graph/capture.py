@@ -194,7 +194,7 @@ class CaptureCache:
             event = CaptureEvent("loaded", timings)
         else:
             with progress_line.step(f"capturing {type(model).__name__} with torch.export (once per model; later calls "
-                                    "and processes reuse it)"):
+                                    "reuse it)"):
                 program = export_program(model, kwargs, primary, state, timings, self.attempts)
             self.traces += 1
             t1 = time.perf_counter()

@@ -19,6 +19,7 @@ import contextvars
 import os
 import sys
 import threading
+import time
 from typing import Iterator, List, Optional
 
 #: the environment variable that turns the line on (1) or off (0) where ``progress=`` is not given
@@ -74,8 +75,10 @@ class Line:
         self._lock = threading.Lock()
         self._done = threading.Event()
         self._thread: Optional[threading.Thread] = None
+        self._t0 = time.time()
 
     def start(self) -> "Line":
+        self._t0 = time.time()
         if self.show:
             try:
                 from tqdm.auto import tqdm  # optional dependency (relprop[eval]); without it, no line
@@ -99,11 +102,11 @@ class Line:
             steps = list(self.steps)
             if self._done.is_set() or not steps:
                 return
-            if self._bar is None:
-                self._bar = self._tqdm(desc=steps[-1].text(), file=sys.stderr, leave=False, dynamic_ncols=True,
-                                 bar_format="relprop: {desc} [{elapsed}]")
+            if self._bar is None:  # made silent (delay), then dated from the start of the call and drawn
+                self._bar = self._tqdm(file=sys.stderr, leave=False, dynamic_ncols=True, delay=1e9,
+                                       bar_format="relprop: {desc} [{elapsed}]")
+                self._bar.start_t, self._bar.delay = self._t0, 0
                 self.shown = True
-                return
             self._bar.set_description_str(steps[-1].text(), refresh=False)
             self._bar.refresh()
 
