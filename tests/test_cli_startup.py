@@ -178,6 +178,7 @@ def test_every_method_option_can_be_given_with_option():
     import relprop
     from relprop.api.options import method_options
     from relprop.cli.common import CliError, parse_option
+    from relprop.cli import known_names
     from relprop.cli.early_checks import check_option_keys
     from relprop.methods import get_method
 
@@ -196,5 +197,15 @@ def test_every_method_option_can_be_given_with_option():
         with pytest.raises(CliError) as err:
             check_option_keys(["no_such_option"], [name])
         taken = ", ".join(sorted(info.options)) or "no options"
-        assert str(err.value) == f"--option no_such_option is not an option of {name}; they take: {taken}"
+        assert str(err.value) == (f"--option no_such_option is not an option of {name}; they take: {taken}; "
+                                  f"explain() settings: {', '.join(known_names.EXPLAIN_SETTINGS)}")
     assert seen >= 60
+    # the settings of explain() itself: its keyword arguments that a command line can give (not the
+    # objects: tokenizer, image processor, mask; nor wrt, the input of a multi-input model; nor progress)
+    params = inspect.signature(relprop.explain).parameters
+    kw = {k for k, p in params.items() if p.kind is p.KEYWORD_ONLY}
+    assert set(known_names.EXPLAIN_SETTINGS) == kw - {"special_tokens_mask", "tokenizer", "wrt", "image_processor",
+                                                      "progress"}
+    for key in known_names.EXPLAIN_SETTINGS:
+        check_option_keys([key], ["lrp"])  # taken by every call
+        check_option_keys([key], ["smoothgrad", "rollout"])

@@ -12,8 +12,8 @@ import os
 from typing import Any, Dict, List, Optional, Sequence
 
 from .common import CliError, check_images, parse_options, read_texts
-from .known_names import (DEMO_DEFAULT_METHOD, EXPLAIN_DEFAULT_METHOD, METHOD_OPTIONS, PRESETS, TUNE_METRICS,
-                          UNIT_ARITY)
+from .known_names import (DEMO_DEFAULT_METHOD, EXPLAIN_DEFAULT_METHOD, EXPLAIN_SETTINGS, METHOD_OPTIONS, PRESETS,
+                          TUNE_METRICS, UNIT_ARITY)
 
 
 def method_names(values: Sequence[str]) -> List[str]:
@@ -40,14 +40,17 @@ def check_preset_name(name: Optional[str]) -> None:
 
 
 def check_option_keys(keys: Sequence[str], names: Sequence[str], flag: str = "--option") -> None:
-    """Every key is an option of at least one of the methods ``names``; else an error listing the
-    options they take."""
+    """Every key is an option of at least one of the methods ``names`` (or, for ``--option``, a
+    setting of explain(): :data:`EXPLAIN_SETTINGS`); else an error listing the keys they take."""
     takes = sorted({o for n in names for o in METHOD_OPTIONS[n]})
+    settings = list(EXPLAIN_SETTINGS) if flag == "--option" else []
     for key in keys:
-        if key not in takes:
-            close = difflib.get_close_matches(key, takes, n=1)
+        if key not in takes and key not in settings:
+            close = difflib.get_close_matches(key, takes + settings, n=1)
             raise CliError(f"{flag} {key} is not an option of {', '.join(names)}; they take: "
-                           + (", ".join(takes) or "no options") + (f" (did you mean {close[0]!r}?)" if close else ""))
+                           + (", ".join(takes) or "no options")
+                           + (f"; explain() settings: {', '.join(settings)}" if settings else "")
+                           + (f" (did you mean {close[0]!r}?)" if close else ""))
 
 
 def check_explain_arguments(args) -> List[str]:
