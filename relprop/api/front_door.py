@@ -16,9 +16,9 @@ import torch
 
 from . import options as opt
 from . import raw_inputs, refusals, remembered, validation
-from ..engine import FastPathUnavailable, Request, Trace, report, run, run_fast
-from ..engine.coverage import Coverage
+from ..engine import FastPathUnavailable, Request, Trace, run, run_fast
 from ..errors import MethodError, OptionError, RelpropError, warn
+from ..graph import progress_line
 from ..explanation import build, mask_from_tokenizer, split_tokenizer_keys
 from ..graph.capture import CACHE, Captured, CaptureEvent, capture_notes
 from ..graph.inputs import bind_inputs, primary_input
@@ -108,7 +108,7 @@ def explain(model: torch.nn.Module, inputs: Any, target: Any = None, method: Any
             special_tokens_mask: Optional[torch.Tensor] = None, tokenizer: Any = None,
             fast_path: Optional[bool] = None, memory: str = "default", wrt: Optional[str] = None,
             image_processor: Any = None, keep_blocks: Optional[bool] = None, precision: str = "float32",
-            records_budget: Optional[float] = None, **options):
+            records_budget: Optional[float] = None, progress: Optional[bool] = None, **options):
     """Explain the score of class ``target`` of an unmodified ``model`` on ``inputs``.
 
     Captures the model's graph (``torch.export``, cached per model), runs it forward and back, walks
@@ -159,6 +159,9 @@ def explain(model: torch.nn.Module, inputs: Any, target: Any = None, method: Any
         ``"float32"`` evaluates a half-precision model in float32; ``"model"`` keeps its dtype.
     records_budget
         bytes the kept records may take; None: 1 GiB or a quarter of the free memory.
+    progress
+        a progress line on stderr once the call has lasted 2 s (first capture, many methods, SmoothGrad's
+        samples); None: as ``RELPROP_PROGRESS`` says, else when stderr is a terminal. It changes no result.
     **options
         method options (``start_block=``, ``normalize_rows=``, ...), each given to the methods that take it.
 
@@ -186,20 +189,22 @@ def explain(model: torch.nn.Module, inputs: Any, target: Any = None, method: Any
     >>> exp.scores          # [batch, tokens], special tokens and padding at 0
     >>> exps = relprop.explain(vit, pixels, method=["transformer_attribution", "rollout"])
     """
-    given_target = target
-    if raw_inputs.is_pipeline(model) and image_processor is None:
-        image_processor = getattr(model, "image_processor", None)
-    model, inputs, tokenizer, target, wrt = raw_inputs.adapt(model, inputs, tokenizer, image_processor, target, wrt)
-    infos, many = opt.check_methods(method)
-    preset = opt.check_preset(preset)
-    per_method = opt.method_options(infos, options, many)
-    jobs = opt.check_jobs([(i, per_method[i.name]) for i in infos], preset)
-    call = _check(model, inputs, target, jobs, many, preset, tokenizer=tokenizer,
-                  special_tokens_mask=special_tokens_mask, wrt=wrt, eps=eps, unsupported=unsupported, memory=memory,
-                  fast_path=fast_path, keep_blocks=keep_blocks, precision=precision, records_budget=records_budget,
-                  image_processor=image_processor, given_target=given_target)
-    with _reported(call.model, call.jobs):
-        return _explain(call)
+    opt.check_progress(progress)
+    with progress_line.line(f"explaining {type(model).__name__}", progress):
+        given_target = target
+        if raw_inputs.is_pipeline(model) and image_processor is None:
+            image_processor = getattr(model, "image_processor", None)
+        model, inputs, tokenizer, target, wrt = raw_inputs.adapt(model, inputs, tokenizer, image_processor, target, wrt)
+        infos, many = opt.check_methods(method)
+        preset = opt.check_preset(preset)
+        per_method = opt.method_options(infos, options, many)
+        jobs = opt.check_jobs([(i, per_method[i.name]) for i in infos], preset)
+        call = _check(model, inputs, target, jobs, many, preset, tokenizer=tokenizer,
+                      special_tokens_mask=special_tokens_mask, wrt=wrt, eps=eps, unsupported=unsupported, memory=memory,
+                      fast_path=fast_path, keep_blocks=keep_blocks, precision=precision, records_budget=records_budget,
+                      image_processor=image_processor, given_target=given_target)
+        with _reported(call.model, call.jobs):
+            return _explain(call)
 
 
 def explain_settings(model: torch.nn.Module, inputs: Any, settings: Sequence[Dict[str, Any]], target: Any = None,
@@ -300,7 +305,8 @@ def _explain(call: Call):
             key = job.preset if job.preset is not None else next(iter(traces))
             trace = traces[key]
             try:
-                out = apply(job.info, trace, job.options, key.name if key is not None else None, model_name)
+                with progress_line.step(f"method {job.info.name}"):
+                    out = apply(job.info, trace, job.options, key.name if key is not None else None, model_name)
                 results.append(build(job.info, _label(key, call), out, trace, call.special_tokens_mask,
                                      call.mask_source))
             except MethodError as e:  # a refusal names only the methods that run on this model
@@ -353,48 +359,26 @@ def _run_engine(call: Call) -> Dict[Optional[Preset], Trace]:
     input_gradient = any(i.needs_input_gradient for i in infos)
     traces: Dict[Optional[Preset], Trace] = {}
     for p in wanted:
-        note = None
-        if call.fast_path is not False and input_only:
-            try:
-                traces[p] = run_fast(call.request(p, input_gradient=input_gradient))
-                continue
-            except FastPathUnavailable as why:
-                note = (f"the one-backward fast path was not taken under preset '{p.name}' ({why}); the graph was "
-                        "walked rule by rule instead (same relevance, slower)")
-                if call.fast_path is True:
-                    warn(note)
-        traces[p] = run(call.request(p, input_gradient=input_gradient))
-        if note is not None:
-            traces[p].notes.append(note)
+        with progress_line.step(f"forward and backward pass, relevance under preset '{p.name}'"):
+            traces[p] = _run_preset(call, p, input_only, input_gradient)
     if not traces:
         traces[None] = run(call.request(call.fallback, relevance=False, input_gradient=input_gradient))
     return traces
 
 
-def coverage(model: torch.nn.Module, inputs: Any, preset: Any = "chefer2021", *, wrt: Optional[str] = None,
-             unsupported: str = "error") -> Coverage:
-    """Every op of ``model``'s captured graph on ``inputs`` and how ``preset`` handles it.
-
-    Parameters
-    ----------
-    model, inputs, wrt
-        as for ``explain`` (the capture is shared with it and cached; the model is unmodified; only the capture runs).
-    preset
-        the rules to report, a name or a ``relprop.Preset`` (``relprop.presets()`` lists them).
-    unsupported
-        as for ``explain``: an op without a rule is ``missing`` (``"error"``) or a ``fallback`` (``"z_rule"``).
-
-    Returns
-    -------
-    Coverage
-        ``print(report)``: every op with its module path and handling, the blocks found, a summary;
-        ``report.missing`` / ``report.complete``: the ops without a rule; ``report.shares()``: the percent
-        of nodes exact, structural (moved without arithmetic), fallback or missing (``on_path=True``: on
-        the relevance path only).
-    """
-    opt.check_engine_options(eps=DEFAULT_EPS, unsupported=unsupported, memory="default")
-    checked = opt.check_preset(preset)
-    if checked is None:
-        checked = get_preset(DEFAULT_PRESET)
-    prepared = prepare(model, inputs, wrt)
-    return report(prepared.captured, checked, type(model).__name__, unsupported)
+def _run_preset(call: Call, p: Preset, input_only: bool, input_gradient: bool) -> Trace:
+    """The trace of one preset: the one-backward fast path when every method reads only the input
+    relevance and it applies (else a note says why not), else the rule-by-rule walk."""
+    note = None
+    if call.fast_path is not False and input_only:
+        try:
+            return run_fast(call.request(p, input_gradient=input_gradient))
+        except FastPathUnavailable as why:
+            note = (f"the one-backward fast path was not taken under preset '{p.name}' ({why}); the graph was "
+                    "walked rule by rule instead (same relevance, slower)")
+            if call.fast_path is True:
+                warn(note)
+    trace = run(call.request(p, input_gradient=input_gradient))
+    if note is not None:
+        trace.notes.append(note)
+    return trace

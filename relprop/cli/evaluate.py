@@ -34,6 +34,7 @@ from ..evaluation.tune import tune
 from ..methods import table
 from . import loading
 from .common import EXIT_MODEL, CliError, fail
+from .early_checks import check_evaluate_arguments
 from .loading import parse_methods
 from .parser import DEFAULT_METHODS, EVALUATE_DESCRIPTION, add_evaluate, configure_evaluate
 
@@ -185,7 +186,13 @@ def _write_tune(result, out: str) -> int:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """``relprop evaluate`` as a program of its own; returns the exit status."""
     parser = configure_evaluate(argparse.ArgumentParser(prog="relprop evaluate", description=EVALUATE_DESCRIPTION))
-    return run(parser.parse_args(argv))
+    args = parser.parse_args(argv)
+    try:
+        check_evaluate_arguments(args)  # as relprop evaluate does before importing torch
+    except CliError as e:
+        fail(str(e))
+        return e.code
+    return run(args)
 
 
 if __name__ == "__main__":
