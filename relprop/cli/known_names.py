@@ -33,7 +33,7 @@ _OPTIONS = {
     "transformer_attribution": "discard_ratio end_block head_fusion identity last_k layers normalize_rows "
                                "normalize_self positive query start_block",
     "value_zeroing": "batch_size discard_ratio end_block head_fusion last_k layers positive query start_block",
-    "vit_cx": "baseline batch_size distance_threshold",
+    "vit_cx": "baseline batch_size distance_threshold relative",
 }
 #: every registered method (relprop.methods()) -> the options it takes (MethodInfo.options), sorted
 METHOD_OPTIONS: Dict[str, Tuple[str, ...]] = {name: tuple(text.split()) for name, text in _OPTIONS.items()}
