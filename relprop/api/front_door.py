@@ -70,8 +70,9 @@ class Call:
     special_tokens_mask, mask_source : positions left out of text scores, and where they came from.
     eps, unsupported, memory, precision : the engine options (:class:`relprop.engine.Request`).
     fast_path, keep_blocks, records_budget : how the engine is run (see :func:`explain`).
-    tokenizer, image_processor, given_target, spec : what the Explanations remember to draw themselves
-        (``relprop.api.remembered``): tokenizer, image processor, ``target=`` as given and as specified.
+    tokenizer, image_processor, given_target, spec, encodings : what the Explanations remember to draw
+        themselves (``relprop.api.remembered``): tokenizer, image processor, ``target=`` as given and as
+        specified, a fast tokenizer's ``BatchEncoding.encodings`` (token strings without ``tokenizer=``).
     """
 
     model: torch.nn.Module
@@ -94,6 +95,7 @@ class Call:
     image_processor: Any = None
     given_target: Any = None
     spec: Any = None
+    encodings: Any = None
 
     def request(self, preset: Preset, **fields) -> Request:
         """The engine's Request for one run under ``preset`` (``fields``: ``relevance``,
@@ -242,6 +244,7 @@ def _check(model, inputs, target, jobs: Tuple[Job, ...], many: bool, preset: Opt
     (the methods and their presets are checked already: ``jobs``)."""
     opt.check_arguments(eps=eps, unsupported=unsupported, memory=memory, fast_path=fast_path,
                         keep_blocks=keep_blocks, precision=precision, records_budget=records_budget)
+    encodings = getattr(inputs, "encodings", None)  # a fast tokenizer's output knows its token strings
     inputs, batch_mask = split_tokenizer_keys(inputs)
     mask_source = "special_tokens_mask=" if special_tokens_mask is not None else "the batch's special_tokens_mask"
     special_tokens_mask = opt.check_special_tokens_mask(special_tokens_mask if special_tokens_mask is not None
@@ -260,7 +263,7 @@ def _check(model, inputs, target, jobs: Tuple[Job, ...], many: bool, preset: Opt
     return Call(model, prepared, resolved, jobs, many, preset, preset if preset is not None else get_preset(
         DEFAULT_PRESET), special_tokens_mask, mask_source, eps, unsupported, memory, precision, fast_path,
         keep_blocks, records_budget, tokenizer, image_processor, given_target if given_target is not None
-        else target, spec)
+        else target, spec, encodings)
 
 
 @contextlib.contextmanager
@@ -317,7 +320,7 @@ def _explain(call: Call):
     validation.check_result(results)
     remembered.remember(results, model=call.model, inputs=call.prepared.kwargs, primary=captured.primary,
                         tokenizer=call.tokenizer, image_processor=call.image_processor, target=call.given_target,
-                        spec=call.spec)
+                        spec=call.spec, encodings=call.encodings)
     for r in results:
         r.notes.extend(capture_notes(call.prepared.event, captured, model_name))
     return results if call.many else results[0]
