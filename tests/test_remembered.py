@@ -243,12 +243,13 @@ def test_a_fast_tokenizers_output_alone_gives_the_tokens(classifier, tok):
     tensors carries none, and words() then says what to pass."""
     assert tok.is_fast
     batch = tok(TEXTS[:2], padding=True, return_tensors="pt")
-    alone = relprop.explain(classifier, batch, target=1, special_tokens_mask=batch["attention_mask"] == 0)
-    given = relprop.explain(classifier, batch, target=1, tokenizer=tok, special_tokens_mask=batch["attention_mask"] == 0)
+    pad = batch["attention_mask"] == 0
+    alone = relprop.explain(classifier, batch, target=1, special_tokens_mask=pad)
+    given = relprop.explain(classifier, batch, target=1, tokenizer=tok, special_tokens_mask=pad)
     assert alone.tokens == given.tokens == token_strings(tok, batch["input_ids"])
     assert torch.equal(alone.scores, given.scores)
     assert alone.words() == given.words() and "lifeless" in alone.show()
-    plain = relprop.explain(classifier, dict(batch), target=1, special_tokens_mask=batch["attention_mask"] == 0)
+    plain = relprop.explain(classifier, dict(batch), target=1, special_tokens_mask=pad)
     assert plain.tokens is None
     with pytest.raises(relprop.RelpropError, match="tokenizer"):
         plain.words()
