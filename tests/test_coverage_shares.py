@@ -23,23 +23,6 @@ import zoo_coverage  # noqa: E402 - benchmarks/zoo_coverage.py
 aten = torch.ops.aten
 
 
-class _Exp(torch.nn.Module):
-    def forward(self, x):
-        return torch.exp(x)
-
-
-class _Odd(torch.nn.Module):
-    """A linear layer, exp (no rule in any built-in preset), a linear head."""
-
-    def __init__(self):
-        super().__init__()
-        self.inner = torch.nn.Sequential(torch.nn.Linear(4, 4), _Exp())
-        self.head = torch.nn.Linear(4, 2)
-
-    def forward(self, x):
-        return self.head(self.inner(x))
-
-
 @pytest.fixture(scope="module")
 def llama():
     """A tiny LLaMA and its batch, captured once for the module."""
@@ -92,7 +75,7 @@ def test_ops_inside_an_elementwise_function_count_as_exact(llama):
 def test_missing_op_is_counted_and_named_and_z_rule_makes_it_a_fallback():
     """exp has no rule: it is 'missing' (1 node of the graph, named in the summary); with
     unsupported='z_rule' it is a 'fallback' given the generic z-rule, named as such, and nothing is missing."""
-    model = _Odd().eval()
+    model = models.UnruledOp().eval()
     x = torch.randn(2, 4)
     report = relprop.coverage(model, x)
     assert report.category_counts()["missing"] == 1
@@ -114,7 +97,7 @@ def test_missing_op_is_counted_and_named_and_z_rule_makes_it_a_fallback():
 def test_declared_kind_decides_the_category():
     """A user's rule declares its kind: kind='structural' in a user preset is structural (shape-only),
     kind='fallback' a fallback, none declared the preset's rule_kind (exact); an unknown kind is refused."""
-    model = _Odd().eval()
+    model = models.UnruledOp().eval()
     x = torch.randn(2, 4)
     for kind, status in (("structural", "shape-only"), ("fallback", "fallback"), (None, "rule")):
         mine = relprop.Preset(f"coverage_kind_{kind}", extends="chefer2021")

@@ -14,26 +14,11 @@ from PIL import Image
 
 import models
 import relprop
-from relprop import demo
 from relprop.viz import api as viz_api
 from relprop.api.remembered import encoding_tokens
 from relprop.viz.text import token_strings
 
 TEXTS = ["a fine film", "a dull, lifeless film", "good", "the plot is thin but the cast is fine"]
-
-
-@pytest.fixture(scope="module")
-def tok():
-    return transformers.AutoTokenizer.from_pretrained(demo.checkpoint_dir(), local_files_only=True)
-
-
-@pytest.fixture(scope="module")
-def classifier(tok):
-    torch.manual_seed(0)
-    cfg = transformers.BertConfig(vocab_size=tok.vocab_size, hidden_size=32, num_hidden_layers=2,
-                                  num_attention_heads=4, intermediate_size=64, max_position_embeddings=64,
-                                  id2label={0: "NEGATIVE", 1: "POSITIVE"}, label2id={"NEGATIVE": 0, "POSITIVE": 1})
-    return transformers.BertForSequenceClassification(cfg).eval()
 
 
 @pytest.fixture(scope="module")

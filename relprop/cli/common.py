@@ -134,20 +134,26 @@ def resolve_class(spec: str, labels: Optional[Dict[int, str]], n: int, what: str
 def parse_option(text: str) -> Tuple[str, Any]:
     """``KEY=VALUE`` of ``--option``: the value as an int, a float, true/false, none, or else the string."""
     key, sep, value = text.partition("=")
-    key, value = key.strip(), value.strip()
+    key = key.strip()
     if not sep or not key.isidentifier():
         raise CliError(f"--option {text!r} is not KEY=VALUE (e.g. --option start_block=4)")
+    return key, parse_value(value)
+
+
+def parse_value(text: str) -> Any:
+    """A value of ``--option`` or ``--grid``: an int, a float, true/false, none (or null), or else the string."""
+    value = text.strip()
     low = value.lower()
     if low in ("true", "false"):
-        return key, low == "true"
+        return low == "true"
     if low in ("none", "null"):
-        return key, None
+        return None
     for kind in (int, float):
         try:
-            return key, kind(value)
+            return kind(value)
         except ValueError:
             pass
-    return key, value
+    return value
 
 
 def parse_options(texts: Sequence[str]) -> Dict[str, Any]:

@@ -11,7 +11,7 @@ import json
 import os
 from typing import Any, Dict, List, Optional, Sequence
 
-from .common import CliError, check_images, parse_options, read_texts
+from .common import CliError, check_images, parse_options, parse_value, read_texts
 from .known_names import (DEMO_DEFAULT_METHOD, EXPLAIN_DEFAULT_METHOD, EXPLAIN_SETTINGS, METHOD_OPTIONS, PRESETS,
                           TUNE_METRICS, UNIT_ARITY)
 
@@ -98,7 +98,7 @@ def parse_grid(items: Sequence[str]) -> Dict[str, List[Any]]:
         key, sep, values = item.partition("=")
         if not sep or not key or not values:
             raise CliError(f"--grid {item!r}: write OPTION=VALUE1,VALUE2,... (e.g. head_fusion=mean,max)")
-        grid[key.replace("-", "_")] = [parse_options([f"v={v}"])["v"] for v in values.split(",")]
+        grid[key.replace("-", "_")] = [parse_value(v) for v in values.split(",")]
     return grid
 
 
