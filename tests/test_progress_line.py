@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import relprop
+from relprop import evaluation as E
 from relprop.graph import progress_line
 from relprop.errors import OptionError
 from tests import models
@@ -118,3 +119,23 @@ def test_auto_is_off_when_stderr_is_not_a_terminal():
     assert [(p.returncode, p.stdout) for p in runs] == [(0, "done\n")] * 2, runs[0].stderr[-2000:]
     assert runs[0].stderr == ""
     assert "relprop: smoothgrad 2/3 [00:" in runs[1].stderr
+
+
+def test_evaluate_bar_follows_the_same_rule_as_the_line(monkeypatch, capsys):
+    """relprop.evaluation.evaluate's tqdm bar over the samples: off by default when stderr is not a
+    terminal (a pipe, a CI log), on with progress=True or on a terminal, off with progress=False."""
+    model = models.hf_vit()
+    x = models.image_batch(model, batch=2, seed=0)
+    monkeypatch.delenv(progress_line.ENV, raising=False)
+
+    def bar_shown(**kw):
+        E.evaluate(model, {"inputs": x}, ["rollout"], steps=[0.5], **kw)
+        return "relprop evaluate" in capsys.readouterr().err
+
+    assert bar_shown() is False
+    assert bar_shown(progress=True) is True
+    monkeypatch.setenv(progress_line.ENV, "1")
+    assert bar_shown() is True
+    assert bar_shown(progress=False) is False
+    with pytest.raises(OptionError, match="progress='yes' is not a choice"):
+        E.evaluate(model, {"inputs": x}, ["rollout"], progress="yes")

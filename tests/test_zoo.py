@@ -102,15 +102,20 @@ def test_checks_catch_an_unconserved_lrp(monkeypatch):
     assert any(f.startswith("conservation:") for f in outcome.failures), outcome.failures
 
 
-@pytest.mark.parametrize("error, passed, status", [
-    (RuntimeError("The size of tensor a (2) must match the size of tensor b (8)"), False, "crash"),
-    (relprop.MethodError("rollout needs token-to-token attention, and this model has none"), True, "refused"),
-    (relprop.RelpropError(""), False, "wrong"),
+@pytest.mark.parametrize("name, error, passed, status", [
+    ("timm_vit", RuntimeError("The size of tensor a (2) must match the size of tensor b (8)"), False, "crash"),
+    # mamba declares its rollout refusal (no attention blocks): a refusal that says so passes
+    ("mamba", relprop.MethodError("rollout needs attention blocks: no attention blocks found"), True, "refused"),
+    # timm_vit declares none: the same refusal there is a regression
+    ("timm_vit", relprop.MethodError("rollout needs attention blocks: no attention blocks found"), False, "wrong"),
+    ("mamba", relprop.RelpropError(""), False, "wrong"),
 ])
-def test_outcome_of_an_exception(monkeypatch, error, passed, status):
+def test_outcome_of_an_exception(monkeypatch, name, error, passed, status):
     def fail(model, inputs, **kw):
         raise error
     monkeypatch.setattr(relprop, "explain", fail)
-    outcome = run_cell("timm_vit", "transformer_attribution")
+    outcome = run_cell(name, "rollout")
     assert (outcome.passed, outcome.status) == (passed, status), outcome.message()
     assert outcome.cell().split(":")[0] in {"crash": "CRASH", "refused": "refused", "wrong": "WRONG"}[status]
+    if name == "timm_vit" and status == "wrong":
+        assert any(f.startswith("undeclared refusal") for f in outcome.failures), outcome.failures

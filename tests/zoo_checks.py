@@ -489,8 +489,12 @@ def run_cell(name: str, method: str) -> Outcome:
         status, error = "refused", err
         if len(str(err).strip()) < 20:
             failures.append(f"refusal: {type(err).__name__} without a message that says why ({str(err)!r})")
-        for methods, reason in entry.refusals:
-            if re.fullmatch(methods, method) and not re.search(reason, str(err), re.S):
+        declared = [reason for methods, reason in entry.refusals if re.fullmatch(methods, method)]
+        if not declared:
+            failures.append(f"undeclared refusal: relprop explained this cell before; a refusal here is a "
+                            f"regression unless the zoo entry declares it: {_first_line(err)}")
+        for reason in declared:
+            if not re.search(reason, str(err), re.S):
                 failures.append(f"reason: the refusal does not say /{reason}/: {_first_line(err)}")
     except Exception as err:  # noqa: BLE001 - what leaks out of explain() is the finding
         status, error, trace = "crash", err, traceback.format_exc()

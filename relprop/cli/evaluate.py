@@ -118,7 +118,7 @@ def run(args: argparse.Namespace) -> int:
                           batch_size=args.batch_size, steps=args.steps or DEFAULT_STEPS, baseline=baseline,
                           unit=args.unit, removal=removal, tokenizer=tokenizer,
                           perturbation_batch_size=args.perturbation_batch_size, rationale_k=args.k,
-                          progress=not args.no_progress, preset=args.preset)
+                          progress=False if args.no_progress else None, preset=args.preset)
             return _write_tune(result, args.out)
         # batch by batch, resumable from --out, shared among the processes of torchrun
         settings = {k: v for k, v in vars(args).items() if k not in ("func", "out", "no_progress", "device")}
@@ -126,7 +126,8 @@ def run(args: argparse.Namespace) -> int:
             model, data, methods, args.out, settings=settings, target=args.target, batch_size=args.batch_size,
             steps=args.steps or DEFAULT_STEPS, baseline=baseline, unit=args.unit, removal=removal,
             tokenizer=tokenizer, perturbation_batch_size=args.perturbation_batch_size, rationale_k=args.k,
-            aopc=not args.no_aopc, kendall=not args.no_kendall, progress=not args.no_progress, preset=args.preset)
+            aopc=not args.no_aopc, kendall=not args.no_kendall, progress=False if args.no_progress else None,
+            preset=args.preset)
         if result is None:  # another torchrun process than rank 0: rank 0 writes the report
             return 0
         paths = report.write_report(result, args.out)

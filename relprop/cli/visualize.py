@@ -40,7 +40,7 @@ def run(args: argparse.Namespace) -> int:
         vis = maximize_activation(loaded.model, spec, steps=args.steps, lr=args.lr, l2=args.l2, jitter=args.jitter,
                                   blur=args.blur, blur_every=args.blur_every, tv=args.tv, seed=args.seed,
                                   normalization=norm, length=args.length, tokenizer=loaded.tokenizer,
-                                  progress=not args.no_progress)
+                                  progress=False if args.no_progress else None)
         stem = re.sub(r"[^A-Za-z0-9_-]+", "_", str(vis.unit))
         if vis.image is not None:
             path = vis.save(os.path.join(args.out, f"{stem}.png"))

@@ -44,7 +44,9 @@ class EvaluationConfig:
     conservation
         collect the conservation report of each relevance preset.
     progress
-        a tqdm progress bar over the samples.
+        a tqdm progress bar over the samples on stderr: ``None`` (default) when stderr is a terminal or the
+        environment variable ``RELPROP_PROGRESS`` says on (never in a pipe or a CI log), ``True`` always,
+        ``False`` never.
     explain_options
         more keyword arguments for ``relprop.explain`` (method options, ``eps``, …).
     preset
@@ -70,7 +72,7 @@ class EvaluationConfig:
     aopc_steps: Tuple[float, ...] = tuple(AOPC_STEPS)
     kendall: bool = True
     conservation: bool = True
-    progress: bool = True
+    progress: Optional[bool] = None
     explain_options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     preset: Optional[str] = None
 
@@ -90,7 +92,9 @@ class EvaluationConfig:
         for k in ks:
             _positive_int("rationale_k", k)
         object.__setattr__(self, "rationale_k", ks)
-        for name in ("perturbation", "segmentation", "aopc", "kendall", "conservation", "progress"):
+        if self.progress is not None and not isinstance(self.progress, bool):
+            raise OptionError(f"progress={self.progress!r} is not a choice here. Choices: [None, True, False]")
+        for name in ("perturbation", "segmentation", "aopc", "kendall", "conservation"):
             if not isinstance(getattr(self, name), bool):
                 raise OptionError(f"{name}={getattr(self, name)!r} is not a choice here. Choices: [True, False]")
         if not isinstance(self.explain_options, Mapping):

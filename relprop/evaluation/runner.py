@@ -20,6 +20,7 @@ import torch
 
 from ..api import explain
 from ..errors import InputError
+from ..graph import progress_line
 from ..graph.capture import CACHE
 from . import _util
 from .conservation import ConservationReport, conservation_report
@@ -142,7 +143,7 @@ def evaluate(model: torch.nn.Module, data: Any, methods: Sequence[str] = ("trans
     modality, samples = None, 0
     has_masks = has_rationales = False
 
-    bar = tqdm(total=total, unit="sample", desc="relprop evaluate", disable=not cfg.progress)
+    bar = tqdm(total=total, unit="sample", desc="relprop evaluate", disable=not progress_line.wanted(cfg.progress))
     captures = (CACHE.captures, CACHE.specializations)
     sizes = set()
     try:

@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from ..errors import RelpropError
+from ..graph import progress_line
 from .conservation import ConservationReport
 from .perturbation_protocol import PerturbationResult
 from .runner import EvaluationResult, TextScores, _batches, evaluate
@@ -87,7 +88,7 @@ def _atomic_write(path: str, data: bytes) -> None:
 
 
 def evaluate_resumable(model: torch.nn.Module, data: Any, methods: Sequence[str], out: str, *,
-                       batch_size: int = 8, settings: Optional[Dict[str, Any]] = None, progress: bool = True,
+                       batch_size: int = 8, settings: Optional[Dict[str, Any]] = None, progress: Optional[bool] = None,
                        **options) -> Optional[EvaluationResult]:
     """:func:`relprop.evaluation.evaluate` of ``data``, batch by batch, resumable from ``out``
     and shared among the processes of a ``torch.distributed`` group.
@@ -98,7 +99,8 @@ def evaluate_resumable(model: torch.nn.Module, data: Any, methods: Sequence[str]
     out : the output folder; per-batch results go to ``out/partial``.
     settings : what identifies this evaluation (JSON-serializable; written to the manifest and
         compared when resuming). Default: the methods, batch size and options.
-    progress : a progress bar of this process's batches.
+    progress : a progress bar of this process's batches: None (default) on a terminal only (or as
+        ``RELPROP_PROGRESS`` says), True always, False never.
 
     Returns
     -------
@@ -120,7 +122,7 @@ def evaluate_resumable(model: torch.nn.Module, data: Any, methods: Sequence[str]
             options[key] = getattr(data, key)
     batches, _ = _batches(data, batch_size)
     count = resumed = 0
-    bar = tqdm(desc=f"relprop evaluate [{rank + 1}/{world}]", unit="batch", disable=not progress)
+    bar = tqdm(desc=f"relprop evaluate [{rank + 1}/{world}]", unit="batch", disable=not progress_line.wanted(progress))
     try:
         for i, batch in enumerate(batches):
             count += 1

@@ -17,6 +17,7 @@ import torch
 
 from ..api import explain_settings
 from ..errors import InputError, OptionError
+from ..graph import progress_line
 from . import _util
 from .config import EvaluationConfig
 from .perturbation_protocol import perturbation_curve
@@ -128,7 +129,8 @@ def tune(model: torch.nn.Module, data: Any, method: str, grid: Mapping[str, Any]
     batches, total = _batches(data, cfg.batch_size)
     scores: List[List[np.ndarray]] = [[] for _ in combos]
     samples = 0
-    bar = tqdm(total=total, unit="sample", desc=f"relprop tune {method}", disable=not cfg.progress)
+    bar = tqdm(total=total, unit="sample", desc=f"relprop tune {method}",
+               disable=not progress_line.wanted(cfg.progress))
     try:
         for batch in batches:
             inputs = _to_device(batch["inputs"], device)

@@ -41,6 +41,7 @@ import torch.nn.functional as F
 from ..api import prepare
 from ..engine.forward import forward
 from ..errors import InputError, OptionError
+from ..graph import progress_line
 from ..graph.nodes import module_paths
 from ..targets import logits_of
 from ..api.raw_inputs import model_image_size
@@ -194,7 +195,7 @@ def unit_value(unit: Unit, captured, env, outputs, wrt: Optional[str]) -> torch.
 def maximize_activation(model: torch.nn.Module, unit: Any, *, steps: int = 200, lr: float = 0.05, l2: float = 1e-3,
                         jitter: int = 0, blur: float = 0.0, blur_every: int = 4, tv: float = 0.0, seed: int = 0,
                         image_size: Optional[Tuple[int, int]] = None, normalization: Any = None, length: int = 8,
-                        tokenizer: Any = None, progress: bool = True) -> MaximizingInput:
+                        tokenizer: Any = None, progress: Optional[bool] = None) -> MaximizingInput:
     """Activation maximization (survey §2.4): gradient ascent (Adam, learning rate ``lr``) on
     S(I) − λ‖I‖² (λ = ``l2``; ‖I‖² the mean square of the normalized input) minus ``tv`` x total
     variation, for ``steps`` steps, from a seeded random start.
@@ -265,7 +266,7 @@ def maximize_activation(model: torch.nn.Module, unit: Any, *, steps: int = 200, 
     x = start.to(device).clone().requires_grad_(True)
     opt = torch.optim.Adam([x], lr=lr)
     values: List[float] = []
-    with tqdm(total=steps, desc=f"maximize_activation {u}", disable=not progress) as bar:
+    with tqdm(total=steps, desc=f"maximize_activation {u}", disable=not progress_line.wanted(progress)) as bar:
         for step in range(steps + 1):
             inp = x
             # the last evaluation (step == steps) scores the returned input itself, never a shifted copy
