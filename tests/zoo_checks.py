@@ -491,8 +491,9 @@ def run_cell(name: str, method: str) -> Outcome:
             failures.append(f"refusal: {type(err).__name__} without a message that says why ({str(err)!r})")
         declared = [reason for methods, reason in entry.refusals if re.fullmatch(methods, method)]
         if not declared:
-            failures.append(f"undeclared refusal: relprop explained this cell before; a refusal here is a "
-                            f"regression unless the zoo entry declares it: {_first_line(err)}")
+            failures.append(f"undeclared refusal: the zoo entry declares no refusal of this method (a model "
+                            f"relprop explains that starts refusing is a regression; a right refusal is declared "
+                            f"in tests/zoo.py with its reason): {_first_line(err)}")
         for reason in declared:
             if not re.search(reason, str(err), re.S):
                 failures.append(f"reason: the refusal does not say /{reason}/: {_first_line(err)}")

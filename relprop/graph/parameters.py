@@ -6,6 +6,9 @@ is made of and names them ``<module>.parametrizations.<name>.original<i>``: the 
 of the subclass, flattened depth first (``__tensor_flatten__``). The graph then computes the
 dequantized weight from them (casts, products with the scales) as constants, and the linear rules
 see an ordinary floating weight. :func:`model_tensor` finds those tensors on the model as it is.
+A module with a real parametrization (``torch.nn.utils.parametrize``: weight norm, as in Wav2Vec2's
+positional convolution) has parameters of the same names, ``original0``, ``original1``: those are
+the tensors, looked up first.
 """
 from __future__ import annotations
 
@@ -29,8 +32,13 @@ def plain_tensors(t: torch.Tensor) -> List[torch.Tensor]:
 def model_tensor(model: torch.nn.Module, target: str, kind: str = "param") -> torch.Tensor:
     """``model.get_parameter(target)`` (``get_buffer`` for ``kind="buffer"``), also for a name
     ``torch.export`` gave a piece of a tensor-subclass parameter (module docstring)."""
+    get = model.get_parameter if kind == "param" else model.get_buffer
     if _LIFTED not in target:
-        return model.get_parameter(target) if kind == "param" else model.get_buffer(target)
+        return get(target)
+    try:  # a real parametrization (torch.nn.utils.parametrize, e.g. Wav2Vec2's weight norm) owns these names
+        return get(target)
+    except AttributeError:
+        pass
     owner, rest = target.split(_LIFTED, 1)
     name, piece = rest.rsplit(".", 1)
     module = model.get_submodule(owner) if owner else model
