@@ -132,5 +132,6 @@ def rotary_uniform_multiply(ctx, relevance):
 
 
 def is_positional(preset: Preset) -> bool:
-    """Whether ``preset`` or a preset it extends reassigns position relevance to tokens (PA-LRP)."""
-    return any(p.positional for p in preset.lineage())
+    """Whether ``preset`` or a preset it extends reassigns position relevance to tokens (PA-LRP): a
+    preset marks itself so with the attribute ``positional = True``, as :data:`PA_LRP` does."""
+    return any(getattr(p, "positional", False) for p in preset.lineage())

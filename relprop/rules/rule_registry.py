@@ -82,9 +82,6 @@ def qualified_name(op) -> Optional[str]:
 class Preset:
     """A named table of relevance rules extending other presets.
 
-    A preset whose ``positional`` attribute is True (``"pa_lrp"``) has the engine's walk reassign the
-    relevance that reaches position encodings to the tokens (:mod:`relprop.rules.pa_lrp`).
-
     Parameters
     ----------
     name
@@ -111,9 +108,6 @@ class Preset:
     rule_kind
         what its rules that declare no ``kind`` are to the coverage count (``spec.RULE_KINDS``): "exact".
     """
-
-    #: reassign the relevance of position encodings to tokens (PA-LRP); False: constants absorb it
-    positional: bool = False
 
     def __init__(self, name: str, *, extends: Union[str, "Preset", Sequence[Union[str, "Preset"]]],
                  description: str = "", conservative: bool = True, modified_gradient: bool = False,
