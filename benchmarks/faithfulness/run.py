@@ -83,9 +83,10 @@ def text_methods() -> List[str]:
     return [m for m in all_methods() if m != "vit_cx"]
 
 
-#: method "lrp" under the AttnLRP and CP-LRP presets, reported as rows of their own beside the methods
-#: (AttnLRP: Achtibat et al., ICML 2024; CP-LRP: Ali et al., ICML 2022)
-PRESET_VARIANTS = {"lrp[attnlrp]": ("lrp", "attnlrp"), "lrp[cp_lrp]": ("lrp", "cp_lrp")}
+#: method "lrp" under the AttnLRP, CP-LRP and PA-LRP presets, reported as rows of their own beside the methods
+#: (AttnLRP: Achtibat et al., ICML 2024; CP-LRP: Ali et al., ICML 2022; PA-LRP: Bakish et al., NeurIPS 2025)
+PRESET_VARIANTS = {"lrp[attnlrp]": ("lrp", "attnlrp"), "lrp[cp_lrp]": ("lrp", "cp_lrp"),
+                   "lrp[pa_lrp]": ("lrp", "pa_lrp")}
 
 
 def evaluate_variants(model, data, log, what: str, **options) -> Dict[str, "E.EvaluationResult"]:

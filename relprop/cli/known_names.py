@@ -43,7 +43,7 @@ EXPLAIN_SETTINGS: Tuple[str, ...] = ("eps", "fast_path", "keep_blocks", "memory"
                                      "unsupported")
 
 #: every registered preset (relprop.presets())
-PRESETS: Tuple[str, ...] = ('base', 'chefer2021', 'lrp', 'attnlrp', 'cp_lrp')
+PRESETS: Tuple[str, ...] = ('base', 'chefer2021', 'lrp', 'attnlrp', 'cp_lrp', 'pa_lrp')
 
 #: the method of ``relprop explain`` without --method: a model's (relprop.cli.loading.Loaded), the demo's
 EXPLAIN_DEFAULT_METHOD = "transformer_attribution"

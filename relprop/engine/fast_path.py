@@ -31,6 +31,7 @@ from ..graph.capture import Captured
 from ..graph.dispatch import saving_by_name
 from ..graph.nodes import evaluate, is_live, live_outputs, module_path, output_leaves, relevance_path
 from ..rules import rule_registry as registry
+from ..rules.pa_lrp import is_positional
 from ..rules.rule_registry import Preset
 from ..rules.stabilize import on_nonzero_rows, promote, relevance_dtype, safe_divide
 from ..targets import find_logits, fixed, require_input_dependence
@@ -87,6 +88,9 @@ _ADJOINT_RULES = frozenset(registry.get_preset("base").rules.values())
 
 
 def _plan(captured: Captured, preset: Preset, eps: float) -> Plan:
+    if is_positional(preset):
+        raise FastPathUnavailable(f"preset '{preset.name}' reassigns the relevance of position encodings to the "
+                                  "tokens, which the rule-by-rule walk does")
     a = captured.analysis
     rule_of = rule_finder(captured, preset)
     replacements, functions = {}, {}

@@ -27,10 +27,12 @@ from ..graph.analysis import INDEX_ROUTING
 from ..graph.capture import Captured
 from ..graph.nodes import is_live, module_path, module_type, relevance_path
 from ..rules.context import RuleContext
+from ..rules.pa_lrp import is_positional
 from ..rules.rule_registry import Preset, get_preset
 from ..rules.stabilize import promote, relevance_dtype
 from .ledger import STABILIZER, Ledger
 from .node_rules import rule_finder
+from .position_relevance import LABEL as POSITIONS, PositionRelevance
 from .stream_relevance import per_stream, primary_parts
 from .trace import Conservation
 from .value_store import ValueStore
@@ -128,6 +130,7 @@ class Walker:
         for n in out_nodes:
             self.ledger.inject(n, self.R[n])
         self.input_parts = []
+        self.positions = PositionRelevance(self.placeholders, batch) if is_positional(request.preset) else None
 
     def absorb(self, label, rel, consumer, arg_bdim):
         """Book ``rel``, a share node ``consumer`` does not pass on, in the ledger under ``label``."""
@@ -218,6 +221,9 @@ class Walker:
         if not torch.is_tensor(share):
             return
         if isinstance(arg, torch.fx.Node):
+            if self.positions is not None and self.positions.take(arg, consumer, share, self.bdim.get(consumer)):
+                self.absorb(POSITIONS, promote(share), consumer, self.bdim.get(arg))  # for the blocks' books
+                return
             label = _constant_label(arg, self.placeholders, consumer)
             self.absorb(label, promote(share), consumer, self.bdim.get(arg))
         else:
@@ -233,7 +239,24 @@ class Walker:
             if a.modality == "text":
                 r = r.sum(-1)
             input_rel = r if input_rel is None else input_rel + r
+        if self.positions is not None and input_rel is not None:
+            input_rel = self.positions.add_to(input_rel, a.modality, a.grid)
+            conservation = reassigned(conservation, self.positions.prefix_share(a.grid))
         return WalkResult(self.rel_at, conservation, input_rel, per_stream(a, self.input_parts))
+
+
+def reassigned(c, prefix: Optional[torch.Tensor]):
+    """Conservation ``c`` with the position relevance (booked under :data:`POSITIONS`) moved from the
+    absorbed to the input relevance, except ``prefix`` (per sample: the position shares of the
+    class and other prefix tokens of an image model, which stay absorbed)."""
+    moved = c.absorbed_by.pop(POSITIONS, None)
+    if moved is None:
+        return c
+    if prefix is not None:
+        prefix = prefix.to(moved.dtype)
+        c.absorbed_by["position embeddings of the prefix tokens (class, ...)"] = prefix
+        moved = moved - prefix
+    return dataclasses.replace(c, input=c.input + moved, absorbed=c.absorbed - moved)
 
 
 def _constant_label(arg, placeholders, consumer) -> str:

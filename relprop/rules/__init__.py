@@ -15,6 +15,7 @@ module              ops
 ``windows``         Swin's shape ops: constant_pad_nd, roll, as_strided, unfold, flip
 ``attnlrp``         the AttnLRP preset (Achtibat et al., ICML 2024), with modified-gradient forms
 ``cp_lrp``          the CP-LRP preset (Ali et al., ICML 2022): attention and gates held constant
+``pa_lrp``          the PA-LRP preset (Bakish et al., NeurIPS 2025): position relevance reassigned to tokens
 ``norm_layers``     BatchNorm in inference and GroupNorm (hybrid and convolutional models), every preset
 ``pooling``         average/max pooling and upsampling of feature maps, every preset
 ``scatter``         writes (index_put with masks, slice_scatter, select_scatter); norms, amax, max.dim
@@ -25,7 +26,7 @@ module              ops
 """
 # the rule modules register their rules when imported; a preset's table is complete after the last
 from . import routing, passthrough, linear, products, residual, convolution, reductions
-from . import pointwise, normalization, windows, moe, attnlrp, cp_lrp, norm_layers, pooling, scatter
+from . import pointwise, normalization, windows, moe, attnlrp, cp_lrp, pa_lrp, norm_layers, pooling, scatter
 from .context import RuleContext
 from .gradient_forms import gradient_form
 from .rule_registry import Preset, describe, get_preset, lookup, override, presets, rule, seal_builtins
@@ -36,5 +37,5 @@ seal_builtins(presets())
 __all__ = ["Preset", "RuleContext", "RuleSpec", "describe", "get_preset", "gradient_form", "lookup", "override",
            "presets", "rule",
            # the rule modules, one per op family
-           "attnlrp", "convolution", "cp_lrp", "linear", "moe", "norm_layers", "normalization", "passthrough",
+           "attnlrp", "convolution", "cp_lrp", "linear", "moe", "norm_layers", "normalization", "pa_lrp", "passthrough",
            "pointwise", "pooling", "products", "reductions", "residual", "routing", "scatter", "windows"]
