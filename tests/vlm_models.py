@@ -42,14 +42,18 @@ def paligemma():
 
 
 def gemma3():
-    """Gemma3ForConditionalGeneration: SigLIP vision tower -> average pooling to mm_tokens_per_image
+    """Gemma3ForConditionalGeneration (a sliding window of 8 tokens, so the last of 11 reads the image): SigLIP
+    vision tower -> average pooling to mm_tokens_per_image
     tokens (here 2x2 patches pooled: 4 image tokens) -> RMSNorm + linear projector -> Gemma-3."""
     torch.manual_seed(0)
-    text = transformers.Gemma3TextConfig(**_TEXT, head_dim=8, sliding_window=4)
+    text = transformers.Gemma3TextConfig(**_TEXT, head_dim=8, sliding_window=8)  # the last token sees the image
     cfg = transformers.Gemma3Config(vision_config=transformers.SiglipVisionConfig(**_VISION), text_config=text,
                                     image_token_index=IMAGE_TOKEN, mm_tokens_per_image=4, boi_token_index=60,
                                     eoi_token_index=61)
-    return transformers.Gemma3ForConditionalGeneration(cfg).eval()
+    model = transformers.Gemma3ForConditionalGeneration(cfg).eval()
+    with torch.no_grad():  # transformers initializes the projection to zeros: the image would not reach the output
+        model.model.multi_modal_projector.mm_input_projection_weight.normal_(0, 0.2)
+    return model
 
 
 #: family -> (builder, image tokens per image)
