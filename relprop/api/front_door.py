@@ -15,7 +15,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from . import options as opt
-from . import raw_inputs, refusals, remembered, validation
+from . import raw_inputs, refusals, remembered, validation, vision_language
 from ..engine import FastPathUnavailable, Request, Trace, run, run_fast
 from ..errors import MethodError, OptionError, RelpropError, warn
 from ..graph import progress_line
@@ -249,6 +249,7 @@ def _check(model, inputs, target, jobs: Tuple[Job, ...], many: bool, preset: Opt
     mask_source = "special_tokens_mask=" if special_tokens_mask is not None else "the batch's special_tokens_mask"
     special_tokens_mask = opt.check_special_tokens_mask(special_tokens_mask if special_tokens_mask is not None
                                                         else batch_mask)
+    wrt = vision_language.explained_input(model, inputs, [j.info for j in jobs], wrt)
     prepared = prepare(model, inputs, wrt)
     validation.warn_left_padding(model, prepared.kwargs)
     if special_tokens_mask is None and tokenizer is not None:
@@ -318,6 +319,7 @@ def _explain(call: Call):
             if note is not None:
                 results[-1].notes.append(note)
     validation.check_result(results)
+    vision_language.place_image_tokens(results, call.model, call.prepared.kwargs, captured.primary)
     remembered.remember(results, model=call.model, inputs=call.prepared.kwargs, primary=captured.primary,
                         tokenizer=call.tokenizer, image_processor=call.image_processor, target=call.given_target,
                         spec=call.spec, encodings=call.encodings)

@@ -210,5 +210,5 @@ def run_fast(request: Request) -> Trace:
     return Trace(outputs=outputs_d, logits=find_logits(outputs_d), target=target,
                  target_scores=scores.detach(), blocks=[], input_relevance=input_rel, input_gradient=None,
                  conservation=None, modality=a.modality, grid=a.grid, batch_size=batch, session=session,
-                 token_mask=None, streams=list(a.streams), stream_relevance=per_stream(a, parts),
+                 token_mask=None, streams=list(a.streams), merged=bool(a.merges), stream_relevance=per_stream(a, parts),
                  stream_masks=stream_masks(a, request.kwargs, batch))

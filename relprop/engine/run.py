@@ -130,7 +130,7 @@ def build_trace(request: Request, result: Pass, notes: List[str]) -> Trace:
                  conservation=result.conservation, modality=a.modality, grid=a.grid, batch_size=batch,
                  session=session, token_mask=token_mask, stages=stages, notes=notes, token_map=result.tokens.get(0),
                  token_maps=result.tokens, token_mixing=a.token_mixing, unmapped_blocks=a.unmapped,
-                 streams=list(a.streams), stream_relevance=result.stream_relevance,
+                 streams=list(a.streams), merged=bool(a.merges), stream_relevance=result.stream_relevance,
                  stream_masks=stream_masks(a, request.kwargs, batch),
                  folded=[f.result() for f in request.folds])
 

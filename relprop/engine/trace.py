@@ -152,6 +152,9 @@ class Trace:
     #: a folded run: the number of tokens of the first block (its records are gone)
     token_count: Optional[int] = None
     stream_masks: Dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
+    #: the streams are merged into one token sequence (a vision-language model's image tokens written
+    #: into the prompt; ``GraphAnalysis.merges``), not connected by cross-attention
+    merged: bool = False
     #: a folded run (``Request.folds``): each fold's result, in the order of ``Request.folds``
     folded: List[Any] = dataclasses.field(default_factory=list)
 

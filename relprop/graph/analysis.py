@@ -61,6 +61,10 @@ class GraphAnalysis:
     #: two-stream models (encoder–decoder, co-attention; :mod:`relprop.graph.streams`): stream name
     #: (the input's name) -> its relevance sources, the explained input's stream first; {} otherwise
     streams: Dict[str, List[torch.fx.Node]] = dataclasses.field(default_factory=dict)
+    #: the two streams are merged into one token sequence (a vision-language model writes the image
+    #: features into the text's placeholder positions; :func:`relprop.graph.streams.merges`), not
+    #: connected by cross-attention: the nodes that merge them ([] otherwise)
+    merges: List[torch.fx.Node] = dataclasses.field(default_factory=list)
 
     @property
     def unmapped(self) -> Optional[str]:
@@ -94,13 +98,22 @@ def analyze(graph: torch.fx.Graph, bindings, primary_name: str, static_batch: Op
     the batch, that k (:func:`relprop.graph.specialize.batch_axes`). A model called with a
     second token stream (:func:`relprop.graph.streams.second_stream`) is analysed with the sources of
     both streams; when an attention block connects them (queries of one, keys of the other), that
-    analysis is kept, each block labelled with its query and key streams; otherwise the second input
-    is a constant of the explanation, as for a model with one stream."""
+    analysis is kept, each block labelled with its query and key streams. When the explained input is
+    an image whose features are written into the other stream's token sequence (a vision-language
+    model, :func:`relprop.graph.streams.merges`), that analysis is kept too, with the merging nodes
+    (``merges``) and no block labels. Otherwise the second input is a constant of the explanation, as
+    for a model with one stream."""
     extra = streams.second_stream(bindings, primary_name)
     if extra is not None:
         two = _analyze(graph, bindings, primary_name, static_batch, batch_axes, extra)
         if any(b.query_stream and b.key_stream and b.query_stream != b.key_stream for b in two.blocks):
             return two
+        if primary_name in streams.MERGED_INTO_TEXT:
+            merged = streams.merges(graph, two.live, two.streams)
+            if merged:
+                for b in two.blocks:
+                    b.query_stream = b.key_stream = None
+                return dataclasses.replace(two, merges=merged)
     return _analyze(graph, bindings, primary_name, static_batch, batch_axes, None)
 
 

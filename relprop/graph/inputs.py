@@ -46,7 +46,7 @@ def bind_inputs(model: torch.nn.Module, inputs: Any) -> Dict[str, Any]:
     if "use_cache" in sig.parameters and "use_cache" not in out:
         out["use_cache"] = False
     elif "use_cache" not in out and any(p.kind is inspect.Parameter.VAR_KEYWORD for p in sig.parameters.values()) \
-            and getattr(getattr(model, "config", None), "use_cache", None) is not None:
+            and _has_cache_setting(getattr(model, "config", None)):
         out["use_cache"] = False
     tensors = {k: v for k, v in out.items() if torch.is_tensor(v)}
     if not tensors:
@@ -80,6 +80,15 @@ def batch_size_of(kwargs: Dict[str, Any], primary: str) -> int:
     if t.dim() == 0:
         raise InputError(f"input '{primary}' is a scalar; it needs a batch dimension first")
     return t.shape[0]
+
+
+def _has_cache_setting(config) -> bool:
+    """Whether a model's config (or, for a vision-language model, its language model's ``text_config``)
+    has a ``use_cache`` setting, i.e. the forward returns a key/value cache unless told not to."""
+    if getattr(config, "use_cache", None) is not None:
+        return True
+    text = getattr(config, "text_config", None)
+    return text is not None and getattr(text, "use_cache", None) is not None
 
 
 def _sig(model) -> str:

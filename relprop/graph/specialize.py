@@ -49,6 +49,8 @@ class Concretizer:
         if isinstance(meta, sympy.logic.boolalg.Boolean):
             return None  # a symbolic condition (a runtime assert's argument): not read by the analysis
         if isinstance(meta, sympy.Expr):
+            if any(self._unbacked(s.name, sizes) for s in meta.free_symbols):
+                return None  # a data-dependent scalar (e.g. a check on how many image placeholders there are)
             return self.size(meta, sizes)
         if isinstance(meta, (list, tuple)):
             return type(meta)(self.value(m, sizes) for m in meta)
@@ -64,6 +66,11 @@ class Concretizer:
         if e.is_Number:
             return float(e)
         raise ValueError(f"size {d} is not fixed by the input sizes {sizes}")
+
+    def _unbacked(self, name: str, sizes: Dict[str, int]) -> bool:
+        """Whether ``name`` is a data-dependent symbol (torch's ``u0``, ``u1``, ... from ``.item()``)
+        that no input size fixes. Only scalar nodes may have one: a tensor shape with one still fails."""
+        return name.startswith("u") and name not in sizes and name != self.program.batch_symbol
 
     def _size_of(self, name: str, sizes: Dict[str, int]) -> int:
         if name == self.program.batch_symbol:

@@ -35,6 +35,36 @@ SECOND_STREAM_NAMES = ("decoder_input_ids", "decoder_inputs_embeds", "visual_fea
                        "input_ids", "input_features")
 
 
+#: explained inputs whose stream a vision-language model merges into the text's token sequence
+MERGED_INTO_TEXT = ("pixel_values",)
+#: ops that write one stream's features into the other's sequence (``x[mask] = features``)
+MERGING_OPS = (aten.masked_scatter.default, aten.index_put.default)
+
+
+def merges(graph, live: Set[torch.fx.Node], stream_nodes: Dict[str, List[torch.fx.Node]]) -> List[torch.fx.Node]:
+    """The live nodes that write features of one stream into a tensor of the other stream
+    (``masked_scatter(text_embeddings, image_mask, image_features)``, ``index_put`` without
+    accumulation): how a vision-language model (LLaVA, PaliGemma, Gemma-3, ...) merges its projected
+    image tokens into the placeholder positions of the prompt. [] when the streams never merge so."""
+    if len(stream_nodes) != 2:
+        return []
+    (_, first), (_, second) = stream_nodes.items()
+    first, second = set(first), set(second)
+    out = []
+    for n in graph.nodes:
+        if n.op != "call_function" or n.target not in MERGING_OPS or n not in live:
+            continue
+        if n.target is aten.index_put.default and len(n.args) > 3 and n.args[3]:
+            continue
+        into, written = n.args[0], n.args[2]
+        if not (isinstance(into, torch.fx.Node) and isinstance(written, torch.fx.Node)):
+            continue
+        a, b = ancestors([into], live), ancestors([written], live)
+        if (a & first and b & second) or (a & second and b & first):
+            out.append(n)
+    return out
+
+
 def second_stream(bindings, primary_name: str) -> Optional[Tuple[str, torch.fx.Node]]:
     """(name, placeholder) of the user input that may be a second token stream: the first of
     :data:`SECOND_STREAM_NAMES` (other than the explained input) the model was called with, else

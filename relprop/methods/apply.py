@@ -40,7 +40,13 @@ def apply(info: MethodInfo, trace, options: Dict[str, Any], preset: Optional[str
                           f"computes {unmapped}. Methods that apply: {usable}")
     if info.needs_relevance and info.needs_blocks and any(b.relevance is None for b in trace.blocks):
         raise MethodError(no_relevance(info.name, preset))
-    if len(getattr(trace, "streams", None) or []) > 1 and info.streams < 2:
+    if getattr(trace, "merged", False) and info.needs_blocks:
+        raise MethodError(f"method '{info.name}' reads the attention blocks of one token space, and with the image "
+                          f"explained (wrt='pixel_values') {model_name}'s blocks are those of its vision tower and of "
+                          "its language model, whose tokens differ. Explain wrt='input_ids' (the language model's "
+                          "tokens, image tokens mapped back to their patches) or use a method that reads the input "
+                          "relevance (lrp, input_x_gradient)")
+    if len(getattr(trace, "streams", None) or []) > 1 and info.streams < 2 and not getattr(trace, "merged", False):
         raise MethodError(f"method '{info.name}' reads the attention blocks of one token stream, and {model_name} has "
                           f"two ({', '.join(trace.streams)}) connected by cross-attention, which it does not define. "
                           f"Methods that apply: {two_stream_methods()}")

@@ -10,6 +10,12 @@ input element. Their rule is the adjoint of that index map, which is also their 
 the written positions zeroed, R_v = R at the written positions (summed over v's broadcast copies). Every
 element's relevance goes to where it came from: conservative (``"base"``, every preset).
 
+``masked_scatter(x, mask, src)`` (``x[mask] = src`` in order: vision-language models write the projected image
+features into the placeholder positions of the text embeddings this way) is such a copy too: the k-th
+``True`` position of the (broadcast) mask takes the k-th element of ``src``. R_x is R with the masked
+positions zeroed; R_src holds, at its first k elements, the relevance of the k masked positions in order
+(zeros at src's unused tail). Its gradient is the same map (``"base"``, every preset).
+
 ``index_put(..., accumulate=True)`` (``x[indices] += v``; ``F.fold`` adds overlapping patches this way)
 is a sum, y = x + scatter(v): the z-rule of a sum (Bach et al. 2015, Eq. 56–58), R_x = x ⊙ R / y and
 R_v = v ⊙ (R / y)[indices], in the paper presets; the ε-rule (AttnLRP Eq. 8, the same with y + ε·sign y)
@@ -151,6 +157,21 @@ def select_scatter_route(ctx, relevance):
     r_src = relevance.select(dim, index)
     r_x = relevance.select_scatter(torch.zeros_like(r_src), dim, index)
     return (r_x, r_src, None, None)
+
+
+@rule(aten.masked_scatter.default, preset="base")
+def masked_scatter_route(ctx, relevance):
+    """``masked_scatter(x, mask, src)``: the masked positions' relevance goes, in order, to the elements of
+    ``src`` that filled them; the rest to ``x`` (module docstring)."""
+    x, mask, src = ctx.args[:3]
+    mask = mask.expand(relevance.shape) if tuple(mask.shape) != tuple(relevance.shape) else mask
+    zero = torch.zeros((), dtype=relevance.dtype, device=relevance.device)
+    r_x = relevance.masked_fill(mask, zero)
+    r_x = r_x.sum_to_size(x.shape) if tuple(x.shape) != tuple(relevance.shape) else r_x
+    taken = relevance[mask]
+    r_src = relevance.new_zeros(src.numel())
+    r_src[:taken.numel()] = taken
+    return (r_x, None, r_src.reshape(src.shape)) + (None,) * (len(ctx.args) - 3)
 
 
 def homogeneous_shares(ctx, relevance):

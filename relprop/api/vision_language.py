@@ -1,0 +1,157 @@
+"""Vision-language models (LLaVA, PaliGemma, Gemma-3): which input is explained, and the families refused.
+
+A vision-language model (VLM) runs its image through a vision tower and a projector and writes the
+resulting image tokens into the placeholder positions of the prompt (``masked_scatter``); its language
+model then reads one sequence of prompt and image tokens. relprop explains such a model in one run
+with two relevance sources (:func:`relprop.graph.streams.merges`):
+
+* the **pixels** (``wrt="pixel_values"``, the default for a VLM when every method reads the input
+  relevance: ``lrp``, ``input_x_gradient``, ...): the relevance of the image tokens flows back through
+  the projector, any pooling or merging of patches, and the vision tower to the pixels. ``exp.scores``
+  are the pixel relevance summed per patch of the vision tower's grid, ``exp.map`` the pixel map, and
+  ``exp.streams`` holds both the patch scores (``"pixel_values"``) and the prompt's per-token relevance
+  (``"input_ids"``; 0 at the image placeholders, whose embeddings the image tokens replace). The
+  conservation ledger counts both: Σ pixels + Σ prompt tokens + absorbed = the explained score.
+* the **language model's tokens** (``wrt="input_ids"``, the default when a method reads the attention
+  blocks: the rollouts, ``transformer_attribution``): the blocks are the language model's, image
+  placeholders included, and the vision tower is a constant of the explanation.
+
+Families whose image tokens relprop cannot yet place back on the image (tiles, pixel shuffles,
+2x2 merges with 3-D rotary positions) are refused with a :class:`relprop.MethodError` that names the
+family and what is missing, never explained with a wrong map.
+"""
+from __future__ import annotations
+
+from typing import Any, Mapping, Optional, Sequence
+
+import torch
+
+from ..errors import MethodError
+
+#: config.model_type of the families explained (their image tokens merged with masked_scatter)
+SUPPORTED = {"llava": "LLaVA", "paligemma": "PaliGemma", "gemma3": "Gemma-3"}
+
+#: config.model_type of the families refused -> (name, what is missing)
+REFUSED = {
+    "llava_next": ("LLaVA-NeXT", "its any-resolution tiles (image_sizes, image_newline tokens) are not mapped back "
+                   "to their place in the image"),
+    "llava_onevision": ("LLaVA-OneVision", "its any-resolution tiles are not mapped back to their place in the image"),
+    "idefics3": ("Idefics3", "its pixel shuffle and image tiles (pixel_attention_mask) are not mapped back to the "
+                 "image"),
+    "smolvlm": ("SmolVLM", "its pixel shuffle and image tiles (pixel_attention_mask) are not mapped back to the "
+                "image"),
+    "qwen2_vl": ("Qwen2-VL", "its flattened 2x2-merged patches (image_grid_thw) and 3-D rotary positions are not "
+                 "mapped back to the image"),
+    "qwen2_5_vl": ("Qwen2.5-VL", "its flattened 2x2-merged patches (image_grid_thw), window attention and 3-D rotary "
+                   "positions are not mapped back to the image"),
+}
+
+PIXELS, IDS = "pixel_values", "input_ids"
+
+
+def model_type(model: Any) -> Optional[str]:
+    """``model.config.model_type`` when the model is a vision-language model (its config has a
+    ``vision_config`` and a ``text_config``), else None."""
+    cfg = getattr(model, "config", None)
+    if cfg is None or getattr(cfg, "vision_config", None) is None or getattr(cfg, "text_config", None) is None:
+        return None
+    return getattr(cfg, "model_type", None)
+
+
+def explained_input(model: Any, inputs: Any, infos: Sequence[Any], wrt: Optional[str]) -> Optional[str]:
+    """The input a vision-language model is explained onto (module docstring): ``wrt`` when given,
+    ``"pixel_values"`` when every method reads only the input relevance, ``"input_ids"`` when every
+    method reads the attention blocks; unchanged for other models.
+
+    Raises
+    ------
+    MethodError
+        the family is refused (``REFUSED``: what is missing), or the methods need both inputs.
+    """
+    kind = model_type(model)
+    if kind is None or not isinstance(inputs, Mapping) or not torch.is_tensor(inputs.get(PIXELS)):
+        return wrt
+    if kind in REFUSED:
+        name, missing = REFUSED[kind]
+        raise MethodError(f"{type(model).__name__} ({name}) is not explained with its image: {missing}, so relprop "
+                          "would draw a wrong map. Supported vision-language families: "
+                          f"{', '.join(SUPPORTED.values())}")
+    if wrt is not None or kind not in SUPPORTED:
+        return wrt
+    blocks = {bool(getattr(i, "needs_blocks", True)) for i in infos}
+    if blocks == {False}:
+        return PIXELS
+    if blocks == {True}:
+        return IDS
+    raise MethodError(f"{type(model).__name__} ({SUPPORTED[kind]}): the methods "
+                      f"{sorted(i.name for i in infos)} explain different inputs (those that read the input relevance "
+                      "the pixels and the prompt, those that read the attention blocks the language model's tokens); "
+                      "explain them in two calls, or pass wrt=")
+
+
+def image_token_id(config) -> Optional[int]:
+    """The id of the image placeholder token (``image_token_id`` or ``image_token_index``)."""
+    for name in ("image_token_id", "image_token_index"):
+        v = getattr(config, name, None)
+        if isinstance(v, int):
+            return v
+    return None
+
+
+def token_layout(config):
+    """(patch grid (gh, gw) of the vision tower, image tokens per image, cell: patches per image token
+    along each side, whether a class token comes first) for the supported families."""
+    v = config.vision_config
+    side = v.image_size // v.patch_size
+    kind = config.model_type
+    if kind == "gemma3":
+        per_side = int(round(config.mm_tokens_per_image ** 0.5))
+        return (side, side), per_side * per_side, side // per_side, False
+    cls_first = kind == "llava" and getattr(config, "vision_feature_select_strategy", "default") == "full"
+    return (side, side), side * side + int(cls_first), 1, cls_first
+
+
+def patch_scores(scores: torch.Tensor, ids: torch.Tensor, config) -> torch.Tensor:
+    """[batch, gh·gw] row-major patch scores from [batch, tokens] scores of the language model's
+    sequence: the k-th image placeholder of sample b is image token k of image b, which holds a cell of
+    ``cell x cell`` patches (1x1 for LLaVA and PaliGemma; Gemma-3 pools the patch grid to
+    ``mm_tokens_per_image`` tokens) and spreads its score evenly over them (Σ patch scores = Σ image-token
+    scores); a class token (LLaVA's ``"full"`` features) holds no patch.
+
+    Raises
+    ------
+    MethodError
+        a sample does not hold exactly one image's placeholders.
+    """
+    (gh, gw), n, cell, cls_first = token_layout(config)
+    at = ids == image_token_id(config)
+    counts = at.sum(1)
+    if not bool((counts == n).all()):
+        raise MethodError(f"{SUPPORTED[config.model_type]}: every sample must hold one image's {n} placeholder tokens "
+                          f"(id {image_token_id(config)}) to place the image tokens on the patches; found "
+                          f"{counts.tolist()}")
+    tokens = scores[at].reshape(scores.shape[0], n)[:, int(cls_first):]
+    side = gw // cell
+    grid = tokens.reshape(-1, gh // cell, side) / (cell * cell)
+    grid = grid.repeat_interleave(cell, 1).repeat_interleave(cell, 2)
+    return grid.reshape(scores.shape[0], gh * gw)
+
+
+def place_image_tokens(results, model, kwargs, primary: str) -> None:
+    """For a supported VLM explained onto its language model's tokens (``wrt="input_ids"``): each
+    Explanation's ``streams`` gets the prompt's scores (``"input_ids"``) and the image tokens' scores
+    on the vision tower's patch grid (``"pixel_values"``, :func:`patch_scores`), with a note."""
+    kind = model_type(model)
+    if kind not in SUPPORTED or primary != IDS or not torch.is_tensor(kwargs.get(PIXELS)):
+        return
+    ids = kwargs[IDS]
+    (gh, gw), _, cell, _ = token_layout(model.config)
+    for exp in results:
+        if exp.scores.dim() != 2 or exp.scores.shape != ids.shape:
+            continue
+        exp.streams = {IDS: exp.scores, PIXELS: patch_scores(exp.scores, ids.to(exp.scores.device), model.config)}
+        exp.notes.append(f"{SUPPORTED[kind]}: the language model's blocks explained; each image placeholder's score "
+                         f"placed on the {gh}x{gw} patch grid of the vision tower (exp.streams['pixel_values'], "
+                         f"row-major) through the placeholder -> patch order"
+                         + (f", each image token spread evenly over its {cell}x{cell} pooled patches" if cell > 1
+                            else ""))

@@ -1,0 +1,75 @@
+"""Tiny random vision-language models (LLaVA, PaliGemma, Gemma-3), each built from a config (never
+downloaded) with a fixed seed, and their inputs built by hand: the prompt's ids with one image
+placeholder per image token the projector makes, and the pixels.
+
+Every family: a 32x32 image in 8x8 patches (a 4x4 grid, 16 image tokens), a 2-layer language model of
+width 32. The placeholder id is 3; the prompt's other ids are >= FIRST_ID.
+"""
+from __future__ import annotations
+
+import torch
+import transformers
+
+VOCAB = 64
+IMAGE_TOKEN = 3
+FIRST_ID = 4
+GRID = (4, 4)
+_SPECIAL = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)
+_TEXT = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=64, **_SPECIAL)
+_VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, image_size=32,
+               patch_size=8)
+
+
+def llava():
+    """LlavaForConditionalGeneration: CLIP vision tower (its last-but-one layer, the class token
+    dropped: 16 patch tokens) -> 2-layer MLP projector -> LLaMA."""
+    torch.manual_seed(0)
+    cfg = transformers.LlavaConfig(vision_config=transformers.CLIPVisionConfig(**_VISION),
+                                   text_config=transformers.LlamaConfig(**_TEXT), image_token_id=IMAGE_TOKEN,
+                                   vision_feature_layer=-2, vision_feature_select_strategy="default")
+    return transformers.LlavaForConditionalGeneration(cfg).eval()
+
+
+def paligemma():
+    """PaliGemmaForConditionalGeneration: SigLIP vision tower (16 patch tokens) -> linear projector -> Gemma."""
+    torch.manual_seed(0)
+    text = transformers.GemmaConfig(**_TEXT, head_dim=8)
+    cfg = transformers.PaliGemmaConfig(vision_config=transformers.SiglipVisionConfig(**_VISION), text_config=text,
+                                       image_token_index=IMAGE_TOKEN, projection_dim=32)
+    cfg.vision_config.projection_dim = 32
+    return transformers.PaliGemmaForConditionalGeneration(cfg).eval()
+
+
+def gemma3():
+    """Gemma3ForConditionalGeneration (a sliding window of 8 tokens, so the last of 11 reads the image): SigLIP
+    vision tower -> average pooling to mm_tokens_per_image
+    tokens (here 2x2 patches pooled: 4 image tokens) -> RMSNorm + linear projector -> Gemma-3."""
+    torch.manual_seed(0)
+    text = transformers.Gemma3TextConfig(**_TEXT, head_dim=8, sliding_window=8)  # the last token sees the image
+    cfg = transformers.Gemma3Config(vision_config=transformers.SiglipVisionConfig(**_VISION), text_config=text,
+                                    image_token_index=IMAGE_TOKEN, mm_tokens_per_image=4, boi_token_index=60,
+                                    eoi_token_index=61)
+    model = transformers.Gemma3ForConditionalGeneration(cfg).eval()
+    with torch.no_grad():  # transformers initializes the projection to zeros: the image would not reach the output
+        model.model.multi_modal_projector.mm_input_projection_weight.normal_(0, 0.2)
+    return model
+
+
+#: family -> (builder, image tokens per image)
+FAMILIES = {"llava": (llava, 16), "paligemma": (paligemma, 16), "gemma3": (gemma3, 4)}
+
+
+def batch(family: str, batch: int = 2, before: int = 3, after: int = 3, seed: int = 0):
+    """A prompt per sample ([BOS] + ``before`` ids + the image placeholders + ``after`` ids) and one image per
+    sample: ``{"input_ids", "attention_mask", "pixel_values"}`` (PaliGemma: ``token_type_ids`` too)."""
+    g = torch.Generator().manual_seed(seed)
+    n_img = FAMILIES[family][1]
+    ids = torch.randint(FIRST_ID, 60, (batch, 1 + before + n_img + after), generator=g)
+    ids[:, 0] = 1
+    ids[:, 1 + before:1 + before + n_img] = IMAGE_TOKEN
+    out = {"input_ids": ids, "attention_mask": torch.ones_like(ids),
+           "pixel_values": torch.randn(batch, 3, 32, 32, generator=g)}
+    if family == "paligemma":
+        out["token_type_ids"] = torch.zeros_like(ids)
+    return out
