@@ -184,3 +184,4 @@ def test_llama_rope():
     assert float(c.error.max()) < 1e-4, c
     a = relprop.explain(lm, ids, target=[5, 7], method="lrp", preset="attnlrp")
     assert not torch.equal(a.scores, e.scores)
+

@@ -14,7 +14,7 @@ from typing import List, Optional
 import torch
 
 from ..errors import RelpropError
-from ..rules.pa_lrp import position_kind
+from ..rules.pa_lrp import learned_position_name, position_kind
 from ..rules.stabilize import promote
 
 #: the label under which the ledger books the reassigned relevance before it is moved to the input
@@ -39,6 +39,7 @@ class PositionRelevance:
         self.batch = batch
         self.per_token: Optional[torch.Tensor] = None  # [batch, tokens]
         self.kinds: List[str] = []
+        self.sources: List[str] = []  # the learned position embeddings' parameter names
 
     def take(self, arg, consumer, share: torch.Tensor, batch_axis: Optional[int]) -> bool:
         """Keep ``share``, the relevance a rule of ``consumer`` gives its constant operand ``arg``, when
@@ -56,6 +57,17 @@ class PositionRelevance:
             raise PositionPathError(
                 f"PA-LRP found position encodings over {self.per_token.shape[1]} and {r.shape[1]} token positions "
                 f"(at '{consumer.name}'); relprop maps one sequence of positions onto the tokens. Use "
+                "preset='attnlrp' for this model.")
+        source = learned_position_name(arg, self.placeholders) if kind == "learned" else None
+        if source is not None and source not in self.sources:
+            self.sources.append(source)
+        if len(self.sources) > 1 or len(set(self.kinds) | {kind}) > 1:
+            # two towers (CLIP, a vision-language model) or two schemes: their positions are different
+            # token sequences, and adding them up position by position would be a silent wrong map
+            what = self.sources if len(self.sources) > 1 else sorted(set(self.kinds) | {kind})
+            raise PositionPathError(
+                f"PA-LRP found more than one position encoding on the relevance path ({', '.join(what)}, at "
+                f"'{consumer.name}'); relprop maps one sequence of positions onto the tokens. Use "
                 "preset='attnlrp' for this model.")
         self.per_token = r if self.per_token is None else self.per_token + r
         if kind not in self.kinds:
