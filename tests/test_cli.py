@@ -371,6 +371,15 @@ def test_preset_and_options_reach_every_asked_method():
     alone = relprop.explain(bert, batch, target=1, method="lrp", preset="attnlrp")  # (the one-backward fast path)
     torch.testing.assert_close(lrp.scores, alone.scores, rtol=1e-5, atol=1e-9)
     assert torch.equal(rollout.scores, relprop.explain(bert, batch, target=1, method="rollout", start_block=1).scores)
+    # an explain() setting reaches every call (here the folded path: no per-block records kept)
+    loaded.options.clear()
+    loading.apply_settings(loaded, ["rollout"], argparse.Namespace(option=["keep_blocks=false", "start_block=1"],
+                                                                 preset=None))
+    assert loaded.settings == {"keep_blocks": False} and loaded.options == {"start_block": 1}
+    (rollout2,) = loading.run_methods(loaded, batch, 1, ["rollout"])
+    assert rollout.kept_blocks and not rollout2.kept_blocks
+    torch.testing.assert_close(rollout2.scores, rollout.scores)
+    loaded.settings.clear()
     with pytest.raises(cli.CliError, match="--option start_block is not an option of lrp; they take: "):
         loading.apply_settings(loaded, ["lrp"], argparse.Namespace(option=["start_block=1"], preset=None))
     with pytest.raises(cli.CliError, match="unknown --preset 'attnlpr'.*did you mean 'attnlrp'"):

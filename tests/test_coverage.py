@@ -27,23 +27,6 @@ FAMILIES = {
 }
 
 
-class _Exp(torch.nn.Module):
-    def forward(self, x):
-        return torch.exp(x)
-
-
-class _Odd(torch.nn.Module):
-    """A model with an op that has no rule (exp) inside a named submodule."""
-
-    def __init__(self):
-        super().__init__()
-        self.inner = torch.nn.Sequential(torch.nn.Linear(4, 4), _Exp())
-        self.head = torch.nn.Linear(4, 2)
-
-    def forward(self, x):
-        return self.head(self.inner(x))
-
-
 @pytest.mark.parametrize("name", list(FAMILIES))
 def test_no_missing_op_and_blocks_found(name):
     """Every family of the issue: no op on the relevance path lacks a rule, the two attention
@@ -85,11 +68,11 @@ def test_report_names_rules_presets_and_modules():
 
 def test_missing_op_is_reported_with_module_and_decorator():
     """An op with no rule is 'missing' with its module path; the summary says how to register one."""
-    model = _Odd().eval()
+    model = models.UnruledOp().eval()
     report = relprop.coverage(model, torch.randn(2, 4))
     assert not report.complete
     (miss,) = report.missing
-    assert miss.op == "aten.exp.default" and miss.module == "inner.1" and miss.module_type.endswith("_Exp")
+    assert miss.op == "aten.exp.default" and miss.module == "inner.1" and miss.module_type.endswith("models.Exp")
     summary = report.summary()
     assert "MISSING: 1 op(s)" in summary and "aten.exp.default in inner.1" in summary
     assert "@relprop.rule(torch.ops.aten.exp.default, preset='chefer2021')" in summary
@@ -99,7 +82,7 @@ def test_missing_op_is_reported_with_module_and_decorator():
 
 def test_registered_rule_shows_up():
     """A rule registered with @relprop.rule is what the report names for that op."""
-    model = _Odd().eval()
+    model = models.UnruledOp().eval()
 
     @relprop.rule(torch.ops.aten.exp.default, preset="chefer2021")
     def exp_identity(ctx, relevance):

@@ -139,20 +139,7 @@ def test_target_errors(zoo, bad, pattern):
 
 def test_unsupported_operation_message():
     """An op with no rule names the op, the module path it came from and the decorator."""
-    class Odd(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.inner = torch.nn.Sequential(torch.nn.Linear(4, 4), Exp())
-            self.head = torch.nn.Linear(4, 2)
-
-        def forward(self, x):
-            return self.head(self.inner(x))
-
-    class Exp(torch.nn.Module):
-        def forward(self, x):
-            return torch.exp(x)
-
-    model = Odd().eval()
+    model = models.UnruledOp().eval()
     x = torch.randn(2, 4)
     with pytest.raises(relprop.UnsupportedOperation) as info:
         relprop.explain(model, x, target=0, method="transformer_attribution")

@@ -309,9 +309,10 @@ def test_value_zeroing_reference_text_padded(zoo):
 
 # ------------------------------------------------------------------ ViT-CX
 
-def _vitcx_reference(model, x, target, threshold=0.1, baseline="zero"):
+def _vitcx_reference(model, x, target, threshold=0.1, baseline="zero", relative=True):
     """Features of blocks[-1].norm1 (patch tokens), per-channel min-max, bilinear upsampling, sklearn
-    clustering on the upsampled maps (cosine, average linkage), cluster means, masked scores, Σ s M / Σ M."""
+    clustering on the upsampled maps (cosine, average linkage), cluster means, masked scores, Σ s M / Σ M
+    (relative: s minus the baseline image's score)."""
     from sklearn.cluster import AgglomerativeClustering
     model = _double(model)
     x = x.double()
@@ -336,23 +337,27 @@ def _vitcx_reference(model, x, target, threshold=0.1, baseline="zero"):
     base = torch.zeros_like(x) if baseline == "zero" else x.mean((1, 2), keepdim=True).expand_as(x)
     num = torch.zeros(H, W, dtype=torch.float64)
     den = torch.zeros(H, W, dtype=torch.float64)
+    with torch.no_grad():
+        s0 = float(model(base[None])[0, target]) if relative else 0.0
     for k in range(int(labels.max()) + 1):
         mask = maps[labels == k].mean(0)
         with torch.no_grad():
-            s = float(model((x * mask + base * (1 - mask))[None])[0, target])
+            s = float(model((x * mask + base * (1 - mask))[None])[0, target]) - s0
         num += s * mask
         den += mask
     return num / den, int(labels.max()) + 1
 
 
-@pytest.mark.parametrize("baseline", ["zero", "mean"])
-def test_vit_cx_reference(zoo, baseline):
-    """ViT-CX map against a plain-PyTorch + sklearn reference (clustering on the upsampled maps)."""
+@pytest.mark.parametrize("baseline,relative", [("zero", True), ("mean", True), ("zero", False)])
+def test_vit_cx_reference(zoo, baseline, relative):
+    """ViT-CX map against a plain-PyTorch + sklearn reference (clustering on the upsampled maps); relative=False
+    is the paper's Σ s M / Σ M, the default subtracts the baseline image's score."""
     model = zoo("timm_vit_tiny")
     x = models.image_batch(model, batch=2, seed=8)
-    e = relprop.explain(model, x, target=4, method="vit_cx", baseline=baseline, batch_size=5, distance_threshold=0.15)
+    e = relprop.explain(model, x, target=4, method="vit_cx", baseline=baseline, batch_size=5, distance_threshold=0.15,
+                        relative=relative)
     for i in range(2):
-        ref, k = _vitcx_reference(model, x[i], 4, threshold=0.15, baseline=baseline)
+        ref, k = _vitcx_reference(model, x[i], 4, threshold=0.15, baseline=baseline, relative=relative)
         assert k >= 2
         assert _close(e.map[i], ref, rel=1e-4)
 

@@ -13,23 +13,8 @@ import transformers
 from PIL import Image
 
 import relprop
-from relprop import demo
 
 import models
-
-
-@pytest.fixture(scope="module")
-def tok():
-    return transformers.AutoTokenizer.from_pretrained(demo.checkpoint_dir(), local_files_only=True)
-
-
-@pytest.fixture(scope="module")
-def classifier(tok):
-    torch.manual_seed(0)
-    cfg = transformers.BertConfig(vocab_size=tok.vocab_size, hidden_size=32, num_hidden_layers=2,
-                                  num_attention_heads=4, intermediate_size=64, max_position_embeddings=64,
-                                  id2label={0: "NEGATIVE", 1: "POSITIVE"}, label2id={"NEGATIVE": 0, "POSITIVE": 1})
-    return transformers.BertForSequenceClassification(cfg).eval()
 
 
 @pytest.fixture

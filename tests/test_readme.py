@@ -87,6 +87,25 @@ def test_readme_is_a_landing_page():
     assert '-m venv "$VENV"' in ci and 'pip install' in ci and '-e ".[test,demo' in ci  # in a fresh environment
 
 
+def test_readme_opens_with_a_picture_and_the_call():
+    text = open(README, encoding="utf-8").read()
+    title, picture, call = text.split("\n\n")[:3]
+    assert title == "# relprop" and picture.startswith("![") and picture.endswith(".png)")
+    assert call.startswith("```python\nexp = relprop.explain(") and "exp.show()" in call
+    assert snippets()[0] == block("exp.show()")
+
+
+def test_the_one_line_call_shows_the_words(capsys):
+    model, tok = demo.load()
+    inputs = tok([demo.DEFAULT_TEXTS[0]], return_tensors="pt")
+    scope = {"relprop": relprop, "model": model, "inputs": inputs, "tok": tok}
+    exec(compile(block("exp.show()"), "README.md", "exec"), scope)
+    exp = scope["exp"]
+    assert exp.target_label == ["sports"] and model.config.id2label[int(exp.target[0])] == "sports"
+    shown = capsys.readouterr().out
+    assert "explained: sports" in shown and "striker" in shown
+
+
 def test_readme_links_exist():
     root = os.path.dirname(README)
     text = open(README, encoding="utf-8").read()

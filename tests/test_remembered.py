@@ -14,25 +14,11 @@ from PIL import Image
 
 import models
 import relprop
-from relprop import demo
 from relprop.viz import api as viz_api
+from relprop.api.remembered import encoding_tokens
 from relprop.viz.text import token_strings
 
 TEXTS = ["a fine film", "a dull, lifeless film", "good", "the plot is thin but the cast is fine"]
-
-
-@pytest.fixture(scope="module")
-def tok():
-    return transformers.AutoTokenizer.from_pretrained(demo.checkpoint_dir(), local_files_only=True)
-
-
-@pytest.fixture(scope="module")
-def classifier(tok):
-    torch.manual_seed(0)
-    cfg = transformers.BertConfig(vocab_size=tok.vocab_size, hidden_size=32, num_hidden_layers=2,
-                                  num_attention_heads=4, intermediate_size=64, max_position_embeddings=64,
-                                  id2label={0: "NEGATIVE", 1: "POSITIVE"}, label2id={"NEGATIVE": 0, "POSITIVE": 1})
-    return transformers.BertForSequenceClassification(cfg).eval()
 
 
 @pytest.fixture(scope="module")
@@ -234,3 +220,32 @@ def test_zero_shot_text_pipeline_names_the_label_and_remembers_the_pair(tok):
     assert exp.target_label == ["sports", "business"]  # the label explained, not the NLI class "entailment"
     assert exp.tokens == token_strings(tok, pairs["input_ids"])
     assert "sports" in exp.show() and [w for w, _ in exp[1].words(index=0)][:2] == ["shares", "fell"]
+
+
+def test_a_fast_tokenizers_output_alone_gives_the_tokens(classifier, tok):
+    """A BatchEncoding of a fast tokenizer carries its token strings (``encodings[i].tokens``): without
+    tokenizer=, show() and words() still work and name the same tokens as with it; a plain dict of the same
+    tensors carries none, and words() then says what to pass."""
+    assert tok.is_fast
+    batch = tok(TEXTS[:2], padding=True, return_tensors="pt")
+    pad = batch["attention_mask"] == 0
+    alone = relprop.explain(classifier, batch, target=1, special_tokens_mask=pad)
+    given = relprop.explain(classifier, batch, target=1, tokenizer=tok, special_tokens_mask=pad)
+    assert alone.tokens == given.tokens == token_strings(tok, batch["input_ids"])
+    assert torch.equal(alone.scores, given.scores)
+    assert alone.words() == given.words() and "lifeless" in alone.show()
+    plain = relprop.explain(classifier, dict(batch), target=1, special_tokens_mask=pad)
+    assert plain.tokens is None
+    with pytest.raises(relprop.RelpropError, match="tokenizer"):
+        plain.words()
+
+
+def test_encoding_tokens_refuses_a_shape_it_does_not_match():
+    class Enc:
+        def __init__(self, tokens):
+            self.tokens = tokens
+    ids = torch.zeros(2, 3, dtype=torch.long)
+    assert encoding_tokens([Enc(["a", "b", "c"]), Enc(["d", "e", "f"])], ids) == [["a", "b", "c"], ["d", "e", "f"]]
+    assert encoding_tokens([Enc(["a", "b"]), Enc(["d", "e", "f"])], ids) is None  # one token per position
+    assert encoding_tokens([Enc(["a", "b", "c"])], ids) is None  # one encoding per sample
+    assert encoding_tokens(None, ids) is None

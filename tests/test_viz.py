@@ -104,6 +104,11 @@ def test_grid_figure_compares_methods(vision):
     titles = [ax.get_title() for ax in fig.axes]
     assert "transformer_attribution" in titles and "input_x_gradient (signed)" in titles
     assert img.size[0] > img.size[1]  # 3 columns, 2 rows
+    named = vimg.grid_figure(exps, x, column_titles=["first", "second"][:len(exps)])
+    assert [t for t in (ax.get_title() for ax in named.axes) if t in ("first", "second")] == ["first", "second"][
+        :len(exps)]
+    with pytest.raises(ValueError, match="one title per explanation"):
+        vimg.grid_figure(exps, x, column_titles=["only one"] * (len(exps) + 1))
 
 
 def test_overlay_needs_an_image_explanation(text):

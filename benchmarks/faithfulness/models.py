@@ -115,13 +115,15 @@ def make_vit(**kwargs):
 
 
 def train_vision(steps: int, out_dir: str, seed: int, batch_size: int = 64, lr: float = 5e-4, depth: int = 4,
-                 embed_dim: int = 128, num_heads: int = 4, two_object_fraction: float = 0.25, log=print) -> Dict:
+                 embed_dim: int = 128, num_heads: int = 4, two_object_fraction: float = 0.25, log=print,
+                 device: str = "cpu") -> Dict:
     """Train the ViT from scratch on freshly generated images (a new batch every step: no epoch, no
     overfitting). Two-object images get the soft label 1/2-1/2, so the model learns to score both of
-    their classes. Saves ``vit.pth`` (state dict) and ``vit.json`` (timm name and kwargs)."""
+    their classes. Saves ``vit.pth`` (state dict, on the CPU) and ``vit.json`` (timm name and kwargs).
+    ``device`` places the model and each batch (the images are still generated on the CPU from the seed)."""
     torch.manual_seed(seed)
     g = torch.Generator().manual_seed(seed)
-    model = make_vit(depth=depth, embed_dim=embed_dim, num_heads=num_heads)
+    model = make_vit(depth=depth, embed_dim=embed_dim, num_heads=num_heads).to(device)
     model.train()
     decay = [p for n, p in model.named_parameters() if p.ndim > 1 and "pos_embed" not in n and "cls_token" not in n]
     no_decay = [p for n, p in model.named_parameters() if not (p.ndim > 1 and "pos_embed" not in n
@@ -143,6 +145,7 @@ def train_vision(steps: int, out_dir: str, seed: int, batch_size: int = 64, lr: 
             y = torch.cat([y, F.one_hot(b2["classes"], n_cls).float().sum(1) / 2])
         for grp in opt.param_groups:
             grp["lr"] = _cosine_lr(step, steps, max(1, steps // 20), lr)
+        x, y = x.to(device), y.to(device)
         logits = model(synth.normalize(x))
         loss = torch.sum(-y * F.log_softmax(logits, -1), -1).mean()
         opt.zero_grad()
@@ -150,11 +153,11 @@ def train_vision(steps: int, out_dir: str, seed: int, batch_size: int = 64, lr: 
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         losses.append(loss.item())
-        accs.append(float((logits[:n1].argmax(-1) == b1["classes"][:, 0]).float().mean()))
+        accs.append(float((logits[:n1].argmax(-1).cpu() == b1["classes"][:, 0]).float().mean()))
         if (step + 1) % 100 == 0 or step == steps - 1:
             log(f"  vision step {step + 1}/{steps}: loss {np.mean(losses[-100:]):.4f}, "
                 f"train acc (1 object) {np.mean(accs[-100:]):.3f} ({time.time() - t0:.0f}s)")
-    model.eval()
+    model = model.cpu().eval()
     os.makedirs(out_dir, exist_ok=True)
     torch.save(model.state_dict(), os.path.join(out_dir, "vit.pth"))
     with open(os.path.join(out_dir, "vit.json"), "w") as f:

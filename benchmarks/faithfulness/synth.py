@@ -227,8 +227,8 @@ def image_batch(g: torch.Generator, b: int, objects: int = 1, n: int = IMAGE_SIZ
 
 
 def normalize(img: torch.Tensor) -> torch.Tensor:
-    mean = torch.tensor(MEAN).view(1, 3, 1, 1)
-    std = torch.tensor(STD).view(1, 3, 1, 1)
+    mean = torch.tensor(MEAN, device=img.device).view(1, 3, 1, 1)
+    std = torch.tensor(STD, device=img.device).view(1, 3, 1, 1)
     return (img - mean) / std
 
 

@@ -1,6 +1,7 @@
 """Make the figures of docs/methods/aggregation.md, docs/methods/norm_flows.md, docs/methods/heads.md,
 docs/activation-maximization.md and the colour legend of docs/getting-started.md (offline: the packaged
-all-MiniLM-L6-v2 demo model and a tiny timm ViT built from its config).
+all-MiniLM-L6-v2 demo model, and the gallery's trained ViT, docs/gallery/trained_vit: the faithfulness
+benchmark's 4-block ViT trained to name the shape in generated images, see docs/gallery/make_vit_gallery.py).
 
     PYTHONPATH=. python docs/figures/make_figures.py      # writes docs/figures/*.png, prints what it shows
 """
@@ -9,7 +10,6 @@ import sys
 
 import matplotlib
 import numpy as np
-import timm
 import torch
 
 import relprop
@@ -21,6 +21,9 @@ matplotlib.use("Agg")
 from matplotlib.figure import Figure  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(os.path.dirname(HERE), "gallery"))
+import make_vit_gallery as trained  # noqa: E402  (the trained ViT and its generated images)
+
 TEXT = "The striker scored twice as the home team won the cup final"
 
 
@@ -83,15 +86,17 @@ def main():
     fig = heads_figure(e, 0, tokens=tok.convert_ids_to_tokens(batch["input_ids"][0]))
     save_figure(fig, os.path.join(HERE, "heads_text.png"))
     print(f"heads: text {tuple(e.heads.shape)}")
-    vit = timm.create_model("vit_tiny_patch16_224", pretrained=False, num_classes=5, depth=2, img_size=64).eval()
-    x = torch.rand(1, 3, 64, 64, generator=torch.Generator().manual_seed(0))
+    vit = trained.load_model()  # the gallery's trained ViT: 64×64 images, 8×8 patches, 4 blocks of 4 heads
+    pixels, pair = trained.images()
+    x = trained.synth.normalize(pixels[3:])  # the image of two shapes
     e = relprop.explain(vit, x, method="raw_attention")
-    save_figure(heads_figure(e, 0, image=x[0]), os.path.join(HERE, "heads_image.png"))
-    print(f"heads: image {tuple(e.heads.shape)}")
-    # activation maximization, before/after the regularizers (random-init tiny ViT: the mechanics, not semantics)
-    plain = relprop.maximize_activation(vit, "class:1", steps=40, lr=0.1, progress=False)
-    reg = relprop.maximize_activation(vit, "class:1", steps=40, lr=0.1, jitter=4, blur=1.0, blur_every=4, tv=2.0,
-                            progress=False)
+    save_figure(heads_figure(e, 0, image=x[0], mean=trained.synth.MEAN, std=trained.synth.STD),
+                os.path.join(HERE, "heads_image.png"))
+    print(f"heads: image {tuple(e.heads.shape)}, shapes {[trained.synth.SHAPES[c] for c in pair]}")
+    # activation maximization, before/after the regularizers, of the trained ViT's class "circle"
+    plain = relprop.maximize_activation(vit, "class:0", steps=40, lr=0.1, progress=False)
+    reg = relprop.maximize_activation(vit, "class:0", steps=40, lr=0.1, jitter=4, blur=1.0, blur_every=4, tv=2.0,
+                                      progress=False)
     fig = Figure(figsize=(7, 2.6))
     for i, (name, v) in enumerate([("L2 only", plain), ("L2 + jitter + blur + TV", reg)]):
         ax = fig.add_subplot(1, 3, i + 1)
@@ -102,7 +107,7 @@ def main():
     ax.plot(plain.values, label="L2 only")
     ax.plot(reg.values, label="regularized")
     ax.set_xlabel("step", fontsize=8)
-    ax.set_title("unit value (class:1)", fontsize=8)
+    ax.set_title("unit value (class:0, circle)", fontsize=8)
     ax.legend(fontsize=7)
     fig.tight_layout()
     save_figure(fig, os.path.join(HERE, "activation_maximization.png"))

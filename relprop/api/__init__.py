@@ -3,8 +3,9 @@
 ==================  =====================================================================================
 module              job
 ==================  =====================================================================================
-``front_door``      :func:`explain`, :func:`explain_settings`, :func:`coverage` and their shared prologue
+``front_door``      :func:`explain`, :func:`explain_settings` and the prologue they share with coverage
                     (:func:`prepare`: check, bind the inputs, capture the graph)
+``graph_coverage``  :func:`coverage`: every op of the captured graph and how a preset handles it
 ``options``         every argument of ``explain`` and ``coverage`` checked, each bad value a named error
 ``validation``      the model, its inputs and the result checked (no NaN or ±inf leaves relprop)
 ``raw_inputs``      inputs users have (pipelines, raw text, images, files) turned into tensors
@@ -13,7 +14,8 @@ module              job
 ``generated_text``  :func:`explain_generation`: attribution of every token a model generates
 ==================  =====================================================================================
 """
-from .front_door import DEFAULT_PRESET, Prepared, coverage, explain, explain_settings, prepare
+from .front_door import DEFAULT_PRESET, Prepared, explain, explain_settings, prepare
+from .graph_coverage import coverage
 from .generated_text import GenerationExplanation, explain_generation
 
 __all__ = ["DEFAULT_PRESET", "GenerationExplanation", "Prepared", "coverage", "explain", "explain_generation",

@@ -1,12 +1,10 @@
 """The front door: :func:`explain` and :func:`coverage`.
 
-Both check every argument first (:mod:`relprop.api.options`), then share one prologue
-(:func:`prepare`): the model and inputs are checked, the inputs bound to the model's forward and the
-graph captured (cached). :func:`explain` checks everything once into a frozen :class:`Call` (the
-resolved :class:`relprop.rules.Preset`, each method's options, the engine options as fields), which
-flows down unchanged: the engine runs once per preset the methods need (:mod:`relprop.engine`, each
-:class:`relprop.engine.Request` made by :meth:`Call.request`), each method is applied
-(:mod:`relprop.methods`) and the Explanations built (:mod:`relprop.explanation`).
+Both check every argument first (``relprop.api.options``), then share one prologue (``prepare``: inputs
+checked and bound to the model's forward, graph captured and cached). ``explain`` checks everything once
+into a frozen ``Call`` (the resolved Preset, each method's options, the engine options), which flows down
+unchanged: one engine run per preset the methods need (``Call.request``), the methods applied and the
+Explanations built.
 """
 from __future__ import annotations
 
@@ -18,9 +16,9 @@ import torch
 
 from . import options as opt
 from . import raw_inputs, refusals, remembered, validation
-from ..engine import FastPathUnavailable, Request, Trace, report, run, run_fast
-from ..engine.coverage import Coverage
+from ..engine import FastPathUnavailable, Request, Trace, run, run_fast
 from ..errors import MethodError, OptionError, RelpropError, warn
+from ..graph import progress_line
 from ..explanation import build, mask_from_tokenizer, split_tokenizer_keys
 from ..graph.capture import CACHE, Captured, CaptureEvent, capture_notes
 from ..graph.inputs import bind_inputs, primary_input
@@ -59,8 +57,7 @@ def prepare(model: torch.nn.Module, inputs: Any, wrt: Optional[str]) -> Prepared
 
 @dataclasses.dataclass(frozen=True)
 class Call:
-    """One call of :func:`explain` or :func:`explain_settings` with every argument checked: what
-    flows from the front door down to each engine :class:`relprop.engine.Request`, unchanged.
+    """One call of ``explain`` / ``explain_settings``, every argument checked, flowing down unchanged.
 
     Attributes
     ----------
@@ -73,9 +70,9 @@ class Call:
     special_tokens_mask, mask_source : positions left out of text scores, and where they came from.
     eps, unsupported, memory, precision : the engine options (:class:`relprop.engine.Request`).
     fast_path, keep_blocks, records_budget : how the engine is run (see :func:`explain`).
-    tokenizer, image_processor, given_target, spec : what the Explanations remember to draw
-        themselves (:mod:`relprop.api.remembered`): the tokenizer and image processor (given or a
-        pipeline's), ``target=`` as given and as specified for the model's head.
+    tokenizer, image_processor, given_target, spec, encodings : what the Explanations remember to draw
+        themselves (``relprop.api.remembered``): tokenizer, image processor, ``target=`` as given and as
+        specified, a fast tokenizer's ``BatchEncoding.encodings`` (token strings without ``tokenizer=``).
     """
 
     model: torch.nn.Module
@@ -98,6 +95,7 @@ class Call:
     image_processor: Any = None
     given_target: Any = None
     spec: Any = None
+    encodings: Any = None
 
     def request(self, preset: Preset, **fields) -> Request:
         """The engine's Request for one run under ``preset`` (``fields``: ``relevance``,
@@ -112,7 +110,7 @@ def explain(model: torch.nn.Module, inputs: Any, target: Any = None, method: Any
             special_tokens_mask: Optional[torch.Tensor] = None, tokenizer: Any = None,
             fast_path: Optional[bool] = None, memory: str = "default", wrt: Optional[str] = None,
             image_processor: Any = None, keep_blocks: Optional[bool] = None, precision: str = "float32",
-            records_budget: Optional[float] = None, **options):
+            records_budget: Optional[float] = None, progress: Optional[bool] = None, **options):
     """Explain the score of class ``target`` of an unmodified ``model`` on ``inputs``.
 
     Captures the model's graph (``torch.export``, cached per model), runs it forward and back, walks
@@ -123,32 +121,51 @@ def explain(model: torch.nn.Module, inputs: Any, target: Any = None, method: Any
 
     Parameters
     ----------
-    model : a ``transformers`` or ``timm`` model (any ``nn.Module`` ``torch.export`` can capture), or a
+    model
+        a ``transformers`` or ``timm`` model (any ``nn.Module`` ``torch.export`` can capture), or a
         HuggingFace text/image classification or zero-shot ``pipeline`` (docs/inputs-and-targets.md).
-    inputs : what the model's forward takes (a tensor, a tuple, a dict such as a tokenizer's output), or
-        raw inputs: strings, PIL images or image paths (:mod:`relprop.api.raw_inputs`).
-    target : None (the predicted class; a language model's next token), a class index or one per sample,
-        a label name, :func:`relprop.contrast`, or a callable ``target(outputs) -> [batch]``.
-    method : a name from ``relprop.methods()``, or a list of names sharing one forward pass.
-    preset : relevance rules, a name from ``relprop.presets()`` or a :class:`relprop.Preset`; None: each
+    inputs
+        what the model's forward takes (a tensor, a tuple, a dict such as a tokenizer's output), or
+        raw inputs: strings, PIL images or image paths (``relprop.api.raw_inputs``).
+    target
+        None (the predicted class; a language model's next token), a class index or one per sample,
+        a label name, ``relprop.contrast``, or a callable ``target(outputs) -> [batch]``.
+    method
+        a name from ``relprop.methods()``, or a list of names sharing one forward pass.
+    preset
+        relevance rules, a name from ``relprop.presets()`` or a ``relprop.Preset``; None: each
         method's own preset, else ``"chefer2021"``.
-    eps : denominator stabilizer of the rules (finite, >= 0).
-    unsupported : ``"error"`` refuses an op without a rule; ``"z_rule"`` gives it gradient x input.
-    special_tokens_mask : [batch, positions] bool, True at positions left out of text scores; None: from
+    eps
+        denominator stabilizer of the rules (finite, >= 0).
+    unsupported
+        ``"error"`` refuses an op without a rule; ``"z_rule"`` gives it gradient x input.
+    special_tokens_mask
+        [batch, positions] bool, True at positions left out of text scores; None: from
         the batch, ``tokenizer`` or the model's config (``exp.notes`` says which).
-    tokenizer : tokenizes raw text, marks special tokens, turns string targets into token ids.
-    fast_path : None takes AttnLRP/CP-LRP's one-backward form when it applies; True also warns when it
+    tokenizer
+        tokenizes raw text, marks special tokens, turns string targets into token ids.
+    fast_path
+        None takes AttnLRP/CP-LRP's one-backward form when it applies; True also warns when it
         does not; False always walks rule by rule (with the conservation ledger).
-    memory : ``"default"``, ``"low"`` (block by block, lower peak, about one more forward pass) or
+    memory
+        ``"default"``, ``"low"`` (block by block, lower peak, about one more forward pass) or
         ``"high"`` (keeps a memo of |W| with the model for later calls).
-    wrt : name of the input to explain onto when the model takes several (CLIP: ``"pixel_values"``).
-    image_processor : a HuggingFace image processor for raw images.
-    keep_blocks : None keeps the per-block records while they fit ``records_budget`` and folds the
+    wrt
+        name of the input to explain onto when the model takes several (CLIP: ``"pixel_values"``).
+    image_processor
+        a HuggingFace image processor for raw images.
+    keep_blocks
+        None keeps the per-block records while they fit ``records_budget`` and folds the
         rollout-style methods block by block beyond it; True always keeps them, False always folds.
-    precision : ``"float32"`` evaluates a half-precision model in float32; ``"model"`` keeps its dtype.
-    records_budget : bytes the kept records may take; None: 1 GiB or a quarter of the free memory.
-    **options : method options (``start_block=``, ``normalize_rows=``, ...), each given to the methods
-        that take it.
+    precision
+        ``"float32"`` evaluates a half-precision model in float32; ``"model"`` keeps its dtype.
+    records_budget
+        bytes the kept records may take; None: 1 GiB or a quarter of the free memory.
+    progress
+        a progress line on stderr once the call has lasted 2 s (first capture, many methods, SmoothGrad's
+        samples); None: as ``RELPROP_PROGRESS`` says, else when stderr is a terminal. It changes no result.
+    **options
+        method options (``start_block=``, ``normalize_rows=``, ...), each given to the methods that take it.
 
     Returns
     -------
@@ -174,32 +191,34 @@ def explain(model: torch.nn.Module, inputs: Any, target: Any = None, method: Any
     >>> exp.scores          # [batch, tokens], special tokens and padding at 0
     >>> exps = relprop.explain(vit, pixels, method=["transformer_attribution", "rollout"])
     """
-    given_target = target
-    if raw_inputs.is_pipeline(model) and image_processor is None:
-        image_processor = getattr(model, "image_processor", None)
-    model, inputs, tokenizer, target, wrt = raw_inputs.adapt(model, inputs, tokenizer, image_processor, target, wrt)
-    infos, many = opt.check_methods(method)
-    preset = opt.check_preset(preset)
-    per_method = opt.method_options(infos, options, many)
-    jobs = opt.check_jobs([(i, per_method[i.name]) for i in infos], preset)
-    call = _check(model, inputs, target, jobs, many, preset, tokenizer=tokenizer,
-                  special_tokens_mask=special_tokens_mask, wrt=wrt, eps=eps, unsupported=unsupported, memory=memory,
-                  fast_path=fast_path, keep_blocks=keep_blocks, precision=precision, records_budget=records_budget,
-                  image_processor=image_processor, given_target=given_target)
-    with _reported(call.model, call.jobs):
-        return _explain(call)
+    opt.check_progress(progress)
+    with progress_line.line(f"explaining {type(model).__name__}", progress):
+        given_target = target
+        if raw_inputs.is_pipeline(model) and image_processor is None:
+            image_processor = getattr(model, "image_processor", None)
+        model, inputs, tokenizer, target, wrt = raw_inputs.adapt(model, inputs, tokenizer, image_processor, target, wrt)
+        infos, many = opt.check_methods(method)
+        preset = opt.check_preset(preset)
+        per_method = opt.method_options(infos, options, many)
+        jobs = opt.check_jobs([(i, per_method[i.name]) for i in infos], preset)
+        call = _check(model, inputs, target, jobs, many, preset, tokenizer=tokenizer,
+                      special_tokens_mask=special_tokens_mask, wrt=wrt, eps=eps, unsupported=unsupported, memory=memory,
+                      fast_path=fast_path, keep_blocks=keep_blocks, precision=precision, records_budget=records_budget,
+                      image_processor=image_processor, given_target=given_target)
+        with _reported(call.model, call.jobs):
+            return _explain(call)
 
 
 def explain_settings(model: torch.nn.Module, inputs: Any, settings: Sequence[Dict[str, Any]], target: Any = None,
                      method: str = "transformer_attribution", preset: Any = None, *, eps: float = DEFAULT_EPS,
                      unsupported: str = "error", special_tokens_mask: Optional[torch.Tensor] = None,
                      tokenizer: Any = None, memory: str = "default", wrt: Optional[str] = None) -> list:
-    """:func:`explain` of one ``method`` once per options dict of ``settings``, all from one
+    """``explain`` of one ``method`` once per options dict of ``settings``, all from one
     forward/backward pass: the per-block records of one trace serve every setting (the survey's
-    §1.4, aggregation as hyperparameters, evaluated by :func:`relprop.evaluation.tune`).
+    §1.4, aggregation as hyperparameters, evaluated by ``relprop.evaluation.tune``).
 
-    Returns one :class:`relprop.Explanation` per setting, in order; each setting's options are
-    checked as :func:`explain` checks them, all before any work.
+    Returns one ``relprop.Explanation`` per setting, in order; each setting's options are
+    checked as ``explain`` checks them, all before any work.
     """
     infos, many = opt.check_methods(method)
     if many:
@@ -225,6 +244,7 @@ def _check(model, inputs, target, jobs: Tuple[Job, ...], many: bool, preset: Opt
     (the methods and their presets are checked already: ``jobs``)."""
     opt.check_arguments(eps=eps, unsupported=unsupported, memory=memory, fast_path=fast_path,
                         keep_blocks=keep_blocks, precision=precision, records_budget=records_budget)
+    encodings = getattr(inputs, "encodings", None)  # a fast tokenizer's output knows its token strings
     inputs, batch_mask = split_tokenizer_keys(inputs)
     mask_source = "special_tokens_mask=" if special_tokens_mask is not None else "the batch's special_tokens_mask"
     special_tokens_mask = opt.check_special_tokens_mask(special_tokens_mask if special_tokens_mask is not None
@@ -243,7 +263,7 @@ def _check(model, inputs, target, jobs: Tuple[Job, ...], many: bool, preset: Opt
     return Call(model, prepared, resolved, jobs, many, preset, preset if preset is not None else get_preset(
         DEFAULT_PRESET), special_tokens_mask, mask_source, eps, unsupported, memory, precision, fast_path,
         keep_blocks, records_budget, tokenizer, image_processor, given_target if given_target is not None
-        else target, spec)
+        else target, spec, encodings)
 
 
 @contextlib.contextmanager
@@ -288,7 +308,8 @@ def _explain(call: Call):
             key = job.preset if job.preset is not None else next(iter(traces))
             trace = traces[key]
             try:
-                out = apply(job.info, trace, job.options, key.name if key is not None else None, model_name)
+                with progress_line.step(f"method {job.info.name}"):
+                    out = apply(job.info, trace, job.options, key.name if key is not None else None, model_name)
                 results.append(build(job.info, _label(key, call), out, trace, call.special_tokens_mask,
                                      call.mask_source))
             except MethodError as e:  # a refusal names only the methods that run on this model
@@ -299,7 +320,7 @@ def _explain(call: Call):
     validation.check_result(results)
     remembered.remember(results, model=call.model, inputs=call.prepared.kwargs, primary=captured.primary,
                         tokenizer=call.tokenizer, image_processor=call.image_processor, target=call.given_target,
-                        spec=call.spec)
+                        spec=call.spec, encodings=call.encodings)
     for r in results:
         r.notes.extend(capture_notes(call.prepared.event, captured, model_name))
     return results if call.many else results[0]
@@ -341,41 +362,26 @@ def _run_engine(call: Call) -> Dict[Optional[Preset], Trace]:
     input_gradient = any(i.needs_input_gradient for i in infos)
     traces: Dict[Optional[Preset], Trace] = {}
     for p in wanted:
-        note = None
-        if call.fast_path is not False and input_only:
-            try:
-                traces[p] = run_fast(call.request(p, input_gradient=input_gradient))
-                continue
-            except FastPathUnavailable as why:
-                note = (f"the one-backward fast path was not taken under preset '{p.name}' ({why}); the graph was "
-                        "walked rule by rule instead (same relevance, slower)")
-                if call.fast_path is True:
-                    warn(note)
-        traces[p] = run(call.request(p, input_gradient=input_gradient))
-        if note is not None:
-            traces[p].notes.append(note)
+        with progress_line.step(f"forward and backward pass, relevance under preset '{p.name}'"):
+            traces[p] = _run_preset(call, p, input_only, input_gradient)
     if not traces:
         traces[None] = run(call.request(call.fallback, relevance=False, input_gradient=input_gradient))
     return traces
 
 
-def coverage(model: torch.nn.Module, inputs: Any, preset: Any = "chefer2021", *, wrt: Optional[str] = None) -> Coverage:
-    """Every op of ``model``'s captured graph on ``inputs`` and how ``preset`` handles it.
-
-    Parameters
-    ----------
-    model, inputs, wrt : as for :func:`explain` (the capture is shared with it and cached; the
-        model is not modified and nothing is run but the capture).
-    preset : the rules to report, a name or a :class:`relprop.Preset` (``relprop.presets()`` lists them).
-
-    Returns
-    -------
-    Coverage : ``print(report)`` shows every op with its module path and handling (rule and preset,
-        shape-only, missing, ...), the attention blocks found and a summary; ``report.missing`` lists
-        the ops explain() has no rule for, ``report.complete`` is True when there are none.
-    """
-    checked = opt.check_preset(preset)
-    if checked is None:
-        checked = get_preset(DEFAULT_PRESET)
-    prepared = prepare(model, inputs, wrt)
-    return report(prepared.captured, checked, type(model).__name__)
+def _run_preset(call: Call, p: Preset, input_only: bool, input_gradient: bool) -> Trace:
+    """The trace of one preset: the one-backward fast path when every method reads only the input
+    relevance and it applies (else a note says why not), else the rule-by-rule walk."""
+    note = None
+    if call.fast_path is not False and input_only:
+        try:
+            return run_fast(call.request(p, input_gradient=input_gradient))
+        except FastPathUnavailable as why:
+            note = (f"the one-backward fast path was not taken under preset '{p.name}' ({why}); the graph was "
+                    "walked rule by rule instead (same relevance, slower)")
+            if call.fast_path is True:
+                warn(note)
+    trace = run(call.request(p, input_gradient=input_gradient))
+    if note is not None:
+        trace.notes.append(note)
+    return trace

@@ -69,7 +69,7 @@ class GenerationExplanation:
     _repr_html_ = viz_generation.notebook_html  # the matrix drawn inline in a notebook
 
     def save(self, path: str, **kwargs) -> str:
-        """Write the heatmap to ``path``: ``.html`` (:meth:`html`) or an image (``.png``, ``.pdf``)."""
+        """Write the heatmap to ``path``: ``.html`` (``html``) or an image (``.png``, ``.pdf``)."""
         if str(path).endswith(".html"):
             with open(path, "w", encoding="utf-8") as f:
                 f.write(self.html())
@@ -169,34 +169,45 @@ def explain_generation(model, tokenizer=None, prompt: Union[str, torch.Tensor, S
                        max_new_tokens: int = 16, method: str = "lrp", preset: Optional[str] = "attnlrp",
                        target: Any = None, contrast: Any = None, batch_size: Optional[int] = None, **options
                        ) -> Union[GenerationExplanation, List[GenerationExplanation]]:
-    """Explain every token a model generates for ``prompt`` (see the module docstring).
+    """Explain every token a model generates for ``prompt``: row t of the result is the relevance of each
+    prompt (or source) token and each earlier generated token for the t-th generated token
+    (docs/models/generation.md).
 
     Parameters
     ----------
-    model : a causal language model (``*ForCausalLM``) or an encoder–decoder (T5, BART, Marian, ...).
-    tokenizer : turns a prompt string into ids and ids into the labels of the picture (optional when
+    model
+        a causal language model (``*ForCausalLM``) or an encoder–decoder (T5, BART, Marian, ...).
+    tokenizer
+        turns a prompt string into ids and ids into the labels of the picture (optional when
         ``prompt`` holds ids).
-    prompt : a string, a [1, length] tensor of ids or a tokenizer's output; a list of them gives a
+    prompt
+        a string, a [1, length] tensor of ids or a tokenizer's output; a list of them gives a
         list of results. For an encoder–decoder it is the source: ids, or one image [1, C, H, W]
         (``VisionEncoderDecoderModel``: columns are the image's patches) or one log-mel feature
         matrix [1, mel bins, frames] (Whisper: columns are the frames, or the encoder's tokens for
         the rollout methods).
-    max_new_tokens : how many tokens to generate greedily (stopping after the end-of-sequence token).
-    method, preset, options : as for :func:`relprop.explain`; default AttnLRP (Achtibat et al., ICML
+    max_new_tokens
+        how many tokens to generate greedily (stopping after the end-of-sequence token).
+    method, preset, options
+        as for ``relprop.explain``; default AttnLRP (Achtibat et al., ICML
         2024) with its one-backward fast path. A method with per-token scores over the explained input
         (``lrp``, ``gradient_rollout``, ``transformer_attribution``, ``input_x_gradient``, ...).
-    target : None (the greedy continuation) or the token ids of a fixed continuation to explain
+    target
+        None (the greedy continuation) or the token ids of a fixed continuation to explain
         (teacher-forced; nothing is generated).
-    contrast : None, or one alternative token id (or one per generated token): each row then
+    contrast
+        None, or one alternative token id (or one per generated token): each row then
         explains logit(y_t) − logit(alternative), why the model wrote y_t rather than it.
-    batch_size : how many teacher-forced copies of the sequence one call of :func:`relprop.explain`
+    batch_size
+        how many teacher-forced copies of the sequence one call of ``relprop.explain``
         explains (the memory of a call grows with it). None (default): as many as hold about
-        :data:`TOKENS_PER_CALL` tokens, at least one. The rows do not depend on it (to float
+        ``TOKENS_PER_CALL`` tokens, at least one. The rows do not depend on it (to float
         rounding of the batched products).
 
     Returns
     -------
-    GenerationExplanation (a list of them for a list of prompts)
+    GenerationExplanation
+        the attribution of every generated token (a list of them for a list of prompts).
     """
     before = CACHE.captures
     many = isinstance(prompt, (list, tuple)) and not torch.is_tensor(prompt)

@@ -97,6 +97,13 @@ def check_special_tokens_mask(mask: Any) -> Optional[torch.Tensor]:
     return t.bool()
 
 
+def check_progress(progress: Any) -> None:
+    """``progress`` is None (:func:`relprop.graph.progress_line.wanted` decides), True or False."""
+    if progress is not None and not isinstance(progress, bool):
+        raise OptionError(f"progress={progress!r} is not a choice here. Choices: [None, True, False] (None: a progress "
+                          "line on stderr when RELPROP_PROGRESS=1 or stderr is a terminal; True: always; False: never)")
+
+
 #: the values of ``explain(..., keep_blocks=...)``
 KEEP_BLOCKS_CHOICES = (None, True, False)
 

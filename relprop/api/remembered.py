@@ -3,7 +3,8 @@
 argument after any input form :func:`relprop.explain` takes.
 
 * ``tokens``: per sample, the token strings of the explained ids, from the tokenizer given to
-  ``explain()`` or the pipeline's (raw text is tokenized by it too);
+  ``explain()`` or the pipeline's (raw text is tokenized by it too), else from a fast tokenizer's
+  output itself (``BatchEncoding.encodings[i].tokens``, when they match the ids' shape);
 * ``labels``: the model's class names: ``config.id2label`` (a pipeline's model's included) unless it is
   only the ``LABEL_i`` defaults, else timm's ``pretrained_cfg["label_names"]``;
 * ``target_label``: per sample, the name of what is explained: the label name(s) given as ``target=``,
@@ -71,13 +72,25 @@ def _decode(tokenizer: Any, ids: torch.Tensor) -> Optional[List[str]]:
     return [str(decode([int(i)])) for i in ids.tolist()]
 
 
+def encoding_tokens(encodings: Any, ids: torch.Tensor) -> Optional[List[List[str]]]:
+    """Per sample, the token strings a fast tokenizer's ``BatchEncoding.encodings`` carry, if there is
+    one per row of ``ids`` [batch, positions] with one token per position; else None."""
+    if not isinstance(encodings, (list, tuple)) or len(encodings) != int(ids.shape[0]):
+        return None
+    rows = [list(getattr(e, "tokens", None) or []) for e in encodings]
+    if any(len(r) != int(ids.shape[1]) for r in rows):
+        return None
+    return [[str(t) for t in r] for r in rows]
+
+
 def remember(results: list, *, model: Any, inputs: dict, primary: str, tokenizer: Any = None,
-             image_processor: Any = None, target: Any = None, spec: Any = None) -> None:
+             image_processor: Any = None, target: Any = None, spec: Any = None, encodings: Any = None) -> None:
     """Fill ``tokens``, ``labels``, ``target_label``, ``image`` (and its ``image_mean``/``image_std``) of
     each Explanation of ``results`` from the call that made them: the ``model`` explained, its keyword
     ``inputs`` and explained input ``primary``, the ``tokenizer`` / ``image_processor`` (given or the
     pipeline's), ``target`` as the user gave it and ``spec``, the target specified for the model's head
-    (:func:`relprop.targets.specify`); a language model's ``target`` becomes the explained token ids."""
+    (:func:`relprop.targets.specify`) and ``encodings``, a fast tokenizer's ``BatchEncoding.encodings``
+    (token strings when no tokenizer is given); a language model's ``target`` becomes the explained token ids."""
     if not results:
         return
     x = inputs.get(primary)
@@ -86,6 +99,8 @@ def remember(results: list, *, model: Any, inputs: dict, primary: str, tokenizer
     if torch.is_tensor(x) and not x.is_floating_point() and x.dim() == 2 and tokenizer is not None \
             and hasattr(tokenizer, "convert_ids_to_tokens"):
         tokens = token_strings(tokenizer, x)
+    elif torch.is_tensor(x) and not x.is_floating_point() and x.dim() == 2 and encodings is not None:
+        tokens = encoding_tokens(encodings, x)
     elif torch.is_tensor(x) and x.is_floating_point() and x.dim() == 4:
         image = x.detach().to("cpu", copy=True)
         mean, std = _normalisation(model, image_processor)

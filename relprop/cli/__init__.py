@@ -1,18 +1,20 @@
 """The ``relprop`` command line (also ``python -m relprop``).
 
-=============  ========================================================================================
-module         job
-=============  ========================================================================================
-``parser``     the arguments of every command (imports nothing heavy)
-``common``     exit statuses, one-line errors, offline mode, argument checks (imports nothing heavy)
-``loading``    loading a model offline (folder, timm name, cached hub id, the demo) and running it;
-               the --method names
-``commands``   ``relprop methods``, ``relprop explain``, ``relprop demo``
-``images``     explaining image files (``--image``)
-``texts``      explaining texts (``--text``, ``--text-file``, the demo)
-``evaluate``   ``relprop evaluate``: the papers' evaluation protocols on a dataset
-``visualize``  ``relprop visualize``: activation maximization
-=============  ========================================================================================
+==================  ======================================================================================
+module              job
+==================  ======================================================================================
+``parser``          the arguments of every command (imports nothing heavy)
+``common``          exit statuses, one-line errors, offline mode, parsing --option (imports nothing heavy)
+``early_checks``    every command's argument checks that need no model, run before torch is imported
+``known_names``     the methods with their options, the presets, metrics and units those checks know
+``loading``         loading a model offline (folder, timm name, cached hub id, the demo) and running it;
+                    the --method names
+``commands``        ``relprop methods``, ``relprop explain``, ``relprop demo``
+``images``          explaining image files (``--image``)
+``texts``           explaining texts (``--text``, ``--text-file``, the demo)
+``evaluate``        ``relprop evaluate``: the papers' evaluation protocols on a dataset
+``visualize``       ``relprop visualize``: activation maximization
+==================  ======================================================================================
 
 Everything runs offline: models are loaded from a local folder or the local HuggingFace/timm cache
 (``HF_HUB_OFFLINE=1``, ``local_files_only=True``) and nothing is ever downloaded. A mistake a user can
@@ -20,7 +22,8 @@ make (missing file, unknown model, model not available offline, unknown method, 
 on stderr and a non-zero exit status, never a traceback (``--debug`` shows it).
 
 Start-up: this module is the dispatcher. It parses the arguments with :mod:`relprop.cli.parser` and
-:mod:`relprop.cli.common`, which import no torch, numpy, transformers or timm, so ``relprop --help``,
+:mod:`relprop.cli.common` and checks them with :mod:`relprop.cli.early_checks` (a missing file, an
+unknown method or option), which import no torch, numpy, transformers or timm, so ``relprop --help``,
 ``relprop COMMAND --help``, ``relprop --version`` and a bad argument take a fraction of a second. Only
 then does :func:`run_command` import the module that runs the command (:data:`COMMANDS`), with
 ``importlib.import_module`` on a name written in this file; ``Loaded`` and ``load_model`` and the
@@ -37,8 +40,8 @@ from typing import TYPE_CHECKING, Optional, Sequence
 
 from ..errors import RelpropError
 from ..version import __version__
-from .common import (DEMO_NAME, EXIT_FAILED, EXIT_MODEL, EXIT_OK, EXIT_USAGE, CliError, check_explain_arguments,
-                     fail, go_offline, quiet)
+from .common import DEMO_NAME, EXIT_FAILED, EXIT_MODEL, EXIT_OK, EXIT_USAGE, CliError, fail, go_offline, quiet
+from .early_checks import check_arguments
 from .parser import build_parser
 
 if TYPE_CHECKING:  # what type checkers see; at run time, __getattr__ below
@@ -93,8 +96,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if not getattr(args, "command", None):
             parser.print_help()
             return EXIT_USAGE
-        if args.command in ("explain", "demo"):
-            check_explain_arguments(args)  # before torch is imported: a mistake is answered at once
+        check_arguments(args)  # before torch is imported: a mistake is answered at once (early_checks)
         quiet(debug)  # after parsing: silencing transformers imports it
         return run_command(args)
     except CliError as err:

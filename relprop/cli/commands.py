@@ -8,7 +8,8 @@ from typing import Dict, List
 from ..tools import demo
 from ..api import coverage
 from ..methods import get_method, table
-from .common import EXIT_FAILED, EXIT_OK, CliError, check_explain_arguments, one_line
+from .common import EXIT_FAILED, EXIT_OK, CliError, one_line
+from .early_checks import check_explain_arguments
 from .images import explain_images
 from .loading import Loaded, apply_settings, check_preset, load_demo, load_model, method_options, parse_methods
 from .texts import explain_texts

@@ -1,4 +1,4 @@
-"""What every ``relprop`` command shares: exit statuses, one-line errors, offline mode, argument checks.
+"""What every ``relprop`` command shares: exit statuses, one-line errors, offline mode, argument parsing.
 
 It imports no relprop module and nothing heavy: the parser and the dispatcher (``relprop --help``)
 import it before torch is ever imported."""
@@ -134,20 +134,26 @@ def resolve_class(spec: str, labels: Optional[Dict[int, str]], n: int, what: str
 def parse_option(text: str) -> Tuple[str, Any]:
     """``KEY=VALUE`` of ``--option``: the value as an int, a float, true/false, none, or else the string."""
     key, sep, value = text.partition("=")
-    key, value = key.strip(), value.strip()
+    key = key.strip()
     if not sep or not key.isidentifier():
         raise CliError(f"--option {text!r} is not KEY=VALUE (e.g. --option start_block=4)")
+    return key, parse_value(value)
+
+
+def parse_value(text: str) -> Any:
+    """A value of ``--option`` or ``--grid``: an int, a float, true/false, none (or null), or else the string."""
+    value = text.strip()
     low = value.lower()
     if low in ("true", "false"):
-        return key, low == "true"
+        return low == "true"
     if low in ("none", "null"):
-        return key, None
+        return None
     for kind in (int, float):
         try:
-            return key, kind(value)
+            return kind(value)
         except ValueError:
             pass
-    return key, value
+    return value
 
 
 def parse_options(texts: Sequence[str]) -> Dict[str, Any]:
@@ -159,35 +165,6 @@ def parse_options(texts: Sequence[str]) -> Dict[str, Any]:
             raise CliError(f"--option {key} is given twice")
         out[key] = value
     return out
-
-
-def check_explain_arguments(args) -> List[str]:
-    """The checks of ``relprop explain`` and ``relprop demo`` that need no model, done before torch is
-    imported so that a mistake is answered at once: files exist, inputs given, numbers in range,
-    ``--option`` well formed, ``--model`` given for images. Returns the texts to explain."""
-    texts = read_texts(args)
-    images = list(getattr(args, "image", []))
-    check_images(images)
-    if args.command == "explain":
-        if images and texts:
-            raise CliError("give --image or --text/--text-file, not both")
-        if not images and not texts:
-            raise CliError("nothing to explain: give --image PATH or --text TEXT (or --text-file PATH)")
-        if images and not args.model:
-            raise CliError("--model is required for images (a timm model name, a HuggingFace hub id or a local "
-                           "folder)")
-    check_numbers(args)
-    parse_options(args.option)
-    return texts
-
-
-def check_numbers(args) -> None:
-    if args.top < 0:
-        raise CliError("--top must be >= 0")
-    if args.batch_size < 1:
-        raise CliError("--batch-size must be >= 1")
-    if not 0 < args.percentile <= 100:
-        raise CliError("--percentile must be in (0, 100]")
 
 
 def prepare_out(folder: Optional[str]) -> Optional[str]:

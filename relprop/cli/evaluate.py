@@ -34,6 +34,7 @@ from ..evaluation.tune import tune
 from ..methods import table
 from . import loading
 from .common import EXIT_MODEL, CliError, fail
+from .early_checks import check_evaluate_arguments, parse_grid
 from .loading import parse_methods
 from .parser import DEFAULT_METHODS, EVALUATE_DESCRIPTION, add_evaluate, configure_evaluate
 
@@ -140,32 +141,6 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def parse_grid(items: Sequence[str]) -> dict:
-    """``["head_fusion=mean,max", "start_block=0,4"]`` -> ``{"head_fusion": ["mean", "max"],
-    "start_block": [0, 4]}`` (ints, floats, true/false and none are converted)."""
-    grid = {}
-    for item in items:
-        key, sep, values = item.partition("=")
-        if not sep or not key or not values:
-            raise RelpropError(f"--grid {item!r}: write OPTION=VALUE1,VALUE2,... (e.g. head_fusion=mean,max)")
-        grid[key.replace("-", "_")] = [_value(v) for v in values.split(",")]
-    return grid
-
-
-def _value(text: str) -> Any:
-    low = text.strip().lower()
-    if low in ("true", "false"):
-        return low == "true"
-    if low == "none":
-        return None
-    for kind in (int, float):
-        try:
-            return kind(text)
-        except ValueError:
-            pass
-    return text.strip()
-
-
 def _write_tune(result, out: str) -> int:
     os.makedirs(out, exist_ok=True)
     table_md = result.to_markdown()
@@ -185,7 +160,13 @@ def _write_tune(result, out: str) -> int:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """``relprop evaluate`` as a program of its own; returns the exit status."""
     parser = configure_evaluate(argparse.ArgumentParser(prog="relprop evaluate", description=EVALUATE_DESCRIPTION))
-    return run(parser.parse_args(argv))
+    args = parser.parse_args(argv)
+    try:
+        check_evaluate_arguments(args)  # as relprop evaluate does before importing torch
+    except CliError as e:
+        fail(str(e))
+        return e.code
+    return run(args)
 
 
 if __name__ == "__main__":

@@ -15,6 +15,8 @@ from ..methods import get_method
 from ..rules import presets
 from ..targets import logits_of
 from .common import EXIT_MODEL, CliError, DEMO_NAME, one_line, parse_options, resolve_class
+from .early_checks import check_option_keys
+from .known_names import EXPLAIN_SETTINGS
 
 
 def parse_methods(values: Sequence[str], default: str) -> List[str]:
@@ -48,6 +50,7 @@ class Loaded:
     cosine_scale: Optional[float] = None  # the demo: score = scale × cosine
     why: str = ""  # why the default method explains this model (the demo says it on its page)
     preset: Optional[str] = None  # --preset: the rules of every method (over default_options' preset)
+    settings: dict = dataclasses.field(default_factory=dict)  # explain() settings from --option (keep_blocks=...)
 
 
 def load_model(spec: str) -> Loaded:
@@ -286,12 +289,9 @@ def apply_settings(loaded: Loaded, names: List[str], args) -> None:
     """``--preset`` and ``--option`` onto the explain settings of ``loaded``; an option that none of the
     asked methods takes is an error that lists the options they take."""
     options = parse_options(args.option)
-    takes = sorted({o for n in names for o in get_method(n).options})
-    for key in options:
-        if key not in takes:
-            raise CliError(f"--option {key} is not an option of {', '.join(names)}; they take: "
-                           + (", ".join(takes) or "no options"))
-    loaded.options.update(options)
+    check_option_keys(list(options), names)
+    loaded.settings.update({k: v for k, v in options.items() if k in EXPLAIN_SETTINGS})
+    loaded.options.update({k: v for k, v in options.items() if k not in EXPLAIN_SETTINGS})
     if args.preset:
         loaded.preset = args.preset
 
@@ -310,9 +310,9 @@ def run_methods(loaded: Loaded, inputs, target, names: List[str]):
     out = {}
     if own:
         out[own[0]] = explain(loaded.model, inputs, target=target, method=own[0],
-                              **{**loaded.default_options, **method_options(own[0], loaded.options)})
+                              **{**loaded.default_options, **loaded.settings, **method_options(own[0], loaded.options)})
     if rest:
-        opts = {} if loaded.preset is None else {"preset": loaded.preset}
+        opts = dict(loaded.settings) if loaded.preset is None else {**loaded.settings, "preset": loaded.preset}
         for n in rest:
             opts.update(method_options(n, loaded.options))
         out.update(zip(rest, explain(loaded.model, inputs, target=target, method=list(rest), **opts)))

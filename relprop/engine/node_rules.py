@@ -88,7 +88,7 @@ def constants(captured: Captured) -> Dict[torch.fx.Node, FrozenSet[int]]:
 
 
 #: the generic z-rule of ``unsupported="z_rule"``, for ops the preset has no rule for
-_Z_RULE = as_spec(gradient_times_input)
+_Z_RULE = as_spec(gradient_times_input, kind="fallback")
 
 
 def rule_finder(captured: Captured, preset: Union[str, Preset], unsupported: str = "error"

@@ -16,26 +16,39 @@ TARGETS = ("predicted", "label")
 @dataclasses.dataclass(frozen=True)
 class EvaluationConfig:
     """Every setting of an evaluation, with the papers' defaults; an unknown setting or a value a
-    setting does not take is an :class:`relprop.OptionError` that names the choices.
+    setting does not take is an ``relprop.OptionError`` that names the choices.
 
     Attributes
     ----------
-    target : ``"predicted"`` (explain and score the predicted class: the paper's "predicted" rows)
+    target
+        ``"predicted"`` (explain and score the predicted class: the paper's "predicted" rows)
         or ``"label"`` (the dataset's labels: its "target" rows).
-    batch_size : samples explained together.
-    perturbation, modes, steps, baseline, normalization, unit, removal : the perturbation tests
-        (:func:`relprop.evaluation.perturbation_curve`); ``normalization`` defaults to the dataset's.
-    tokenizer : texts: where the [PAD]/[MASK] ids come from (default: the dataset's).
-    perturbation_batch_size : perturbed copies per forward pass (default 64).
-    segmentation : score the maps against the masks (images with masks).
-    rationale_k : the k of token-F1 and Precision@K (texts with rationales).
-    aopc, aopc_removal, log_odds_removal, aopc_steps : AOPC (deletion) and log-odds ([PAD]) for texts.
-    kendall : texts: Kendall-τ between the scores for the explained class and the runner-up class
+    batch_size
+        samples explained together.
+    perturbation, modes, steps, baseline, normalization, unit, removal
+        the perturbation tests
+        (``relprop.evaluation.perturbation_curve``); ``normalization`` defaults to the dataset's.
+    tokenizer
+        texts: where the [PAD]/[MASK] ids come from (default: the dataset's).
+    perturbation_batch_size
+        perturbed copies per forward pass (default 64).
+    segmentation
+        score the maps against the masks (images with masks).
+    rationale_k
+        the k of token-F1 and Precision@K (texts with rationales).
+    aopc, aopc_removal, log_odds_removal, aopc_steps
+        AOPC (deletion) and log-odds ([PAD]) for texts.
+    kendall
+        texts: Kendall-τ between the scores for the explained class and the runner-up class
         (the highest-scoring other class), which costs one more explain call per batch.
-    conservation : collect the conservation report of each relevance preset.
-    progress : a tqdm progress bar over the samples.
-    explain_options : more keyword arguments for :func:`relprop.explain` (method options, ``eps``, …).
-    preset : the relevance preset (:func:`relprop.explain`): None lets each method use its own.
+    conservation
+        collect the conservation report of each relevance preset.
+    progress
+        a tqdm progress bar over the samples.
+    explain_options
+        more keyword arguments for ``relprop.explain`` (method options, ``eps``, …).
+    preset
+        the relevance preset (``relprop.explain``): None lets each method use its own.
     """
 
     target: str = "predicted"

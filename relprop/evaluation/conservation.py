@@ -96,7 +96,7 @@ class ConservationReport:
 
 
 def conservation_report(explanation: Any) -> ConservationReport:
-    """The conservation table of an :class:`relprop.Explanation` (or of its ``conservation``).
+    """The conservation table of an ``relprop.Explanation`` (or of its ``conservation``).
 
     Raises
     ------

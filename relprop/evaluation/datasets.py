@@ -249,7 +249,7 @@ class RationaleJSONL:
 
 def load_dataset(path: str, *, tokenizer: Any = None, image_size: Any = None, normalization: Any = None,
                  max_length: int = 512, limit: Optional[int] = None):
-    """A folder -> :class:`ImageMaskFolder`; a ``.jsonl`` file -> :class:`RationaleJSONL`."""
+    """A folder -> ``ImageMaskFolder``; a ``.jsonl`` file -> ``RationaleJSONL``."""
     if os.path.isdir(path):
         return ImageMaskFolder(path, image_size=image_size, normalization=normalization, limit=limit)
     if os.path.isfile(path) and path.lower().endswith((".jsonl", ".json")):

@@ -68,14 +68,22 @@ class PerturbationResult:
 
     Attributes
     ----------
-    mode : ``"positive"`` (most relevant removed first) or ``"negative"``.
-    unit : what was removed: ``"pixel"``, ``"patch"`` or ``"token"``.
-    fractions : [steps] removed fractions.
-    per_sample_correct : [samples, steps] bool, top-1 class == target on the perturbed copy.
-    log_probability : [samples, steps] log p(target | perturbed copy) (log-softmax of the logits).
-    removed : [samples, steps] number of positions removed.
-    target : [samples] the class the accuracy and probabilities refer to.
-    clean_correct, clean_log_probability : [samples] the same on the unperturbed input.
+    mode
+        ``"positive"`` (most relevant removed first) or ``"negative"``.
+    unit
+        what was removed: ``"pixel"``, ``"patch"`` or ``"token"``.
+    fractions
+        [steps] removed fractions.
+    per_sample_correct
+        [samples, steps] bool, top-1 class == target on the perturbed copy.
+    log_probability
+        [samples, steps] log p(target | perturbed copy) (log-softmax of the logits).
+    removed
+        [samples, steps] number of positions removed.
+    target
+        [samples] the class the accuracy and probabilities refer to.
+    clean_correct, clean_log_probability
+        [samples] the same on the unperturbed input.
     """
 
     mode: str
@@ -108,7 +116,7 @@ class PerturbationResult:
 
     @property
     def per_sample_auc(self) -> np.ndarray:
-        """[samples] the area of each sample's 0/1 curve (their mean is :attr:`auc`)."""
+        """[samples] the area of each sample's 0/1 curve (their mean is ``auc``)."""
         if len(self.fractions) < 2:
             return np.full(len(self), np.nan)
         from scipy.integrate import trapezoid  # imported when used (start-up time)
@@ -157,25 +165,40 @@ def perturbation_curve(model: torch.nn.Module, inputs: Any, scores_or_explanatio
 
     Parameters
     ----------
-    model : the classifier (in eval mode); it is called as ``model(**inputs)`` and not modified.
-    inputs : what the model's forward takes (pixels, or a tokenizer's output), batched.
-    scores_or_explanation : an :class:`relprop.Explanation` of these inputs, or a tensor: images
+    model
+        the classifier (in eval mode); it is called as ``model(**inputs)`` and not modified.
+    inputs
+        what the model's forward takes (pixels, or a tokenizer's output), batched.
+    scores_or_explanation
+        an ``relprop.Explanation`` of these inputs, or a tensor: images
         [batch, H, W] (a pixel map) or [batch, patches] / [batch, gh, gw] (patch scores); text
         [batch, positions].
-    target : None (the class predicted on the unperturbed input), a class index, or one per sample.
-    mode : ``"positive"`` (most relevant first) or ``"negative"`` (least relevant first).
-    steps : removed fractions (default 0.1, …, 0.9).
-    baseline : images: value of a removed pixel in the un-normalized space (scalar, per channel, or a
-        tensor of the input's shape); default 0. See the module docstring.
-    normalization : the model's input normalization: ``(mean, std)``, a dict, a HuggingFace image
+    target
+        None (the class predicted on the unperturbed input), a class index, or one per sample.
+    mode
+        ``"positive"`` (most relevant first) or ``"negative"`` (least relevant first).
+    steps
+        removed fractions (default 0.1, …, 0.9).
+    baseline
+        images: value of a removed pixel in the un-normalized space (scalar, per channel, or a
+        tensor of the input's shape); default 0 (black for images in [0, 1]); with ``normalization``
+        a removed pixel becomes ``(baseline - mean) / std`` in the space the model sees.
+    normalization
+        the model's input normalization: ``(mean, std)``, a dict, a HuggingFace image
         processor or a timm model; None: the inputs' own space is the un-normalized space.
-    unit : images: ``"pixel"`` (rank ``exp.map``) or ``"patch"`` (rank ``exp.scores``).
-    removal : text: ``"pad"``, ``"mask"``, a token id, or ``"delete"``.
-    tokenizer : text: where to read the [PAD]/[MASK] ids (else ``model.config.pad_token_id``).
-    removable : text: [batch, positions] bool, the positions that may be removed (default: ``exp.mask``,
+    unit
+        images: ``"pixel"`` (rank ``exp.map``) or ``"patch"`` (rank ``exp.scores``).
+    removal
+        text: ``"pad"``, ``"mask"``, a token id, or ``"delete"``.
+    tokenizer
+        text: where to read the [PAD]/[MASK] ids (else ``model.config.pad_token_id``).
+    removable
+        text: [batch, positions] bool, the positions that may be removed (default: ``exp.mask``,
         else not padding and not a special id of the model's config).
-    grid : images: (gh, gw) patch grid for tensor patch scores that are not square.
-    batch_size : perturbed copies per forward pass (default: the batch size of ``inputs``).
+    grid
+        images: (gh, gw) patch grid for tensor patch scores that are not square.
+    batch_size
+        perturbed copies per forward pass (default: the batch size of ``inputs``).
 
     Returns
     -------

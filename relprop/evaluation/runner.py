@@ -44,19 +44,28 @@ class TextScores:
 
 @dataclasses.dataclass
 class EvaluationResult:
-    """Everything :func:`evaluate` measured.
+    """Everything ``evaluate`` measured.
 
     Attributes
     ----------
-    methods : the methods, in the order asked.
-    modality : ``"vision"`` or ``"text"``.
-    samples : how many samples were evaluated.
-    perturbation : method -> mode -> :class:`PerturbationResult`.
-    segmentation : method -> :class:`SegmentationResult` (images with masks).
-    text : method -> :class:`TextScores` (texts).
-    conservation : relevance preset -> :class:`ConservationReport` (methods that propagate relevance).
-    presets : method -> the preset its relevance came from (None: no relevance walk).
-    settings : the evaluation's settings, for the report.
+    methods
+        the methods, in the order asked.
+    modality
+        ``"vision"`` or ``"text"``.
+    samples
+        how many samples were evaluated.
+    perturbation
+        method -> mode -> ``PerturbationResult``.
+    segmentation
+        method -> ``SegmentationResult`` (images with masks).
+    text
+        method -> ``TextScores`` (texts).
+    conservation
+        relevance preset -> ``ConservationReport`` (methods that propagate relevance).
+    presets
+        method -> the preset its relevance came from (None: no relevance walk).
+    settings
+        the evaluation's settings, for the report.
     """
 
     methods: List[str]
@@ -70,7 +79,7 @@ class EvaluationResult:
     settings: Dict[str, Any]
 
     def table(self) -> List[Dict[str, Any]]:
-        """One row per method: the dataset averages (see :func:`relprop.evaluation.report.summary_rows`)."""
+        """One row per method: the dataset averages (see ``relprop.evaluation.report.summary_rows``)."""
         return summary_rows(self)
 
     def __repr__(self) -> str:
@@ -83,14 +92,19 @@ def evaluate(model: torch.nn.Module, data: Any, methods: Sequence[str] = ("trans
 
     Parameters
     ----------
-    model : the classifier (eval mode), on the device the evaluation runs on; not modified.
-    data : an :class:`ImageMaskFolder` / :class:`RationaleJSONL` (or anything with
+    model
+        the classifier (eval mode), on the device the evaluation runs on; not modified.
+    data
+        an ``ImageMaskFolder`` / ``RationaleJSONL`` (or anything with
         ``batches(batch_size)``), an iterable of batch dicts, or one batch dict. A batch dict holds
         ``inputs`` and optionally ``labels`` [batch], ``masks`` [batch, H, W], ``rationales``
         [batch, positions] and ``special_tokens_mask`` [batch, positions].
-    methods : explanation method names (``relprop.methods()``).
-    config : an :class:`relprop.evaluation.EvaluationConfig` (default: the papers' settings).
-    **settings : fields of :class:`relprop.evaluation.EvaluationConfig` replacing those of ``config``
+    methods
+        explanation method names (``relprop.methods()``).
+    config
+        an ``relprop.evaluation.EvaluationConfig`` (default: the papers' settings).
+    **settings
+        fields of ``relprop.evaluation.EvaluationConfig`` replacing those of ``config``
         (``target="label"``, ``batch_size=16``, ``steps=[...]``, ...); an unknown one is an error.
 
     Returns

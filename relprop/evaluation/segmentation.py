@@ -89,8 +89,10 @@ def segmentation_scores(maps: Any, masks: Any) -> SegmentationResult:
 
     Parameters
     ----------
-    maps : an :class:`relprop.Explanation` of images (its ``map``), or [images, H, W] maps.
-    masks : [images, H, W] (or [images, 1, H, W]) masks; nonzero = foreground.
+    maps
+        an ``relprop.Explanation`` of images (its ``map``), or [images, H, W] maps.
+    masks
+        [images, H, W] (or [images, 1, H, W]) masks; nonzero = foreground.
 
     Returns
     -------

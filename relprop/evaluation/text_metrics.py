@@ -69,10 +69,14 @@ def token_f1(scores: Any, rationale: Any, k: int, mask: Optional[Any] = None) ->
 
     Parameters
     ----------
-    scores : an :class:`relprop.Explanation` of texts or [texts, positions] scores.
-    rationale : [texts, positions] bool, True at the human rationale's tokens.
-    k : how many top-scored tokens form the predicted rationale.
-    mask : [texts, positions] bool, the positions that count (default: ``exp.mask``, else all).
+    scores
+        an ``relprop.Explanation`` of texts or [texts, positions] scores.
+    rationale
+        [texts, positions] bool, True at the human rationale's tokens.
+    k
+        how many top-scored tokens form the predicted rationale.
+    mask
+        [texts, positions] bool, the positions that count (default: ``exp.mask``, else all).
     """
     hit, chosen, truth = _overlap(scores, rationale, k, mask)
     precision = torch.where(chosen > 0, hit / chosen.clamp_min(1), torch.zeros_like(hit))
@@ -174,7 +178,7 @@ def aopc(model: torch.nn.Module, inputs: Any, scores: Any, target: Any = None,
          steps: Sequence[float] = AOPC_STEPS, *, removal: Any = "delete", **options) -> FaithfulnessResult:
     """AOPC (AttCAT Eq. 13): mean over k of p(ŷ|x) − p(ŷ|x̃_k), the top k % tokens deleted.
 
-    ``options`` go to :func:`perturbation_curve` (``tokenizer``, ``removable``, ``batch_size``)."""
+    ``options`` go to ``perturbation_curve`` (``tokenizer``, ``removable``, ``batch_size``)."""
     curve = perturbation_curve(model, inputs, scores, target, "positive", steps, removal=removal, **options)
     return FaithfulnessResult.from_curve("aopc", curve)
 

@@ -2,7 +2,7 @@
 explainability methods, §1.4: "for each hyperparameter, we evaluate its result and choose the one
 that yields the best evaluation results").
 
-:func:`tune` explains each batch once per method (:func:`relprop.explain_settings`: one forward and
+``tune`` explains each batch once per method (``relprop.explain_settings``: one forward and
 backward pass, whose per-block records serve every setting of the grid), scores every setting with
 one of relprop's metrics, and returns the settings ranked, best first.
 """
@@ -39,15 +39,19 @@ METRICS = {
 
 @dataclasses.dataclass
 class TuneResult:
-    """What :func:`tune` measured.
+    """What ``tune`` measured.
 
     Attributes
     ----------
-    method : the method tuned.
-    metric : the metric, and ``higher_is_better`` its direction.
-    rows : one dict per setting, best first: the options, ``"score"`` (the dataset mean) and
+    method
+        the method tuned.
+    metric
+        the metric, and ``higher_is_better`` its direction.
+    rows
+        one dict per setting, best first: the options, ``"score"`` (the dataset mean) and
         ``"samples"``.
-    best : the options of the best setting (pass them to :func:`relprop.explain`).
+    best
+        the options of the best setting (pass them to ``relprop.explain``).
     """
 
     method: str
@@ -86,23 +90,30 @@ def tune(model: torch.nn.Module, data: Any, method: str, grid: Mapping[str, Any]
          config: Optional[EvaluationConfig] = None, **settings) -> TuneResult:
     """Evaluate every setting of ``grid`` for ``method`` on ``data`` and rank them (survey §1.4).
 
+    Every batch is explained with one forward/backward pass for all the settings
+    (``relprop.explain_settings``); each setting's explanation is then scored on its own.
+
     Parameters
     ----------
-    model : the classifier (eval mode); not modified.
-    data : as :func:`relprop.evaluation.evaluate` (a dataset, batch dicts, one batch dict or a tensor).
-    method : a method whose options the grid sets (e.g. ``"rollout"``).
-    grid : ``{option: [values]}``, e.g. ``{"head_fusion": ["mean", "max"], "start_block": [0, 4]}``.
-    metric : one of :data:`METRICS` (perturbation AUCs use ``config.steps``, ``unit``, ``baseline``;
+    model
+        the classifier (eval mode); not modified.
+    data
+        as ``relprop.evaluation.evaluate`` (a dataset, batch dicts, one batch dict or a tensor).
+    method
+        a method whose options the grid sets (e.g. ``"rollout"``).
+    grid
+        ``{option: [values]}``, e.g. ``{"head_fusion": ["mean", "max"], "start_block": [0, 4]}``.
+    metric
+        one of ``METRICS`` (perturbation AUCs use ``config.steps``, ``unit``, ``baseline``;
         AOPC and log-odds ``config.aopc_steps``; token-F1 the first ``config.rationale_k``).
-    config, **settings : an :class:`EvaluationConfig` and overrides of its fields.
+    config, **settings
+        an ``EvaluationConfig`` and overrides of its fields.
 
     Returns
     -------
-    TuneResult : the settings ranked by the dataset mean of the metric, best first (ties keep the
-    grid's order); ``.best`` the winning options.
-
-    Every batch is explained with one forward/backward pass for all the settings
-    (:func:`relprop.explain_settings`); each setting's explanation is then scored on its own.
+    TuneResult
+        the settings ranked by the dataset mean of the metric, best first (ties keep the
+        grid's order); ``.best`` the winning options.
     """
     from tqdm.auto import tqdm  # optional dependency (relprop[eval])
 

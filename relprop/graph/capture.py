@@ -24,6 +24,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 import torch.fx
 
+from . import progress_line
 from ..errors import CaptureError
 from . import disk_cache
 from .dispatch import bind_offloaded, export_offloaded, offloaded_weights
@@ -183,7 +184,8 @@ class CaptureCache:
         weights = offloaded_weights(model)  # a model dispatched by accelerate: never on disk
         program = disk_cache.load(model, kwargs, primary, state) if self.disk and weights is None else None
         if weights is not None:
-            program = export_offloaded(model, weights, kwargs, primary, state, timings, self.attempts)
+            with progress_line.step(f"capturing {type(model).__name__} with torch.export (once per model)"):
+                program = export_offloaded(model, weights, kwargs, primary, state, timings, self.attempts)
             self.traces += 1
             event = CaptureEvent("exported", timings)
         elif program is not None:
@@ -191,7 +193,9 @@ class CaptureCache:
             timings["load"] = time.perf_counter() - t0
             event = CaptureEvent("loaded", timings)
         else:
-            program = export_program(model, kwargs, primary, state, timings, self.attempts)
+            with progress_line.step(f"capturing {type(model).__name__} with torch.export (once per model; later calls "
+                                    "reuse it)"):
+                program = export_program(model, kwargs, primary, state, timings, self.attempts)
             self.traces += 1
             t1 = time.perf_counter()
             if self.disk:
@@ -271,7 +275,7 @@ def capture(model: torch.nn.Module, kwargs: Dict[str, Any], primary: str) -> Cap
 def clear_cache(model: Optional[torch.nn.Module] = None) -> None:
     """Forget captured programs (of ``model``, or of every model) in this process. Needed only if a
     model's structure (not its weights) was changed after it was explained; the disk cache is keyed
-    by the structure, so it needs no clearing (:func:`relprop.graph.disk_cache.clear` empties it)."""
+    by the structure, so it needs no clearing (``relprop.graph.disk_cache.clear`` empties it)."""
     CACHE.clear(model)
 
 

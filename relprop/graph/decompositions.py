@@ -10,6 +10,15 @@ dim] in memory), so re-tracing the decomposed graph fails with "Cannot view a te
 mask → softmax → matmul, so the attention probabilities are a node) and then copies the output
 into the query's layout, which is what the fake implementation promised. The copy is a
 ``permute → clone → permute``: shape-only ops that route relevance unchanged.
+
+On CUDA the same models export the fused kernels ``aten._scaled_dot_product_efficient_attention``,
+``_scaled_dot_product_flash_attention`` or ``_scaled_dot_product_cudnn_attention`` (whichever the
+backend picks for the shapes and dtype), which have no decomposition in torch's default table and
+whose attention probabilities are never materialized. They get the same math-attention graph, in
+the memory layout each kernel's fake implementation promises (efficient: [batch, tokens, heads,
+dim] in memory; flash and cudnn: the query's), and placeholders for their auxiliary outputs
+(log-sum-exp, random-number state), which only a backward kernel reads and the exported forward
+graph never does.
 """
 from __future__ import annotations
 
@@ -42,6 +51,51 @@ def sdpa_flash_cpu(query, key, value, dropout_p: float = 0.0, is_causal: bool = 
     return _in_layout_of(output, query), attn
 
 
+def _math(query, key, value, attn_mask, dropout_p, is_causal, scale) -> torch.Tensor:
+    return aten._scaled_dot_product_attention_math.default(
+        query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
+        dropout_mask=None, scale=scale, enable_gqa=query.size(1) != key.size(1))[0]
+
+
+def _placeholder(query, *shape, dtype=torch.float) -> torch.Tensor:
+    return torch.empty(shape, dtype=dtype, device=query.device)
+
+
+def sdpa_efficient_cuda(query, key, value, attn_bias, compute_log_sumexp: bool, dropout_p: float = 0.0,
+                        is_causal: bool = False, *, scale=None):
+    """``_scaled_dot_product_efficient_attention`` (CUDA) as math attention, its output laid out as
+    [batch, tokens, heads, dim] in memory like the kernel's."""
+    out = _math(query, key, value, attn_bias, dropout_p, is_causal, scale)
+    out = out.transpose(1, 2).contiguous().transpose(1, 2)
+    lse = _placeholder(query, query.size(0), query.size(1), -(-query.size(2) // 32) * 32 if compute_log_sumexp else 0)
+    return out, lse, _placeholder(query, dtype=torch.long), _placeholder(query, dtype=torch.long)
+
+
+def sdpa_flash_cuda(query, key, value, dropout_p: float = 0.0, is_causal: bool = False,
+                    return_debug_mask: bool = False, *, scale=None):
+    """``_scaled_dot_product_flash_attention`` (CUDA) as math attention, in the query's layout."""
+    out = _in_layout_of(_math(query, key, value, None, dropout_p, is_causal, scale), query)
+    lse = _placeholder(query, query.size(0), query.size(1), query.size(2))
+    return (out, lse, None, None, query.size(2), key.size(2), _placeholder(query, 2, dtype=torch.long),
+            _placeholder(query, dtype=torch.long), _placeholder(query, 0, dtype=query.dtype))
+
+
+def sdpa_cudnn_cuda(query, key, value, attn_bias, compute_log_sumexp: bool, dropout_p: float = 0.0,
+                    is_causal: bool = False, return_debug_mask: bool = False, *, scale=None):
+    """``_scaled_dot_product_cudnn_attention`` (CUDA) as math attention, in the query's layout."""
+    out = _in_layout_of(_math(query, key, value, attn_bias, dropout_p, is_causal, scale), query)
+    lse = _placeholder(query, query.size(0), query.size(1), query.size(2), 1)
+    return (out, lse, None, None, query.size(2), key.size(2), _placeholder(query, dtype=torch.long),
+            _placeholder(query, dtype=torch.long), None)
+
+
 def extra_decompositions() -> Dict[object, Callable]:
     """Entries that replace torch's defaults in relprop's decomposition table."""
-    return {aten._scaled_dot_product_flash_attention_for_cpu.default: sdpa_flash_cpu}
+    table = {aten._scaled_dot_product_flash_attention_for_cpu.default: sdpa_flash_cpu}
+    for name, fn in (("_scaled_dot_product_efficient_attention", sdpa_efficient_cuda),
+                     ("_scaled_dot_product_flash_attention", sdpa_flash_cuda),
+                     ("_scaled_dot_product_cudnn_attention", sdpa_cudnn_cuda)):
+        packet = getattr(aten, name, None)  # absent from some builds
+        if packet is not None:
+            table[packet.default] = fn
+    return table

@@ -81,11 +81,15 @@ class CaptumAttribution:
 
     Parameters
     ----------
-    model : the model (``forward_func``): a ``transformers``/``timm`` model, unmodified.
-    method : a name from ``relprop.methods()``; default Transformer Attribution (Chefer, Gur & Wolf,
+    model
+        the model (``forward_func``): a ``transformers``/``timm`` model, unmodified.
+    method
+        a name from ``relprop.methods()``; default Transformer Attribution (Chefer, Gur & Wolf,
         CVPR 2021, Eq. 13-14).
-    preset : the relevance rules (as :func:`relprop.explain`).
-    **options : method options and :func:`relprop.explain` keywords (``keep_blocks=``, ``eps=``, ...),
+    preset
+        the relevance rules (as ``relprop.explain``).
+    **options
+        method options and ``relprop.explain`` keywords (``keep_blocks=``, ``eps=``, ...),
         given to every call.
 
     Examples
@@ -141,11 +145,11 @@ class LLMRelpropAttribution:
     after ``prompt``.
 
     ``attribute(prompt, target)`` explains each token of ``target`` (teacher-forced) with
-    :func:`relprop.explain_generation` and returns a ``captum.attr.LLMAttributionResult`` whose
+    ``relprop.explain_generation`` and returns a ``captum.attr.LLMAttributionResult`` whose
     ``token_attr`` [target tokens, prompt tokens] holds each target token's relevance on the prompt
     tokens and ``seq_attr`` [prompt tokens] their sum over the target tokens (the relevance of the sum
     of the target tokens' logits: relevance is additive in the explained score). Default method:
-    AttnLRP (Achtibat et al., ICML 2024), as :func:`relprop.explain_generation`.
+    AttnLRP (Achtibat et al., ICML 2024), as ``relprop.explain_generation``.
     """
 
     def __init__(self, model: torch.nn.Module, tokenizer: Any, method: str = "lrp", preset: Any = "attnlrp",

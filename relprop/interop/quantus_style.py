@@ -33,10 +33,14 @@ def quantus_explain_func(model: torch.nn.Module, inputs: Any, targets: Any, meth
 
     Parameters
     ----------
-    model : the model Quantus evaluates (a ``torch.nn.Module`` returning logits).
-    inputs : ``[batch, C, H, W]`` images or ``[batch, tokens]`` token ids (numpy or torch).
-    targets : one class index per sample (numpy or torch), or one for all.
-    method, preset, options : as for :func:`relprop.explain`; default Transformer Attribution
+    model
+        the model Quantus evaluates (a ``torch.nn.Module`` returning logits).
+    inputs
+        ``[batch, C, H, W]`` images or ``[batch, tokens]`` token ids (numpy or torch).
+    targets
+        one class index per sample (numpy or torch), or one for all.
+    method, preset, options
+        as for ``relprop.explain``; default Transformer Attribution
         (Chefer, Gur & Wolf, CVPR 2021, Eq. 13-14).
 
     Returns

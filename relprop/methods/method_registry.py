@@ -14,35 +14,47 @@ from ..errors import MethodError
 @dataclasses.dataclass(frozen=True)
 class MethodInfo:
     """One registered method: ``fn(trace, **options) -> dict``, what it needs, what it is and where
-    it applies, all declared by the keywords of :func:`method` where the method is defined.
+    it applies, all declared by the keywords of ``method`` where the method is defined.
 
     Attributes
     ----------
-    name, fn, description, reference : the method, its one-line description and the paper.
-    class_specific, signed : whether its scores depend on the explained class, and may be negative.
-    needs_relevance : it reads the relevance walk (else gradients and attention only).
-    preset : the preset it uses unless one is given (``"lrp"``); None: the default.
-    needs_blocks : it reads per-block attention records.
-    needs_input_gradient : it reads the gradient at the input (``Trace.input_gradient``).
-    folds : ``head_maps(record) -> [batch, heads, N, N]``, the per-head maps of a block record
+    name, fn, description, reference
+        the method, its one-line description and the paper.
+    class_specific, signed
+        whether its scores depend on the explained class, and may be negative.
+    needs_relevance
+        it reads the relevance walk (else gradients and attention only).
+    preset
+        the preset it uses unless one is given (``"lrp"``); None: the default.
+    needs_blocks
+        it reads per-block attention records.
+    needs_input_gradient
+        it reads the gradient at the input (``Trace.input_gradient``).
+    folds
+        ``head_maps(record) -> [batch, heads, N, N]``, the per-head maps of a block record
         whose rollout the method computes, when the method can be folded block by block during the
-        reverse walk without keeping the records (:class:`relprop.methods.fold_maps.RowFold`: the
-        same maps the method passes to :func:`relprop.methods.aggregation.aggregate`); None: it
+        reverse walk without keeping the records (``relprop.methods.fold_maps.RowFold``: the
+        same maps the method passes to ``relprop.methods.aggregation.aggregate``); None: it
         reads the records after the walk.
-    streams : how many token streams it defines its scores on: 2 for a method with a definition
+    streams
+        how many token streams it defines its scores on: 2 for a method with a definition
         on encoder-decoder and co-attention models (two streams joined by cross-attention: the
         bi-modal rules, or the input relevance of every stream), else 1 (refused on such models).
-    no_windows : why it does not apply to models with window attention (Swin), in words; None:
-        it applies (:mod:`relprop.methods.windowed` says how the methods read such models).
-    rollout : it multiplies (or averages) the maps of several blocks, so it needs every block to
+    no_windows
+        why it does not apply to models with window attention (Swin), in words; None:
+        it applies (``relprop.methods.windowed`` says how the methods read such models).
+    rollout
+        it multiplies (or averages) the maps of several blocks, so it needs every block to
         map the same tokens to themselves and tokens to mix nowhere but in the attention blocks
-        (:func:`relprop.methods.rollout_utils.rollout_blocks`).
-    checks_only : whether it applies to a model is judged by the checks it makes before any work,
-        not by running it (:mod:`relprop.api.refusals`): its cost is in re-running the model, or it
+        (``relprop.methods.rollout_utils.rollout_blocks``).
+    checks_only
+        whether it applies to a model is judged by the checks it makes before any work,
+        not by running it (``relprop.api.refusals``): its cost is in re-running the model, or it
         reads the input gradient, which a trace keeps only when a method of the call asks for it.
-    head_fusions : the values its ``head_fusion=`` option takes, for a method whose heads are not
+    head_fusions
+        the values its ``head_fusion=`` option takes, for a method whose heads are not
         fused as a mean of maps (attention norms, value zeroing); None: those of
-        :data:`relprop.methods.aggregation.HEAD_FUSIONS`, or it has no such option.
+        ``relprop.methods.aggregation.HEAD_FUSIONS``, or it has no such option.
     """
 
     name: str
@@ -76,7 +88,7 @@ def method(name: str, *, description: str, class_specific: bool, signed: bool, r
            needs_input_gradient: bool = False, folds: Optional[Callable] = None, streams: int = 1,
            no_windows: Optional[str] = None, rollout: bool = False, checks_only: bool = False,
            head_fusions: Optional[Tuple[str, ...]] = None, replace: bool = False):
-    """Register an explanation method under ``name`` (see :class:`MethodInfo` for the fields).
+    """Register an explanation method under ``name`` (see ``MethodInfo`` for the fields).
 
     A name registered already is an error unless ``replace=True`` (a second registration never
     silently changes what a name means); the function is returned unchanged.
@@ -143,7 +155,7 @@ class MethodTable(dict):
 
 def table() -> MethodTable:
     """Every method name with its description, class-specificity, sign and reference
-    (``relprop.methods()``): a :class:`MethodTable`, a dict that prints as a table."""
+    (``relprop.methods()``): a ``MethodTable``, a dict that prints as a table."""
     return MethodTable({name: {"description": m.description, "class_specific": m.class_specific,
                                "signed": m.signed, "reference": m.reference}
                         for name, m in _METHODS.items()})

@@ -199,7 +199,8 @@ def vitcx_masks(maps: torch.Tensor, gram: torch.Tensor, distance_threshold: floa
                   "causal impact scoring with coverage-bias correction)",
         needs_relevance=False, checks_only=True,
         no_windows="it reads the token features entering the attention, which window attention cuts into windows")
-def vit_cx(trace, distance_threshold: float = 0.1, baseline: Union[str, float] = "zero", batch_size: int = 32):
+def vit_cx(trace, distance_threshold: float = 0.1, baseline: Union[str, float] = "zero", batch_size: int = 32,
+           relative: bool = True):
     """ViT-CX (Xie et al. 2022, §3). Images only.
 
     1. Features: the patch tokens of the features entering the attention of the block next to the
@@ -213,11 +214,17 @@ def vit_cx(trace, distance_threshold: float = 0.1, baseline: Union[str, float] =
     3. Scores: s_k = target score of x ⊙ M_k + b ⊙ (1 − M_k), the image kept where the mask is 1
        and replaced by the baseline b where it is 0 (the authors fill the masked-out part with
        random noise; a deterministic baseline is used here so that results are reproducible).
-    4. Saliency (coverage-bias correction): map = Σ_k s_k M_k / Σ_k M_k (0 where no mask covers a
-       pixel), returned as ``"pixels"`` [batch, H, W]; the patch scores are its sums over each patch.
+    4. Saliency (coverage-bias correction): map = Σ_k (s_k − s_0) M_k / Σ_k M_k (0 where no mask
+       covers a pixel), returned as ``"pixels"`` [batch, H, W]; the patch scores are its sums over
+       each patch. s_0 is the target score of the baseline image (every mask 0), so 0 means "the
+       images that keep this pixel score like the baseline image", positive above it, negative below.
 
-    Signed (it is a weighted mean of target logits). Each sample is clustered and scored on its
-    own, so a batch explains like its samples one by one.
+    The paper's saliency is Σ_k s_k M_k / Σ_k M_k (``relative=False``): it differs from the default
+    by s_0 on every covered pixel, so both rank pixels alike, but the paper's map sits wherever the
+    logits sit (a trained model's map can lie entirely between, say, 4.7 and 6.3), which makes its
+    sign meaningless and a map drawn around 0 uniformly red. Subtracting s_0 costs one more run per
+    sample. Signed (a weighted mean of score differences). Each sample is clustered and scored on
+    its own, so a batch explains like its samples one by one.
 
     Parameters
     ----------
@@ -226,6 +233,8 @@ def vit_cx(trace, distance_threshold: float = 0.1, baseline: Union[str, float] =
     baseline : ``"zero"`` (default: 0 pixels, which for normalized inputs is the dataset's mean
         colour) or ``"mean"`` (each image's own mean pixel, per colour channel), or a number.
     batch_size : masked images per re-run of the model; see :class:`relprop.methods.gradients.Reruns`.
+    relative : subtract the baseline image's score s_0 (default True); False gives the paper's
+        Σ_k s_k M_k / Σ_k M_k.
     """
     if trace.modality != "vision":
         raise MethodError(f"vit_cx explains vision models only (it masks pixels with feature maps laid out on a "
@@ -266,6 +275,9 @@ def vit_cx(trace, distance_threshold: float = 0.1, baseline: Union[str, float] =
                            align_corners=False)[:, 0] if grid.shape[0] else x.new_zeros((0,) + tuple(size))
         masks.append(up.to(x))
 
+    n_masks = [m.shape[0] for m in masks]
+    if relative:  # one more, all-zero mask per sample: its image is the baseline, its score s_0
+        masks = [torch.cat([m, m.new_zeros((1,) + tuple(size))]) if m.shape[0] else m for m in masks]
     counts = [m.shape[0] for m in masks]
     scores = [x.new_zeros(c) for c in counts]
     reruns = Reruns(trace, batch_size)
@@ -285,9 +297,11 @@ def vit_cx(trace, distance_threshold: float = 0.1, baseline: Union[str, float] =
 
     out = x.new_zeros((bsz,) + tuple(size))
     for i in range(bsz):
-        if counts[i] == 0:
+        k = n_masks[i]
+        if k == 0:
             continue
-        cover = masks[i].sum(0)
-        weighted = (scores[i][:, None, None] * masks[i]).sum(0)
+        s_i = scores[i][:k] - scores[i][k] if relative else scores[i]
+        cover = masks[i][:k].sum(0)
+        weighted = (s_i[:, None, None] * masks[i][:k]).sum(0)
         out[i] = torch.where(cover > 0, weighted / cover.clamp_min(1e-12), torch.zeros_like(cover))
     return {"pixels": out}

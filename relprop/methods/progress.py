@@ -1,25 +1,15 @@
-"""Progress bars for the methods that re-run the model many times (tqdm when it is installed)."""
+"""Progress of the methods that re-run the model many times (SmoothGrad, Integrated Gradients,
+Value Zeroing, ViT-CX): a counted step of the call's progress line (:mod:`relprop.graph.progress_line`),
+shown on stderr when that line is and the call has lasted a couple of seconds."""
 from __future__ import annotations
 
-
-class _Silent:
-    """A progress bar that shows nothing (tqdm is not installed)."""
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
-
-    def update(self, n: int = 1) -> None:
-        pass
+from ..graph.progress_line import Step, step
 
 
 def progress_bar(total: int, desc: str):
-    """A context-managed progress bar over ``total`` steps: tqdm's (shown only on a terminal,
-    removed when done), or a silent one when tqdm is not installed (it is an optional dependency)."""
-    try:
-        from tqdm.auto import tqdm
-    except ImportError:
-        return _Silent()
-    return tqdm(total=total, desc=desc, disable=None, leave=False)
+    """A context manager over ``total`` steps of method ``desc`` (``bar.update(n)``): a counted
+    :func:`relprop.graph.progress_line.step` of the current progress line."""
+    return step(desc, total)
+
+
+__all__ = ["Step", "progress_bar"]

@@ -23,22 +23,32 @@ class RuleContext:
 
     Attributes
     ----------
-    node : the ``torch.fx.Node`` being explained.
-    args, kwargs : the node's arguments with every node replaced by its forward value.
-    out : the node's forward output.
-    live : one entry per positional argument: True if the argument depends on the explained input
+    node
+        the ``torch.fx.Node`` being explained.
+    args, kwargs
+        the node's arguments with every node replaced by its forward value.
+    out
+        the node's forward output.
+    live
+        one entry per positional argument: True if the argument depends on the explained input
         (relevance given to it keeps flowing), False for constants (parameters, buffers, masks,
         Python numbers: relevance given to them is absorbed), a list of those for list arguments.
-    batch_dim : the dimension of ``out`` that indexes samples (None if ``out`` has none).
-    batch_size : number of samples.
-    eps : stabilizer added to denominators (``relprop.rules.stabilize.safe_divide``).
-    preset : the active :class:`relprop.rules.Preset` (the walk hands down the request's object; a
-        name is accepted too), for :meth:`rule_for`; a rule never chooses its formula by it (each
+    batch_dim
+        the dimension of ``out`` that indexes samples (None if ``out`` has none).
+    batch_size
+        number of samples.
+    eps
+        stabilizer added to denominators (``relprop.rules.stabilize.safe_divide``).
+    preset
+        the active ``relprop.rules.Preset`` (the walk hands down the request's object; a
+        name is accepted too), for ``rule_for``; a rule never chooses its formula by it (each
         preset's table names its own rules).
-    options : what the engine knows of this call beyond the node: ``reads_pixels`` (node name ->
+    options
+        what the engine knows of this call beyond the node: ``reads_pixels`` (node name ->
         whether the convolution reads the pixel input, for the z^B rule) and ``weight_cache`` (the
         memo of the weights' |W| under ``explain(..., memory="high")``, else None).
-    out_writable : the engine's word that :attr:`out` is dead once the rule has run: nothing reads
+    out_writable
+        the engine's word that ``out`` is dead once the rule has run: nothing reads
         it after the rule, autograd saved none of it, and it shares its memory with no other value
         (an argument, a value read after the walk or returned by the program). A rule may then
         compute into its buffer after its last read of it (one attention-sized allocation fewer on
@@ -69,7 +79,7 @@ class RuleContext:
 
     # -- per-sample statistics ------------------------------------------------------------------
     def sample_sum(self, t: torch.Tensor) -> torch.Tensor:
-        """Sum of ``t`` (shaped like :attr:`out`) over everything but the batch: shape [batch].
+        """Sum of ``t`` (shaped like ``out``) over everything but the batch: shape [batch].
 
         No statistic ever crosses the batch dimension, so that a batch explains exactly like its
         samples one by one.
@@ -81,7 +91,7 @@ class RuleContext:
         return t.reshape(self.batch_size, -1).sum(1)
 
     def per_sample(self, v: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-        """Reshape a [batch] vector so it broadcasts along :attr:`batch_dim` of ``like`` (repeated
+        """Reshape a [batch] vector so it broadcasts along ``batch_dim`` of ``like`` (repeated
         k times per sample where that dimension holds k·batch groups, batch-major)."""
         shape = [1] * like.dim()
         n = like.shape[self.batch_dim]

@@ -1,36 +1,24 @@
 """Presets: named tables of relevance rules, one rule per aten op, that extend other presets.
 
-A *rule* is a function ``rule(ctx, relevance) -> sequence`` called once per graph node on the
-relevance path, walking from the output to the input. ``relevance`` is the relevance that reached
-the node's output (float32 at least, float64 for a float64 model; shaped like the output). The
-rule returns one entry per positional argument of the op (``node.args``): a relevance tensor
-(shaped like that argument, or like the node's output when the argument was broadcast), ``None``
-for arguments that receive nothing (weights, shapes, dims), or a list of those for list arguments
-(``aten.cat``). Relevance given to
-an argument that does not depend on the input (a parameter, the class token, a mask) is counted as
-*absorbed* by that constant; relevance given to an input-dependent argument keeps flowing. A rule
-reads only its :class:`relprop.rules.RuleContext`; it never branches on the preset's name: what
-differs between presets is which function each preset's table names.
+A *rule* ``rule(ctx, relevance) -> sequence`` is called once per graph node on the relevance path, from the
+output to the input, and returns one share per positional argument of the op (a tensor, None, or a list for
+list arguments; the contract in full: docs/extending.md). Shares given to input-independent arguments are
+*absorbed*. A rule reads only its :class:`relprop.rules.RuleContext`, never the preset's name.
 
 A :class:`Preset` finds the rule of an op in its own table, else in the presets it extends
 (depth first). The built-in presets are ``"base"`` (the shape-only routing every preset shares),
 ``"chefer2021"``, ``"lrp"``, ``"attnlrp"`` and ``"cp_lrp"``. A user extends one::
 
     mine = relprop.Preset("mine", extends="chefer2021", description="chefer2021 with my GELU rule")
-
     @mine.rule(torch.ops.aten.gelu.default)
     def gelu_z(ctx, relevance):
         ...
 
     relprop.explain(model, x, preset="mine")          # or preset=mine
 
-and changes a rule for a block of code only with :func:`override`, gone on exit::
-
-    with relprop.rules.override({torch.ops.aten.gelu.default: gelu_z}, preset="chefer2021"):
-        relprop.explain(model, x)
-
-Registering over a rule a preset already has is an error unless ``replace=True``; replacing one of
-relprop's own rules that way warns, and :meth:`Preset.reset` puts it back.
+and changes a rule for a ``with`` block only with ``override({op: fn}, preset=...)``. Registering over a
+rule a preset already has is an error unless ``replace=True``; replacing one of relprop's own rules that way
+warns, and ``Preset.reset`` puts it back.
 """
 from __future__ import annotations
 
@@ -43,7 +31,7 @@ from typing import Callable, Dict, Iterable, Mapping, Optional, Sequence, Tuple,
 import torch
 
 from ..errors import PresetError, warn
-from .spec import RuleFn, RuleSpec, as_spec
+from .spec import RULE_KINDS, RuleFn, RuleSpec, as_spec
 
 #: where relevance starts at the outputs (:attr:`Preset.seed`): "gradient" R = ∂s/∂y (relevance 1 at
 #: the target logit, CVPR 2021 §3.3) or "score" R = y ⊙ ∂s/∂y (the target logit's value, sign included)
@@ -96,26 +84,36 @@ class Preset:
 
     Parameters
     ----------
-    name : the name ``explain(preset=...)`` takes; must be new (``relprop.presets()`` lists the
+    name
+        the name ``explain(preset=...)`` takes; must be new (``relprop.presets()`` lists the
         existing ones).
-    extends : the preset (name or object), or presets, searched for any op this one has no rule
+    extends
+        the preset (name or object), or presets, searched for any op this one has no rule
         for, e.g. ``"chefer2021"``. Every preset extends at least ``"base"`` (the shape-only
         routing rules).
-    description : one line saying what the preset is (shown by ``relprop.presets()``).
-    conservative : whether its rules conserve relevance (documentation for reports).
-    modified_gradient : whether its rules are meant to have modified-gradient forms, so that
+    description
+        one line saying what the preset is (shown by ``relprop.presets()``).
+    conservative
+        whether its rules conserve relevance (documentation for reports).
+    modified_gradient
+        whether its rules are meant to have modified-gradient forms, so that
         ``explain(method="lrp", preset=...)`` runs as one backward pass (``"attnlrp"``,
         ``"cp_lrp"``); a rule registered in it without a form then warns. Inherited.
-    seed : where relevance starts at the model's outputs (:data:`SEEDS`): ``"gradient"``, the
+    seed
+        where relevance starts at the model's outputs (``SEEDS``): ``"gradient"``, the
         derivative of the explained score by each output (the one-hot of the target logit, CVPR
         2021 §3.3: relevance 1), or ``"score"``, that derivative times the output (the target
         logit's value, sign included: Bach et al. 2015, AttnLRP and LXT). None: inherited
         (``"gradient"`` at ``"base"``).
+    rule_kind
+        what its rules that declare no ``kind`` are to the coverage count (``spec.RULE_KINDS``): "exact".
     """
 
     def __init__(self, name: str, *, extends: Union[str, "Preset", Sequence[Union[str, "Preset"]]],
                  description: str = "", conservative: bool = True, modified_gradient: bool = False,
-                 seed: Optional[str] = None):
+                 seed: Optional[str] = None, rule_kind: str = "exact"):
+        if rule_kind not in RULE_KINDS:
+            raise PresetError(f"rule_kind={rule_kind!r} is not a choice. Choices: {list(RULE_KINDS)}")
         if seed is not None and seed not in SEEDS:
             raise PresetError(f"seed={seed!r} is not a choice. Choices: {list(SEEDS)} (None: the seed of the preset "
                               "it extends)")
@@ -138,6 +136,7 @@ class Preset:
             self.conservative = conservative
             self._modified_gradient = modified_gradient
             self._seed = seed
+            self.rule_kind = rule_kind
             self.rules: Dict[object, RuleSpec] = {}
             _PRESETS[name] = self
 
@@ -149,7 +148,7 @@ class Preset:
 
     @property
     def seed(self) -> str:
-        """Where relevance starts (:data:`SEEDS`): this preset's own choice, else the first found in
+        """Where relevance starts (``SEEDS``): this preset's own choice, else the first found in
         the presets it extends, else ``"gradient"``."""
         for p in self.lineage():
             if p._seed is not None:
@@ -171,9 +170,9 @@ class Preset:
         return self.rules.get(op)
 
     def lookup(self, op) -> Optional[RuleSpec]:
-        """The rule for ``op`` (its :class:`RuleSpec`, called like the function): this preset's
+        """The rule for ``op`` (its ``RuleSpec``, called like the function): this preset's
         own, else the first found in the presets it extends. An op overload without one is looked
-        up by its :func:`qualified_name` too (rules for ops of other libraries, registered by name:
+        up by its ``qualified_name`` too (rules for ops of other libraries, registered by name:
         ``rule("transformers::grouped_mm_fallback.default")``)."""
         found = self._lookup(op)
         if found is None:
@@ -192,30 +191,36 @@ class Preset:
                 return found
         return None
 
-    def describe(self, op) -> Optional[str]:
-        """``'<rule module>.<function> (<preset it is registered in>)'`` for ``op``, or None."""
+    def owner(self, op) -> Optional[Tuple[RuleSpec, "Preset"]]:
+        """``(rule, the preset of the lineage whose own table holds it)`` for ``op``, or None."""
         for key in (op, qualified_name(op)):
             for p in self.lineage():
                 spec = p.own_rule(key) if key is not None else None
                 if spec is not None:
-                    return f"{spec.module}.{spec.name} ({p.name})"
+                    return spec, p
         return None
+
+    def describe(self, op) -> Optional[str]:
+        """``'<rule module>.<function> (<preset it is registered in>)'`` for ``op``, or None."""
+        found = self.owner(op)
+        return None if found is None else f"{found[0].module}.{found[0].name} ({found[1].name})"
 
     # -- writing ---------------------------------------------------------------------------------
     def rule(self, *ops, replace: bool = False, gradient_form: Optional[Callable] = None,
              formula: Optional[Callable] = None, writes_out: Optional[bool] = None,
-             no_relevance_to: Optional[Iterable[int]] = None, constant_positions: Optional[Iterable[int]] = None):
+             no_relevance_to: Optional[Iterable[int]] = None, constant_positions: Optional[Iterable[int]] = None,
+             kind: Optional[str] = None):
         """Decorator: register the function as this preset's rule for ``ops`` (op overloads such
         as ``torch.ops.aten.gelu.default``, or packets such as ``torch.ops.aten.gelu`` for every
-        overload), with what it declares (the keywords, fields of :class:`RuleSpec`; a keyword
+        overload), with what it declares (the keywords, fields of ``RuleSpec``; a keyword
         left None declares nothing). Returns the function unchanged. An op that already has a rule
         in this preset's own table is an error unless ``replace=True``; replacing one of relprop's
-        built-in rules warns (:meth:`reset` restores it; :func:`override` changes a rule for a
+        built-in rules warns (``reset`` restores it; ``override`` changes a rule for a
         ``with`` block only)."""
         if not ops:
             raise PresetError("rule() needs at least one op, e.g. rule(torch.ops.aten.gelu.default)")
         declared = dict(gradient_form=gradient_form, formula=formula, writes_out=writes_out,
-                        no_relevance_to=no_relevance_to, constant_positions=constant_positions)
+                        no_relevance_to=no_relevance_to, constant_positions=constant_positions, kind=kind)
 
         def decorate(fn):
             if not callable(fn):
@@ -226,7 +231,7 @@ class Preset:
         return decorate
 
     def register(self, ops: Sequence, spec: RuleSpec, replace: bool = False) -> None:
-        """Put ``spec`` in this preset's table for ``ops`` (see :meth:`rule`)."""
+        """Put ``spec`` in this preset's table for ``ops`` (see ``rule``)."""
         overloads = [ov for op in ops for ov in _overloads(op)]
         with _LOCK:
             for ov in overloads:
@@ -290,32 +295,33 @@ def presets() -> Dict[str, str]:
 def rule(*ops, preset: Union[str, Preset, Sequence[Union[str, Preset]]] = "chefer2021", replace: bool = False,
          gradient_form: Optional[Callable] = None, formula: Optional[Callable] = None,
          writes_out: Optional[bool] = None, no_relevance_to: Optional[Iterable[int]] = None,
-         constant_positions: Optional[Iterable[int]] = None):
+         constant_positions: Optional[Iterable[int]] = None, kind: Optional[str] = None):
     """Register the decorated function as the relevance rule of ``ops`` in ``preset`` (a name or
-    :class:`Preset`, or several): ``@relprop.rule(torch.ops.aten.gelu.default, preset="chefer2021")``.
+    ``Preset``, or several): ``@relprop.rule(torch.ops.aten.gelu.default, preset="chefer2021")``.
 
-    The presets must exist (:class:`Preset` makes a new one). See :meth:`Preset.rule` for
+    The presets must exist (``Preset`` makes a new one). See ``Preset.rule`` for
     ``replace``. The function is called as ``fn(ctx, relevance)`` with a
-    :class:`relprop.rules.RuleContext` and returns one entry per positional argument of the op (see
-    the module docstring); it is returned unchanged. The other keywords declare what the rule can
-    do (the fields of :class:`relprop.rules.spec.RuleSpec`, stored with it in every preset named):
+    ``relprop.rules.RuleContext`` and returns one entry per positional argument of the op (a tensor of
+    relevance, or None; docs/extending.md); it is returned unchanged. The other keywords declare what the rule can
+    do (the fields of ``relprop.rules.spec.RuleSpec``, stored with it in every preset named):
 
-    gradient_form : its modified-gradient form (:mod:`relprop.rules.gradient_forms`), for the
+    gradient_form : its modified-gradient form (``relprop.rules.gradient_forms``), for the
         one-backward fast path of ``explain(method="lrp")``.
     formula : for a rule of ``aten.linear``, ``formula(x, w, relevance, eps) -> R_x``, applied by
         other rules to linear maps that are not ``aten.linear``.
-    writes_out : True when the rule may compute into its node's output once the engine says it is
-        dead (``ctx.out_writable``).
-    no_relevance_to : positions of arguments it never gives relevance to (e.g. the divisor of a
-        normalization), so that ops feeding only those need no rule.
+    writes_out : True when the rule may compute into its node's output once the engine says it is dead
+        (``ctx.out_writable``).
+    no_relevance_to : positions of arguments it never gives relevance to (e.g. the divisor of a normalization),
+        so that ops feeding only those need no rule.
     constant_positions : positions of arguments it holds constant (their shares are absorbed).
+    kind : what it is to the coverage count: "exact", "structural", "fallback" (None: the preset's ``rule_kind``).
     """
     targets = [preset] if isinstance(preset, (str, Preset)) else list(preset)
     if not ops:
         raise PresetError("relprop.rule() needs at least one op, e.g. relprop.rule(torch.ops.aten.gelu.default)")
     objects = [get_preset(p) for p in targets]
     declared = dict(gradient_form=gradient_form, formula=formula, writes_out=writes_out,
-                    no_relevance_to=no_relevance_to, constant_positions=constant_positions)
+                    no_relevance_to=no_relevance_to, constant_positions=constant_positions, kind=kind)
 
     def decorate(fn):
         if not callable(fn):
@@ -329,7 +335,7 @@ def rule(*ops, preset: Union[str, Preset, Sequence[Union[str, Preset]]] = "chefe
 
 
 def lookup(preset: Union[str, Preset], op) -> Optional[RuleSpec]:
-    """The rule ``preset`` applies to ``op`` (its own or inherited) as a :class:`RuleSpec` (called
+    """The rule ``preset`` applies to ``op`` (its own or inherited) as a ``RuleSpec`` (called
     like the function; ``.fn`` is the function), or None."""
     return get_preset(preset).lookup(op)
 
@@ -342,7 +348,7 @@ def describe(preset: Union[str, Preset], op) -> Optional[str]:
 @contextlib.contextmanager
 def override(rules: Mapping[object, RuleFn], preset: Union[str, Preset] = "chefer2021"):
     """Within this ``with`` block (in this thread or task only), ``preset`` and every preset
-    extending it use ``rules`` ({op: rule}, a rule a function or a :class:`RuleSpec` with its
+    extending it use ``rules`` ({op: rule}, a rule a function or a ``RuleSpec`` with its
     declarations) in place of their own; everything is as before on exit.
 
     >>> with relprop.rules.override({torch.ops.aten.gelu.default: my_gelu}, preset="chefer2021"):
@@ -381,7 +387,8 @@ def seal_builtins(names: Iterable[str]) -> None:
         _BUILTIN[name] = dict(_PRESETS[name].rules)
 
 
-BASE = Preset("base", extends=(), description="shape-only routing shared by every preset", seed="gradient")
+BASE = Preset("base", extends=(), description="shape-only routing shared by every preset", seed="gradient",
+              rule_kind="structural")
 CHEFER2021 = Preset(
     "chefer2021", extends=BASE,
     description="Chefer, Gur & Wolf, CVPR 2021, as its authors' code applies it: LRP-alpha1beta0 linear layers, "

@@ -17,7 +17,16 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable, FrozenSet, Iterable, Optional, Sequence
 
+from ..errors import PresetError
+
 RuleFn = Callable[..., Sequence]
+
+#: what a rule is to the coverage count (:mod:`relprop.engine.coverage`): ``"exact"``, a rule written
+#: for the op with its formula (linear, products, softmax, norms, activations); ``"structural"``,
+#: relevance moved without arithmetic (shape-only routing, selections, scatters: the ``"base"``
+#: preset's rules); ``"fallback"``, a generic rule applied because the preset has nothing for the op
+#: (the gradient-times-input z-rule of ``unsupported="z_rule"``)
+RULE_KINDS = ("exact", "structural", "fallback")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,27 +77,39 @@ class RuleSpec:
 
     Attributes
     ----------
-    fn : the rule, ``fn(ctx, relevance) -> one share per positional argument`` (see
-        :mod:`relprop.rules.rule_registry`).
-    gradient_form : its modified-gradient form, a :class:`GradientForm` (a plain
+    fn
+        the rule, ``fn(ctx, relevance) -> one share per positional argument`` (see
+        ``relprop.rules.rule_registry``).
+    gradient_form
+        its modified-gradient form, a ``GradientForm`` (a plain
         ``form(node, live, eps) -> replacement | None`` function is wrapped in one), for the
-        one-backward fast path (:mod:`relprop.rules.gradient_forms`); None: the rule has none, and a
+        one-backward fast path (``relprop.rules.gradient_forms``); None: the rule has none, and a
         preset that uses it walks the graph rule by rule.
-    formula : for a rule of ``aten.linear``, the formula ``formula(x, w, relevance, eps) -> R_x``
+    formula
+        for a rule of ``aten.linear``, the formula ``formula(x, w, relevance, eps) -> R_x``
         (``w`` [in, out]) it applies, so that other rules apply the active preset's linear rule to
         linear maps that are not ``aten.linear`` (a product with a constant matrix, MoE experts).
-    writes_out : the rule may compute into its node's output buffer when the engine says it is dead
-        (:attr:`relprop.rules.RuleContext.out_writable`); False: it is never told.
-    no_relevance_to : positions of arguments the rule never gives relevance to (the divisor of a
+    writes_out
+        the rule may compute into its node's output buffer when the engine says it is dead
+        (``relprop.rules.RuleContext.out_writable``); False: it is never told.
+    no_relevance_to
+        positions of arguments the rule never gives relevance to (the divisor of a
         normalization), so that ops feeding only those need no rule.
-    constant_positions : positions of arguments held constant for this node (selection parameters
+    constant_positions
+        positions of arguments held constant for this node (selection parameters
         of a selective scan): a share the rule gives them is booked as absorbed.
-    operands : the nodes the rule is applied to instead of the node's arguments (a whole subgraph
+    operands
+        the nodes the rule is applied to instead of the node's arguments (a whole subgraph
         explained at its output node, e.g. an element-wise function written out op by op, applied
         to its input); None: the node's own arguments. Set per node by
-        :mod:`relprop.engine.node_rules`, not at registration.
-    region : the subgraph an ``operands`` rule explains (:class:`relprop.graph.elementwise.Region`).
-    name, module : the function's name and the last part of its module, for messages.
+        ``relprop.engine.node_rules``, not at registration.
+    region
+        the subgraph an ``operands`` rule explains (``relprop.graph.elementwise.Region``).
+    kind
+        what the rule is to the coverage count, one of ``RULE_KINDS``; None: the kind the preset it is
+        registered in declares for its rules (``relprop.rules.Preset.rule_kind``).
+    name, module
+        the function's name and the last part of its module, for messages.
     """
 
     fn: RuleFn
@@ -99,10 +120,14 @@ class RuleSpec:
     constant_positions: FrozenSet[int] = frozenset()
     operands: Optional[tuple] = None
     region: Any = None
+    kind: Optional[str] = None
     name: str = ""
     module: str = ""
 
     def __post_init__(self):
+        if self.kind is not None and self.kind not in RULE_KINDS:
+            raise PresetError(f"kind={self.kind!r} is not a rule kind. Choices: {list(RULE_KINDS)} (None: the kind "
+                             "of the preset it is registered in)")
         object.__setattr__(self, "no_relevance_to", _positions(self.no_relevance_to))
         object.__setattr__(self, "constant_positions", _positions(self.constant_positions))
         object.__setattr__(self, "gradient_form", as_form(self.gradient_form))

@@ -101,8 +101,8 @@ class QuestionAnswering(PositionTarget):
 def question_answering(part: str = "span", start: Any = None, end: Any = None, attention_mask=None) -> Callable:
     """Target of an extractive QA model: ``part="start"`` the start logit at ``start``, ``"end"`` the
     end logit at ``end``, ``"span"`` their sum (the span score). Positions: one int or one per sample;
-    None takes the predicted span (:func:`best_span`) over the real positions of ``attention_mask``
-    (None: :func:`relprop.explain` gives it the inputs' attention mask). AttCAT (Qiang et al.,
+    None takes the predicted span (``best_span``) over the real positions of ``attention_mask``
+    (None: ``relprop.explain`` gives it the inputs' attention mask). AttCAT (Qiang et al.,
     NeurIPS 2022) §5.3 explains these scores on SQuAD. ``explain(qa_model, batch, target="span")``
     (or ``"start"``, ``"end"``, or None for ``"span"``) is the same."""
     return QuestionAnswering(part, start, end, attention_mask)
@@ -140,5 +140,5 @@ class TokenClassification(PositionTarget):
 def token_classification(position: Any, label: Optional[Any] = None, attention_mask=None) -> Callable:
     """Target of a token-classification model: the logit of ``label`` (None: the predicted label) at
     ``position`` — one int or one per sample each; a padding position of ``attention_mask`` (None:
-    :func:`relprop.explain` gives it the inputs') is refused."""
+    ``relprop.explain`` gives it the inputs') is refused."""
     return TokenClassification(position, label, attention_mask)

@@ -240,18 +240,23 @@ def next_token(attention_mask: Optional[torch.Tensor] = None, token: Any = None)
 
     Parameters
     ----------
-    attention_mask : [batch, positions] (1 = real token, 0 = padding) of the logits' positions, e.g.
-        the tokenizer's (an encoder–decoder's: the decoder's). None: :func:`relprop.explain` gives it
+    attention_mask
+        [batch, positions] (1 = real token, 0 = padding) of the logits' positions, e.g.
+        the tokenizer's (an encoder–decoder's: the decoder's). None: ``relprop.explain`` gives it
         the mask of the output's positions from the inputs (so ``target=next_token()`` and
         ``target="next_token"`` read the same position); called on its own, the last position.
-    token : None (each sample's predicted next token: the argmax at that position), an int (the
+    token
+        None (each sample's predicted next token: the argmax at that position), an int (the
         same token id for every sample), or one id per sample.
 
-    Returns a callable ``target(outputs) -> [batch]`` for :func:`relprop.explain`: ``outputs.logits``
-    (or the output tensor) of shape [batch, positions, vocabulary] indexed at
-    ``[b, last_b, token_b]``. ``relprop.explain(lm, batch, target="next_token")`` is the same with
-    the predicted token. The relevance seed is then the one-hot of that token at that position
-    (CVPR 2021, §3.3).
+    Returns
+    -------
+    Callable
+        ``target(outputs) -> [batch]`` for ``relprop.explain``: ``outputs.logits``
+        (or the output tensor) of shape [batch, positions, vocabulary] indexed at
+        ``[b, last_b, token_b]``. ``relprop.explain(lm, batch, target="next_token")`` is the same with
+        the predicted token. The relevance seed is then the one-hot of that token at that position
+        (CVPR 2021, §3.3).
     """
     return NextToken(attention_mask, token)
 
@@ -281,7 +286,7 @@ class PredictedNextToken(PositionTarget):
 
 
 def predicted_next_token(attention_mask: Optional[torch.Tensor] = None) -> Callable:
-    """:func:`next_token` for the token the model predicts on the explained inputs: the argmax is taken
+    """``next_token`` for the token the model predicts on the explained inputs: the argmax is taken
     once, at the first call (the engine's forward pass on the inputs themselves), and kept, so a method
     that runs the model again on changed inputs (integrated gradients' path, SmoothGrad's noisy copies,
     masks) keeps scoring the same token."""
@@ -315,7 +320,7 @@ class Contrast(NamedTuple):
 
 
 def contrast(a: Any, b: Any) -> Contrast:
-    """A contrastive target for :func:`relprop.explain`: the difference of the scores (logits) of ``a``
+    """A contrastive target for ``relprop.explain``: the difference of the scores (logits) of ``a``
     and ``b``, ``f_a(x) − f_b(x)``, explained like any other score (the relevance seed is +1 at ``a`` and
     −1 at ``b``; CVPR 2021 §3.3 seeds the one-hot of the explained logit, this seeds its difference).
 

@@ -201,20 +201,34 @@ def maximize_activation(model: torch.nn.Module, unit: Any, *, steps: int = 200, 
 
     Parameters
     ----------
-    model : an image or text classifier (HF or timm); not modified.
-    unit : see the module docstring (``"class:207"``, ``"neuron:3:100"``, ``"head:11:2"``, ...).
-    jitter, blur, blur_every, tv : the optional regularizers (0: off).
-    image_size, normalization : images: default the model's (:func:`relprop.api.raw_inputs.model_image_size`,
-        :func:`model_normalization`; else (0.5, 0.5, 0.5) / (0.5, 0.5, 0.5)); ``normalization`` is
-        ``(mean, std)``.
-    length : text: the number of relaxed positions (a [CLS]-like first position included).
-    tokenizer : text: names the nearest tokens (else their ids as strings).
-    seed : the random start and the jitter come from ``torch.Generator().manual_seed(seed)``:
+    model
+        an image or text classifier (HF or timm); not modified.
+    unit
+        what to maximize, a string (or a ``Unit``; an int is a class; a block B counts from the input, a
+        negative B from the output): ``"class:C"`` the logit of class C; ``"neuron:B:I[:T]"`` hidden unit I of
+        the MLP of block B (after its first linear layer) at token T, without T its mean over the tokens;
+        ``"channel:B:I"`` that unit's mean over every token; ``"head:B:H"`` the attention head H of block B pays
+        to the class token, averaged over the other tokens' queries; ``"norm:B:T"`` the norm of token T's output
+        of block B; ``"layer:B"`` the mean output activation of block B.
+    jitter, blur, blur_every, tv
+        regularizers against the patch checkerboard of ViTs (0: off): random shifts of up to ``jitter``
+        pixels each step, a Gaussian blur of σ = ``blur`` every ``blur_every`` steps, ``tv`` x the total
+        variation.
+    image_size, normalization
+        images: default the model's own input size and normalization (else (0.5, 0.5, 0.5) /
+        (0.5, 0.5, 0.5)); ``normalization`` is ``(mean, std)``.
+    length
+        text: the number of relaxed positions (a [CLS]-like first position included).
+    tokenizer
+        text: names the nearest tokens (else their ids as strings).
+    seed
+        the random start and the jitter come from ``torch.Generator().manual_seed(seed)``:
         the same seed gives the same result.
 
     Returns
     -------
-    MaximizingInput : the input, the image (or nearest tokens) and the unit's value per step.
+    MaximizingInput
+        the input, the image (or nearest tokens) and the unit's value per step.
     """
     u = Unit.parse(unit)
     for name, v in (("steps", steps), ("length", length), ("blur_every", blur_every)):

@@ -129,7 +129,7 @@ class ZeroShotClassifier(nn.Module):
 
 def load(labels: Optional[Dict[str, str]] = None, scale: float = DEFAULT_SCALE, path: Optional[str] = None):
     """``(classifier, tokenizer)``: the demo's zero-shot classifier over ``labels`` (name → description;
-    default :data:`DEFAULT_LABELS`), loaded offline from the packaged checkpoint (or ``path``)."""
+    default ``DEFAULT_LABELS``), loaded offline from the packaged checkpoint (or ``path``)."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from transformers import AutoModel, AutoTokenizer
     path = path or checkpoint_dir()

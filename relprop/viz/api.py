@@ -136,8 +136,8 @@ def show(exp, *, image: Any = None, tokens: Optional[Sequence] = None, tokenizer
 def overlay(exp, image: Any = None, index: int = 0, *, mean=None, std=None, signed: Optional[bool] = None,
             percentile: float = vimg.DEFAULT_PERCENTILE, cmap: Optional[str] = None, alpha: float = 0.5):
     """The picture of sample ``index``'s map as an [H, W, 3] uint8 numpy array (for notebooks and logging
-    tools: ``wandb.Image(relprop.viz.overlay(exp, x))``): the same colours as :func:`save` draws
-    (:mod:`relprop.viz.colours`: a signed map red for, blue against, centred on 0; a non-negative map
+    tools: ``wandb.Image(relprop.viz.overlay(exp, x))``): the same colours as ``save`` draws
+    (``relprop.viz.colours``: a signed map red for, blue against, centred on 0; a non-negative map
     min-max scaled from white to red; both over a grey copy of the image; ``cmap="jet"`` blends the
     paper's colours half-and-half, as in Chefer et al. 2021, Fig. 1), without axes or colourbar. Without
     ``image`` the coloured map alone, at the size of ``exp.map``."""

@@ -59,7 +59,7 @@ def block_scores(exp, index: int = 0, source: str = "auto") -> Tuple[np.ndarray,
 
 def blocks_figure(exp, tokens: Sequence[str], index: int = 0, *, source: str = "auto",
                   labels=None, title: Optional[str] = None, fig=None):
-    """Heatmap of :func:`block_scores`: one row per block (the input-side block at the top, as AttCAT's
+    """Heatmap of ``block_scores``: one row per block (the input-side block at the top, as AttCAT's
     Fig. 4 reads from the first layer down), one column per token (padding left out; special tokens
     kept, greyed). ``tokens``: the sample's token strings. Returns a ``matplotlib.figure.Figure``."""
     from matplotlib import colors

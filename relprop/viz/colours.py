@@ -11,7 +11,7 @@ Scores are first scaled to [-1, 1] by the caller (per sample, by the largest |sc
 limits for images). Non-negative maps (rollout-style methods) use the positive half: white at their
 minimum, dark red at their (clipped) maximum.
 
-In a 16-colour terminal the map cannot be shown; :func:`terminal16` names the ANSI background of a
+In a 16-colour terminal the map cannot be shown; ``terminal16`` names the ANSI background of a
 score instead: red (bright red for a weak one) for support, blue (bright blue) against, none near 0.
 """
 from __future__ import annotations
@@ -56,7 +56,7 @@ def rgb_float(values) -> "np.ndarray":
 
 def rgb(value: float) -> Tuple[int, int, int]:
     """RGB (0-255) of one score scaled to [-1, 1]: ``(255, 255, 255)`` at 0, red for positive, blue for
-    negative (:func:`rgb_float` rounded)."""
+    negative (``rgb_float`` rounded)."""
     r, g, b = (int(round(c * 255)) for c in rgb_float(float(value)))
     return r, g, b
 

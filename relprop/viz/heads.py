@@ -33,7 +33,7 @@ def heads_figure(exp, index: int = 0, image: Any = None, *, mean: Optional[Seque
                  cols: Optional[int] = None, panel: float = 2.0, fig=None):
     """A matplotlib Figure with one panel per head of sample ``index`` (DINO, Caron et al. 2021,
     Fig. 3). Images: each head's map upsampled to ``image`` (un-normalized with ``mean``/``std``)
-    or to the patch grid, in the positive half of relprop's map (:mod:`relprop.viz.colours`: white to red),
+    or to the patch grid, in the positive half of relprop's map (``relprop.viz.colours``: white to red),
     min-max scaled per head. Text: a heads x tokens
     heatmap (``tokens`` label the columns)."""
     import numpy as np

@@ -280,16 +280,24 @@ def _method_title(exp) -> str:
 
 def grid_figure(exps: Sequence, image: Any = None, *, indices: Optional[Sequence[int]] = None, labels=None,
                 mean=None, std=None, percentile: float = DEFAULT_PERCENTILE, alpha: float = 0.5,
-                row_titles: Optional[Sequence[str]] = None, fig=None):
+                row_titles: Optional[Sequence[str]] = None, column_titles: Optional[Sequence[str]] = None,
+                fig=None):
     """Methods side by side: one column per explanation in ``exps`` (after the input), one row per sample.
 
     ``image``: the batch the explanations are of ([batch, 3, H, W] as fed to the model, with
     ``mean``/``std`` to un-normalise it) or a list of images, or None (maps only). ``indices``: which
     samples (default all). Each panel has its own colour scale and colourbar below it.
+    ``row_titles``: one title per row over the input (default: the explained class and its score);
+    ``column_titles``: one per explanation (default: its method, "(signed)" when signed), e.g. to tell
+    apart two presets of one method.
     """
     exps = list(exps)
     if not exps:
         raise InputError("grid_figure needs at least one explanation")
+    if column_titles is not None and len(column_titles) != len(exps):
+        raise InputError(f"grid_figure: {len(column_titles)} column_titles for {len(exps)} explanations; give "
+                         "one title per explanation")
+    titles = list(column_titles) if column_titles is not None else [_method_title(e) for e in exps]
     n = exps[0].map.shape[0] if exps[0].map is not None else 0
     indices = list(range(n)) if indices is None else list(indices)
     images = [None] * len(indices)
@@ -319,7 +327,7 @@ def grid_figure(exps: Sequence, image: Any = None, *, indices: Optional[Sequence
             c0 = 1
         for c, e in enumerate(exps):
             draw_overlay(axes[r][c0 + c], e, i, images[r], mean=mean, std=std, percentile=percentile,
-                         alpha=alpha, colorbar="horizontal", title=_method_title(e) if r == 0 else "")
+                         alpha=alpha, colorbar="horizontal", title=titles[c] if r == 0 else "")
     height = 2.75 * rows + 0.4
     fig.subplots_adjust(left=0.04, right=0.98, top=1 - 0.35 / height, bottom=0.3 / height, wspace=0.06,
                         hspace=0.25)
