@@ -1,5 +1,5 @@
 """An attention core evaluated in chunks of query rows, with autograd (step 2 of the row-chunked
-walk; work in progress, used by nothing yet).
+walk; used by a folded run when :data:`ROW_CHUNK` is set, :mod:`relprop.engine.chunked_walk`).
 
 :func:`core_in_row_chunks` evaluates a block's row-local core (:func:`relprop.graph.attention_core.find_core`:
 Q·Kᵀ, scale, mask, softmax, A·V) one chunk of query rows at a time and returns A·V; its backward
@@ -17,6 +17,11 @@ import torch
 import torch.fx
 
 from ..graph.attention_core import AttentionCore, evaluate_rows
+
+
+#: query rows per chunk of the row-chunked walk in a folded run (None: off, the cores are evaluated
+#: whole). Experimental: set ``relprop.engine.chunked_core.ROW_CHUNK = 256`` to try it.
+ROW_CHUNK: Optional[int] = None
 
 
 def row_chunks(queries: int, chunk: int) -> List[tuple]:
