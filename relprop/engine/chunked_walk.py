@@ -146,12 +146,7 @@ def _walk_chunks(walker, r, core, block, dout, chunks, sums, hooks, counting: bo
         vals, grad = chunk_values(core, block.attention, values.value, lo, hi, values.compute, dout)
         R: Dict[torch.fx.Node, torch.Tensor] = {} if r is None else {product: r[..., lo:hi, :]}
         sums.calls = 0
-
-        def value(n):
-            if n in vals:
-                return vals[n]
-            v = values.value(n)
-            return v[..., lo:hi, :] if n in rows_of else v
+        value = _reader(vals, values.value, rows_of, lo, hi)
 
         for node in reversed(core.nodes):
             rn = R.pop(node, None)
@@ -180,13 +175,24 @@ def _walk_chunks(walker, r, core, block, dout, chunks, sums, hooks, counting: bo
                         label = walker.constant_label(arg, node)
                     walker.ledger.absorb(label, promote(share), node, walker.bdim.get(arg)
                                          if isinstance(arg, torch.fx.Node) else None, vals[node])
-        del vals, grad, R
+        del vals, grad, R, value
     if counting:
         return
     for arg, parts in row_shares.items():
         walker.deliver(arg, torch.cat(parts, -2), product)
     for arg, share in whole_shares.items():
         walker.deliver(arg, share, product)
+
+
+def _reader(vals, whole, rows_of, lo: int, hi: int) -> Callable:
+    """The value of a node on the chunk: a core node's from ``vals``, an outside operand's from
+    ``whole`` (its rows ``lo:hi`` where it is split)."""
+    def value(n):
+        if n in vals:
+            return vals[n]
+        v = whole(n)
+        return v[..., lo:hi, :] if n in rows_of else v
+    return value
 
 
 def _rule(walker, node, r, value, sums, counting: bool):
