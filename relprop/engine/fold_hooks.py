@@ -77,7 +77,7 @@ class BlockFolder:
                                      relevance=unfold(record(relevance)))
         if lo == 0:
             shape = part.attention.shape[:-2] + (queries, part.attention.shape[-1])
-            meta = types.SimpleNamespace(index=b.index, name=b.name, layer=b.layer,
+            meta = types.SimpleNamespace(index=b.index, name=b.name, layer=b.layer, device=part.attention.device,
                                          attention=torch.empty(shape, device="meta"))
             chunked = [f for f in self.folds if getattr(f, "start_rows", None) is not None and f.start_rows(meta)]
             self.pending = (chunked, [f for f in self.folds if f not in chunked], [], part.attention.shape[-1])

@@ -40,6 +40,7 @@ from ..graph.aliasing import shares_memory
 from .aggregation import Aggregation, block_range, fuse_heads, per_head_maps
 from .apply import no_relevance
 from .query import causal_block, row_zero_only, support_of, weighted_rows, weights_of
+from .first_block_rows import FirstBlockRows, causal_rows
 from .identity import flat_cause, fold_step, merge_rows, with_identity
 from .rollout_utils import check_mixing, check_neighbours, check_square
 
@@ -78,18 +79,6 @@ def why_not(info, options: Dict[str, Any], analysis) -> Optional[str]:
     return None
 
 
-def causal_rows(a: torch.Tensor, real: torch.Tensor, lo: int) -> bool:
-    """:func:`relprop.methods.query.causal_block` on query rows ``lo`` … of a map (``a``: those rows)."""
-    n = real.shape[-1]
-    if a.shape[-1] != n:
-        return False
-    rows = a.shape[-2]
-    upper = torch.arange(n, device=a.device)[None, :] > torch.arange(lo, lo + rows, device=a.device)[:, None]
-    r = real[:, lo:lo + rows]
-    r = r[:, None, :, None] if a.dim() == 4 else r[:, :, None]
-    return not bool(((a != 0) & upper & r).any())
-
-
 class RowFold:
     """The query row of a rollout-style method, folded from the output block back.
 
@@ -125,6 +114,7 @@ class RowFold:
         self.heads = None
         self.prev = None  # (index, name, tokens) of the block folded last
         self.seen, self.tokens0, self.used_mask = 0, None, False
+        self.first = self.rows_state = None  # the row-chunked walk's block in progress
 
     def _real(self, n: int, device) -> torch.Tensor:
         """[batch, n] bool: the real tokens, as ``Trace.token_mask`` gives them (the attention mask
@@ -247,12 +237,18 @@ class RowFold:
 
     # -- the row-chunked walk (relprop.engine.chunked_walk): a block handed over in chunks of rows --
     def start_rows(self, meta) -> bool:
-        """A block arrives in chunks of query rows (``meta``: its index, name and ``attention``, a
-        tensor on the meta device shaped like the whole map). False: this fold needs the whole
+        """A block arrives in chunks of query rows (``meta``: its index, name, ``device`` and
+        ``attention``, a tensor on the meta device shaped like the whole map). False: this fold needs the whole
         record (the block next to the output, whose query and head rows read whole maps, or the
         last block of the range); then it is called with it instead."""
+        if self.seen == 0 and self.query == "cls":  # the first block: its chunks are kept as needed
+            self.batch = meta.attention.shape[0]
+            real = self._real(meta.attention.shape[-2], meta.device)
+            self.first = (meta, FirstBlockRows(self.head_maps, self.agg, real))
+            return True
         if self.seen == 0 or (meta.index in self.range and self.row is None):
             return False
+        self.first = None
         self.seen += 1
         if meta.index == 0:
             self.tokens0 = meta.attention.shape[-1]
@@ -270,6 +266,9 @@ class RowFold:
         """Fold query rows ``lo`` … of the block of :meth:`start_rows` (``part``: their A, dA, R_A)."""
         if self.needs_relevance and part.relevance is None:
             raise MethodError(no_relevance(self.name, self.preset))
+        if self.first is not None:
+            self.first[1].add(part, lo)
+            return
         if self.causal and self.weights.shape[1] > 1:
             self.causal = causal_rows(part.attention, self.real, lo)
         if self.rows_state is not None:
@@ -277,9 +276,40 @@ class RowFold:
 
     def end_rows(self) -> None:
         """The block of :meth:`start_rows` is complete."""
+        if self.first is not None:
+            self._end_first(*self.first)
+            self.first = None
+            return
         if self.rows_state is not None:
             self.row = self._rows_end(self.rows_state)
         self.rows_state = None
+
+    def _end_first(self, meta, first: FirstBlockRows) -> None:
+        """As :meth:`__call__` on the block next to the output, from its chunks (``first``)."""
+        n = meta.attention.shape[-2]
+        self.real, self.first_tokens = first.real, n
+        read = first.read()
+        self.causal = n >= 2
+        if row_zero_only(read):
+            self.weights = weights_of(read, self.real, False)[:, None, :]
+        else:
+            self.weights = torch.stack([weights_of(read, self.real, False), weights_of(read, self.real, True)], 1)
+        self.seen += 1
+        if meta.index == 0:
+            self.tokens0 = meta.attention.shape[-1]
+        if self.causal and self.weights.shape[1] > 1:
+            self.causal = first.causal
+        if meta.index not in self.range:
+            return
+        check_square(meta, self.name)
+        self.prev = types.SimpleNamespace(index=meta.index, name=meta.name, attention=meta.attention)
+        fused = first.fused_map()
+        self.row = self.weights.to(fused.dtype)
+        self.excluded, self.path = torch.zeros_like(self.row), self.row
+        self.heads = first.head_rows(self.weights)
+        if self.agg.identity == "exclude":
+            self.excluded, self.path = fold_step(self.excluded, self.path, fused, self.agg.normalize_rows)
+        self.row = torch.matmul(self.row, with_identity(fused, self.agg.normalize_rows))
 
     def _head_rows(self, rec, maps: torch.Tensor, agg: Aggregation) -> Optional[torch.Tensor]:
         """[batch, k, heads, N]: each head's map of the last block of the range at the query rows
