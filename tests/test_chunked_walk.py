@@ -4,7 +4,6 @@ gives the numbers of the folded run with whole cores (scores, head rows, the led
 relevance) for chunks of 1 row, 3 rows and all rows, on LLaMA, GPT-2 and BERT (padded batches, so
 chefer2021's Lemma-2 normalization of the mask's sum sees non-zero masks)."""
 import pytest
-import torch
 
 import models
 import relprop
@@ -64,3 +63,18 @@ def test_row_chunked_walk_equals_the_whole_cores(name, method, preset, monkeypat
             assert set(got.conservation.absorbed_by) == set(whole.conservation.absorbed_by), what
             for label, v in whole.conservation.absorbed_by.items():
                 _close(got.conservation.absorbed_by[label], v, f"{what} absorbed by {label}")
+
+
+@pytest.mark.parametrize("name,method,options", [
+    ("hf_bert_eager", "gradient_rollout", {"query": "mean"}),  # the first block is gathered whole
+    ("hf_llama_eager", "transformer_attribution", {"end_block": 1}),  # the range ends before the first block
+])
+def test_row_chunked_walk_with_options_equals_the_whole_cores(name, method, options, monkeypatch):
+    model, batch = CASES[name]()
+    runs = []
+    for rows in (None, 3):
+        monkeypatch.setattr(chunked_core, "ROW_CHUNK", rows)
+        runs.append(relprop.explain(model, batch, method=method, keep_blocks=False, **options))
+    whole, got = runs
+    _close(got.scores, whole.scores, f"{name} {options} scores")
+    _close(got.heads, whole.heads, f"{name} {options} heads")
