@@ -9,8 +9,9 @@ Then the core may be evaluated one chunk of query rows at a time, and no tensor 
 heads × queries × keys need exist at once (the row-chunked walk).
 
 :func:`find_core` finds a block's core and checks, op by op, that it is row-local, or says why not;
-:func:`evaluate_rows` evaluates the core on one chunk of rows. Nothing in the engine uses them yet:
-they are the first step of the row-chunked walk (its forward, backward, rules and fold in chunks).
+:func:`evaluate_rows` evaluates the core on one chunk of rows. The row-chunked walk of a folded run
+(:mod:`relprop.engine.chunked_walk`, off unless ``relprop.engine.chunked_core.ROW_CHUNK`` is set)
+evaluates, differentiates, walks and folds each such core in chunks.
 """
 from __future__ import annotations
 
