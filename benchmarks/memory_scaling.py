@@ -51,7 +51,9 @@ import sys
 
 from peak_memory import PeakMeter, run_child
 
-WHATS = ("fwdbwd", "fwdbwd-eager", "ta-full", "ta-fold", "ta-default")
+WHATS = ("fwdbwd", "fwdbwd-eager", "ta-full", "ta-fold", "ta-default", "ta-rows", "gr-fold", "gr-rows")
+#: query rows per chunk of the row-chunked walk of the "-rows" measurements (relprop.engine.chunked_core.ROW_CHUNK)
+ROWS = 256
 DEFAULT_TOKENS = {"bert": (512, 1024, 2048), "llama": (1024, 2048, 4096)}
 TARGET_TOKEN = 7
 
@@ -97,7 +99,7 @@ def child(name: str, n: int, what: str, device: str) -> None:
     warnings.simplefilter("ignore")
     torch.set_num_threads(_threads())
     model, inputs, target = build(name, n, "eager" if what == "fwdbwd-eager" else "sdpa", device)
-    if what.startswith("ta"):
+    if not what.startswith("fwdbwd"):
         CACHE.get(model, bind_inputs(model, inputs))  # the capture is outside the measurement
     gc.collect()
     kept = None
@@ -108,8 +110,12 @@ def child(name: str, n: int, what: str, device: str) -> None:
             score.sum().backward()
             del logits, score
         else:
-            keep = {"ta-full": True, "ta-fold": False}.get(what)  # ta-default: not given
-            exp = relprop.explain(model, inputs, target=target, method="transformer_attribution", keep_blocks=keep)
+            keep = {"ta-full": True, "ta-fold": False, "ta-rows": False, "gr-fold": False, "gr-rows": False}.get(what)
+            if what.endswith("-rows"):  # the row-chunked walk (off by default)
+                from relprop.engine import chunked_core
+                chunked_core.ROW_CHUNK = ROWS
+            method = "gradient_rollout" if what.startswith("gr") else "transformer_attribution"
+            exp = relprop.explain(model, inputs, target=target, method=method, keep_blocks=keep)
             kept = exp.kept_blocks
             del exp
     print(json.dumps({"model": name, "tokens": n, "what": what, "device": device, "peak_bytes": meter.peak_bytes,

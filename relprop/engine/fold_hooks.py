@@ -13,11 +13,16 @@ blocks; the records grow with blocks × heads × tokens² otherwise.
 """
 from __future__ import annotations
 
+import types
 from typing import List
 
+import torch
+
 from ..errors import RelpropError
+from .chunked_core import row_chunks
+from .chunked_walk import chunk_values
 from .memory import crossing, segments
-from .records import block_record
+from .records import block_record, record, unfolder
 
 #: why a folded run was refused by the engine (the api does not ask for one there)
 FOLD_WINDOWS = ("a folded run folds one token sequence per block; this model's attention works on windows (Swin) "
@@ -52,10 +57,72 @@ class BlockFolder:
         self.token_count = None
         self.walked = False
 
-    def attach(self, env, grad, batch: int, walked: bool) -> None:
+    def attach(self, env, grad, batch: int, walked: bool, chunked=None, compute=None) -> None:
         """Called by the run once its forward values ``env`` and gradients ``grad`` exist; ``walked``:
-        a relevance walk runs (a :class:`relprop.engine.walk.Walker` given this folder as its hooks)."""
+        a relevance walk runs (a :class:`relprop.engine.walk.Walker` given this folder as its hooks);
+        ``chunked``: (cores, gradients, rows) of the row-chunked walk
+        (:mod:`relprop.engine.chunked_walk`), whose blocks arrive by :meth:`reached_rows`."""
         self.env, self.grad, self.batch, self.walked = env, grad, batch, walked
+        self.cores, _, self.rows = chunked if chunked is not None else ({}, None, 0)
+        self.compute = compute
+        self.chunked_blocks = {b.index: p for p, (_, b) in self.cores.items()}
+        self.pending = None
+
+    def reached_rows(self, b, lo: int, hi: int, queries: int, attention, gradient, relevance) -> None:
+        """The row-chunked walk reached rows ``lo:hi`` of block ``b``'s attention map (of ``queries``
+        rows) with their A, dA and R_A (None: no relevance reaches it): hand them to the folds that
+        take chunks (``fold.start_rows``); gather them whole for the others (:meth:`rows_done`)."""
+        unfold = unfolder(b.folded_heads, self.batch)
+        part = types.SimpleNamespace(attention=unfold(record(attention)), gradient=unfold(record(gradient)),
+                                     relevance=unfold(record(relevance)))
+        if lo == 0:
+            shape = part.attention.shape[:-2] + (queries, part.attention.shape[-1])
+            meta = types.SimpleNamespace(index=b.index, name=b.name, layer=b.layer, device=part.attention.device,
+                                         attention=torch.empty(shape, device="meta"))
+            chunked = [f for f in self.folds if getattr(f, "start_rows", None) is not None and f.start_rows(meta)]
+            self.pending = (chunked, [f for f in self.folds if f not in chunked], [], part.attention.shape[-1])
+        chunked, whole, parts, _ = self.pending
+        for fold in chunked:
+            fold.fold_rows(part, lo)
+        if whole:
+            parts.append((attention, gradient, relevance))
+
+    def rows_done(self, b) -> None:
+        """Every chunk of block ``b`` was handed over (:meth:`reached_rows`): close the chunked folds,
+        call the others with the whole record."""
+        chunked, whole, parts, keys = self.pending
+        self.pending = None
+        for fold in chunked:
+            fold.end_rows()
+        if whole:
+            cat = [None if any(p[i] is None for p in parts) else torch.cat([p[i] for p in parts], -2)
+                   for i in range(3)]
+            del parts[:]
+            self.env[b.attention], self.grad[b.attention] = cat[0], cat[1]
+            rec = block_record(b, self.env, self.grad, {b.attention: cat[2]}, self.batch, partial=True)
+            del cat
+            for fold in whole:
+                fold(rec)
+            del rec
+            self.env.pop(b.attention, None)
+        if b.index == 0:
+            self.token_count = keys
+        self.seen.append(b.index)
+        self.grad.pop(b.attention, None)
+        if b.features is not None and b.features in self.droppable:
+            self.grad.pop(b.features, None)
+
+    def _rows_without_walk(self, b) -> None:
+        """Gradient-only methods: hand block ``b``'s chunks over after the segment's backward pass."""
+        product = self.chunked_blocks[b.index]
+        core = self.cores[product][0]
+        dout = self.grad.pop(product, None)
+        queries = self.env[core.rows[0]].shape[-2]
+        for lo, hi in row_chunks(queries, self.rows):
+            vals, grad = chunk_values(core, b.attention, self.env.__getitem__, lo, hi, self.compute, dout)
+            self.reached_rows(b, lo, hi, queries, vals[b.attention], grad, None)
+            del vals, grad
+        self.rows_done(b)
 
     def reached(self, node, relevance) -> None:
         """The walk reached attention map ``node`` with its complete ``relevance`` (None: none
@@ -80,7 +147,10 @@ class BlockFolder:
         blocks = sorted((b for b in self.analysis.blocks if b.attention in inside), key=lambda b: -b.index)
         if not self.walked:
             for b in blocks:
-                self._hand_over(b, {})
+                if b.index in self.chunked_blocks:
+                    self._rows_without_walk(b)
+                else:
+                    self._hand_over(b, {})
         dropped = set()
         for b in blocks:
             for n in (b.attention, b.value, b.features):

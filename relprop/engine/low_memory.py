@@ -14,9 +14,12 @@ import torch
 import torch.fx
 
 from ..graph.aliasing import shares_memory
+from ..graph.attention_core import CHECKS
 from ..graph.dispatch import saving_by_name
 from ..graph.nodes import evaluate
 from ..graph.tokens import token_positions
+from . import chunked_core
+from .chunked_walk import plan_cores
 from .forward import forward, output_seed, relevance_seed
 from .memory import crossing, last_uses, read_after_walk, rematerializable, segments
 from .request import Request
@@ -46,7 +49,10 @@ def run_low(request: Request, out_nodes: List[torch.fx.Node], wrt: List[torch.fx
     ``folder`` (a folded run, :class:`relprop.engine.fold_hooks.BlockFolder`) is the walk's hooks
     (the walker calls its ``reached`` at each attention map, and it hands the block to the methods'
     folds) and is called after each segment (``after_segment``, which returns the nodes whose values
-    and gradients it dropped): then the peak holds the crossing values and one segment.
+    and gradients it dropped): then the peak holds the crossing values and one segment. With
+    :data:`relprop.engine.chunked_core.ROW_CHUNK` set, a folded run evaluates each row-local
+    attention core in chunks of that many query rows, forward, backward and in the walk
+    (:mod:`relprop.engine.chunked_walk`): then no heads × tokens² tensor is held whole.
     """
     captured = request.captured
     a = captured.analysis
@@ -68,26 +74,28 @@ def run_low(request: Request, out_nodes: List[torch.fx.Node], wrt: List[torch.fx
     grad_nodes = set(wrt) - (set(out_nodes) - records)
     gbuf: Dict[torch.fx.Node, torch.Tensor] = dict(seed)  # gradient arriving at each crossing value
     grad: Dict[torch.fx.Node, torch.Tensor] = {}
+    cores = plan_cores(a) if folder is not None and chunked_core.ROW_CHUNK else {}
+    chunked = (cores, grad, chunked_core.ROW_CHUNK) if cores else None
     walker = None
     if request.relevance:  # (no memo of |W| here: memory="high" only)
         walker = Walker(request, env, relevance_seed(seed, env, request.preset.seed), out_nodes, batch,
-                        remat, hooks=folder)
+                        remat, hooks=folder, chunked=chunked)
     needed_later = read_after_walk(a)
     dropped: set = set()
     if folder is not None:
-        folder.attach(env, grad, batch, walked=walker is not None)
+        folder.attach(env, grad, batch, walked=walker is not None, chunked=chunked, compute=request.compute)
     for seg in reversed(segments(captured)):
-        _backward_segment(captured, env, seg, gbuf, grad, grad_nodes, kept, request.compute)
+        _backward_segment(captured, env, seg, gbuf, grad, grad_nodes, kept, request.compute, cores)
         if walker is not None:
             with torch.no_grad():
                 for node in reversed(seg):
                     walker.visit(node)
-        else:
+        if folder is not None:
+            dropped |= folder.after_segment(seg)
+        if walker is None:
             for node in seg:
                 if node not in needed_later:
                     env.pop(node, None)
-        if folder is not None:
-            dropped |= folder.after_segment(seg)
     for n in grad_nodes:  # placeholders (pixels, inputs_embeds): the sum over the segments reading them
         if n not in grad and n not in dropped:
             g = gbuf.get(n)
@@ -106,10 +114,14 @@ def _token_trace_reads(a) -> set:
     return {a.tokens.start} | set(a.tokens.reads)
 
 
-def _backward_segment(captured, env, seg, gbuf, grad, grad_nodes, kept, compute=None):
+def _backward_segment(captured, env, seg, gbuf, grad, grad_nodes, kept, compute=None, cores=None):
     """Recompute one segment with autograd from its inputs in ``env``, propagate the gradients in
     ``gbuf`` (at its outgoing values) back to its incoming values (added to ``gbuf``) and to the
-    nodes of ``grad_nodes`` it holds (into ``grad``); leave its values, detached, in ``env``."""
+    nodes of ``grad_nodes`` it holds (into ``grad``); leave its values, detached, in ``env``.
+    ``cores`` ({A·V node: (core, block)}): those cores are evaluated in chunks of query rows
+    (:func:`relprop.engine.chunked_core.core_in_row_chunks`), their inner nodes get no value and
+    no gradient, and the gradient at their output goes into ``grad``; their operands stay in
+    ``env``."""
     a = captured.analysis
     sources = set(a.sources)
     remat, last = rematerializable(captured), last_uses(captured)  # plans memoized on the graph
@@ -129,19 +141,31 @@ def _backward_segment(captured, env, seg, gbuf, grad, grad_nodes, kept, compute=
         return v
 
     fn_nodes = [n for n in seg if n.op == "call_function"]
+    seg_cores = {p: c for p, (c, _) in (cores or {}).items() if p in set(fn_nodes)}
+    inner = {n for c in seg_cores.values() for n in c.nodes[:-1]}
+    inner |= {u for n in inner for u in n.users if u.target in CHECKS}  # metadata checks of inner values
+    operands = {n for c in seg_cores.values() for n in c.rows + c.whole}
+    fn_nodes = [n for n in fn_nodes if n not in inner]
     inside = set(fn_nodes)
     with torch.enable_grad(), saving_by_name(env):  # offloaded weights: saved by name, not value
         for node in fn_nodes:
-            out = evaluate(node, val, compute=compute)
+            core = seg_cores.get(node)
+            if core is not None:
+                out = chunked_core.core_in_row_chunks(core, {n: val(n) for n in core.rows + core.whole},
+                                                     chunked_core.ROW_CHUNK, compute)
+            else:
+                out = evaluate(node, val, compute=compute)
             if node in sources:
                 out = out.detach().requires_grad_(True)
             senv[node] = out
             for m in last.get(node, ()):
                 # (a value that is its operand, e.g. a where selecting one operand everywhere, keeps it)
-                if m in inside and m in remat and m not in kept and not shares_memory(senv.get(m), out):
+                if m in inside and m in remat and m not in kept and m not in operands \
+                        and not shares_memory(senv.get(m), out):
                     senv.pop(m, None)  # the walk computes it again (autograd keeps what it saved)
         roots = [n for n in fn_nodes if n in gbuf and torch.is_tensor(senv.get(n)) and senv[n].requires_grad]
-        targets = list(leaves) + [n for n in fn_nodes if n in grad_nodes and n in senv and senv[n].requires_grad]
+        targets = list(leaves) + [n for n in fn_nodes if (n in grad_nodes or n in seg_cores) and n in senv
+                                  and senv[n].requires_grad]
         targets = list(dict.fromkeys(targets))
         if roots and targets:
             gs = torch.autograd.grad([senv[n] for n in roots], [senv[n] for n in targets],
@@ -156,7 +180,7 @@ def _backward_segment(captured, env, seg, gbuf, grad, grad_nodes, kept, compute=
         elif g is not None:
             gbuf[n] = gbuf[n] + g if n in gbuf else g
     del gs
-    for n in grad_nodes & inside:
+    for n in (grad_nodes | set(seg_cores)) & inside:
         if n not in grad:
             grad[n] = torch.zeros_like(senv[n])
     for n in fn_nodes:

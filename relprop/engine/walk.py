@@ -30,6 +30,7 @@ from ..rules.context import RuleContext
 from ..rules.pa_lrp import is_positional
 from ..rules.rule_registry import Preset, get_preset
 from ..rules.stabilize import promote, relevance_dtype
+from .chunked_walk import walk_core
 from .ledger import STABILIZER, Ledger
 from .node_rules import rule_finder
 from .position_relevance import LABEL as POSITIONS, PositionRelevance
@@ -98,10 +99,13 @@ class Walker:
     ``hooks`` (a folded run, :class:`relprop.engine.fold_hooks.BlockFolder`) is told when the walk
     reaches each of its ``nodes`` (:meth:`~relprop.engine.fold_hooks.BlockFolder.reached`, before the
     node's rule runs); the walk then keeps no relevance there and lets the values of its
-    ``droppable`` nodes go when it leaves them.
+    ``droppable`` nodes go when it leaves them. ``chunked`` (the row-chunked walk,
+    :mod:`relprop.engine.chunked_walk`): (cores, gradients, rows): at the output of each core of
+    ``cores`` ({A·V node: (core, block)}) one step walks the core in chunks of ``rows`` query rows,
+    reading the gradient at the core's output from ``gradients``; the core's other nodes are skipped.
     """
 
-    def __init__(self, request, env, seed, out_nodes, batch: int, remat=frozenset(), hooks=None):
+    def __init__(self, request, env, seed, out_nodes, batch: int, remat=frozenset(), hooks=None, chunked=None):
         captured = request.captured
         a = captured.analysis
         self.a, self.preset, self.eps, self.batch = a, request.preset, request.eps, batch
@@ -131,6 +135,14 @@ class Walker:
             self.ledger.inject(n, self.R[n])
         self.input_parts = []
         self.positions = PositionRelevance(self.placeholders, batch) if is_positional(request.preset) else None
+        self.cores, self.core_grad, self.core_rows = chunked if chunked is not None else ({}, {}, 0)
+        self.inside_cores = {n for core, _ in self.cores.values() for n in core.nodes[:-1]}
+
+    def constant_label(self, arg, consumer) -> str:
+        """The ledger's label of a share ``consumer`` gives to constant ``arg``."""
+        if isinstance(arg, torch.fx.Node):
+            return _constant_label(arg, self.placeholders, consumer)
+        return f"{module_path(consumer) or 'model'}:{consumer.name}:const"
 
     def absorb(self, label, rel, consumer, arg_bdim):
         """Book ``rel``, a share node ``consumer`` does not pass on, in the ledger under ``label``."""
@@ -140,6 +152,11 @@ class Walker:
         """Apply the rule of ``node`` to its (complete) relevance and pass the shares to its arguments."""
         a, R, batch, bdim = self.a, self.R, self.batch, self.bdim
         self.values.entering(node)
+        if node in self.inside_cores:  # walked by the step at the core's output
+            return
+        if node in self.cores and node not in R:
+            self._core_step(node, None)
+            return
         if node not in R:
             if node in self.hooked:  # no relevance reaches it (e.g. attention held constant): say so
                 self.hooks.reached(node, None)
@@ -154,6 +171,9 @@ class Walker:
             self.input_parts.append((node, r))
             return
         if node.op != "call_function":
+            return
+        if node in self.cores:
+            self._core_step(node, r)
             return
         if node.target is operator.getitem:
             src, idx = node.args[0], node.args[1]
@@ -209,6 +229,10 @@ class Walker:
             else:
                 self.deliver(arg, share, node)
 
+    def _core_step(self, node, r) -> None:
+        core, block = self.cores[node]
+        walk_core(self, node, r, core, block, self.core_grad.pop(node, None), self.core_rows, self.hooks)
+
     def deliver(self, arg, share, consumer):
         """Add ``share`` to the relevance of ``arg`` (a live node), or book it as absorbed by ``consumer``
         (a constant)."""
@@ -220,15 +244,12 @@ class Walker:
             return
         if not torch.is_tensor(share):
             return
-        if isinstance(arg, torch.fx.Node):
-            if self.positions is not None and self.positions.take(arg, consumer, share, self.bdim.get(consumer)):
-                self.absorb(POSITIONS, promote(share), consumer, self.bdim.get(arg))  # for the blocks' books
-                return
-            label = _constant_label(arg, self.placeholders, consumer)
-            self.absorb(label, promote(share), consumer, self.bdim.get(arg))
-        else:
-            self.absorb(f"{module_path(consumer) or 'model'}:{consumer.name}:const", promote(share), consumer,
-                        None)
+        if isinstance(arg, torch.fx.Node) and self.positions is not None \
+                and self.positions.take(arg, consumer, share, self.bdim.get(consumer)):
+            self.absorb(POSITIONS, promote(share), consumer, self.bdim.get(arg))  # for the blocks' books
+            return
+        self.absorb(self.constant_label(arg, consumer), promote(share), consumer,
+                    self.bdim.get(arg) if isinstance(arg, torch.fx.Node) else None)
 
     def finish(self) -> WalkResult:
         """The walk's :class:`WalkResult`, once every node was visited."""

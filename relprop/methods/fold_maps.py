@@ -40,6 +40,7 @@ from ..graph.aliasing import shares_memory
 from .aggregation import Aggregation, block_range, fuse_heads, per_head_maps
 from .apply import no_relevance
 from .query import causal_block, row_zero_only, support_of, weighted_rows, weights_of
+from .first_block_rows import FirstBlockRows, causal_rows
 from .identity import flat_cause, fold_step, merge_rows, with_identity
 from .rollout_utils import check_mixing, check_neighbours, check_square
 
@@ -113,6 +114,7 @@ class RowFold:
         self.heads = None
         self.prev = None  # (index, name, tokens) of the block folded last
         self.seen, self.tokens0, self.used_mask = 0, None, False
+        self.first = self.rows_state = None  # the row-chunked walk's block in progress
 
     def _real(self, n: int, device) -> torch.Tensor:
         """[batch, n] bool: the real tokens, as ``Trace.token_mask`` gives them (the attention mask
@@ -187,15 +189,26 @@ class RowFold:
         row, so a chunk's rows are those of the whole map; only the order of the sums of the
         product differs (float rounding). The maps of one chunk take at most
         :data:`FOLD_CHUNK_BYTES`, so no per-head tensor as large as the attention map is formed."""
+        state = self._rows_begin()
+        self._rows_add(state, rec, 0)
+        return self._rows_end(state)
+
+    def _rows_begin(self) -> dict:
+        """The sums of a fold by chunks of rows (:meth:`_rows_add`, :meth:`_rows_end`)."""
+        path = self.path.clone() if self.agg.identity == "exclude" and self.agg.normalize_rows else self.path
+        return {"out": None, "excluded": None, "path": path}
+
+    def _rows_add(self, state: dict, rec, offset: int) -> None:
+        """Add the terms of query rows ``offset`` … of the block to ``state``: ``rec`` holds A, dA,
+        R_A on those rows (a whole record with ``offset`` 0, or a chunk of the row-chunked walk)."""
         a = rec.attention
         n = a.shape[-2]
         per_row = max(1, a.numel() // n) * a.element_size()
         step = max(1, FOLD_CHUNK_BYTES // per_row)
-        out = excluded = None
-        path = self.path.clone() if self.agg.identity == "exclude" and self.agg.normalize_rows else self.path
-        for lo in range(0, n, step):
-            hi = min(n, lo + step)
-            part = types.SimpleNamespace(**{k: None if getattr(rec, k) is None else getattr(rec, k)[..., lo:hi, :]
+        for start in range(0, n, step):
+            stop = min(n, start + step)
+            lo, hi = offset + start, offset + stop
+            part = types.SimpleNamespace(**{k: None if getattr(rec, k) is None else getattr(rec, k)[..., start:stop, :]
                                             for k in ("attention", "gradient", "relevance")})
             maps, agg = self.head_maps(part), self.agg
             if agg.positive and agg.head_fusion != "gradient" and not shares_memory(
@@ -210,15 +223,93 @@ class RowFold:
                 sums = chunk.sum(-1, keepdim=True)
                 chunk, fused = chunk / sums, fused / sums  # Ā_b's rows and their map part N_b
             term = torch.matmul(self.row[..., lo:hi], chunk)  # [batch, k, rows] · [batch, rows, N]
-            out = term if out is None else out.add_(term)
+            state["out"] = term if state["out"] is None else state["out"].add_(term)
             if self.agg.identity == "exclude":  # relprop.methods.identity.fold_step, chunk by chunk
                 term = torch.matmul(self.excluded[..., lo:hi], chunk) + torch.matmul(self.path[..., lo:hi], fused)
-                excluded = term if excluded is None else excluded.add_(term)
+                state["excluded"] = term if state["excluded"] is None else state["excluded"].add_(term)
                 if self.agg.normalize_rows:
-                    path[..., lo:hi] = self.path[..., lo:hi] / sums[:, None, :, 0]
+                    state["path"][..., lo:hi] = self.path[..., lo:hi] / sums[:, None, :, 0]
+
+    def _rows_end(self, state: dict) -> torch.Tensor:
         if self.agg.identity == "exclude":
-            self.excluded, self.path = excluded, path
-        return out
+            self.excluded, self.path = state["excluded"], state["path"]
+        return state["out"]
+
+    # -- the row-chunked walk (relprop.engine.chunked_walk): a block handed over in chunks of rows --
+    def start_rows(self, meta) -> bool:
+        """A block arrives in chunks of query rows (``meta``: its index, name, ``device`` and
+        ``attention``, a tensor on the meta device shaped like the whole map). False: this fold needs the whole
+        record (the block next to the output, whose query and head rows read whole maps, or the
+        last block of the range); then it is called with it instead."""
+        if self.seen == 0 and self.query == "cls":  # the first block: its chunks are kept as needed
+            self.batch = meta.attention.shape[0]
+            real = self._real(meta.attention.shape[-2], meta.device)
+            self.first = (meta, FirstBlockRows(self.head_maps, self.agg, real))
+            return True
+        if self.seen == 0 or (meta.index in self.range and self.row is None):
+            return False
+        self.first = None
+        self.seen += 1
+        if meta.index == 0:
+            self.tokens0 = meta.attention.shape[-1]
+        self.rows_state = None
+        if meta.index not in self.range:
+            return True
+        check_square(meta, self.name)
+        if self.prev is not None:
+            check_neighbours(meta, self.prev, self.name)
+        self.prev = types.SimpleNamespace(index=meta.index, name=meta.name, attention=meta.attention)
+        self.rows_state = self._rows_begin()
+        return True
+
+    def fold_rows(self, part, lo: int) -> None:
+        """Fold query rows ``lo`` … of the block of :meth:`start_rows` (``part``: their A, dA, R_A)."""
+        if self.needs_relevance and part.relevance is None:
+            raise MethodError(no_relevance(self.name, self.preset))
+        if self.first is not None:
+            self.first[1].add(part, lo)
+            return
+        if self.causal and self.weights.shape[1] > 1:
+            self.causal = causal_rows(part.attention, self.real, lo)
+        if self.rows_state is not None:
+            self._rows_add(self.rows_state, part, lo)
+
+    def end_rows(self) -> None:
+        """The block of :meth:`start_rows` is complete."""
+        if self.first is not None:
+            self._end_first(*self.first)
+            self.first = None
+            return
+        if self.rows_state is not None:
+            self.row = self._rows_end(self.rows_state)
+        self.rows_state = None
+
+    def _end_first(self, meta, first: FirstBlockRows) -> None:
+        """As :meth:`__call__` on the block next to the output, from its chunks (``first``)."""
+        n = meta.attention.shape[-2]
+        self.real, self.first_tokens = first.real, n
+        read = first.read()
+        self.causal = n >= 2
+        if row_zero_only(read):
+            self.weights = weights_of(read, self.real, False)[:, None, :]
+        else:
+            self.weights = torch.stack([weights_of(read, self.real, False), weights_of(read, self.real, True)], 1)
+        self.seen += 1
+        if meta.index == 0:
+            self.tokens0 = meta.attention.shape[-1]
+        if self.causal and self.weights.shape[1] > 1:
+            self.causal = first.causal
+        if meta.index not in self.range:
+            return
+        check_square(meta, self.name)
+        self.prev = types.SimpleNamespace(index=meta.index, name=meta.name, attention=meta.attention)
+        fused = first.fused_map()
+        self.row = self.weights.to(fused.dtype)
+        self.excluded, self.path = torch.zeros_like(self.row), self.row
+        self.heads = first.head_rows(self.weights)
+        if self.agg.identity == "exclude":
+            self.excluded, self.path = fold_step(self.excluded, self.path, fused, self.agg.normalize_rows)
+        self.row = torch.matmul(self.row, with_identity(fused, self.agg.normalize_rows))
 
     def _head_rows(self, rec, maps: torch.Tensor, agg: Aggregation) -> Optional[torch.Tensor]:
         """[batch, k, heads, N]: each head's map of the last block of the range at the query rows

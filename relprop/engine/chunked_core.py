@@ -1,0 +1,79 @@
+"""An attention core evaluated in chunks of query rows, with autograd (step 2 of the row-chunked
+walk; used by a folded run when :data:`ROW_CHUNK` is set, :mod:`relprop.engine.chunked_walk`).
+
+:func:`core_in_row_chunks` evaluates a block's row-local core (:func:`relprop.graph.attention_core.find_core`:
+Q·Kᵀ, scale, mask, softmax, A·V) one chunk of query rows at a time and returns A·V; its backward
+recomputes each chunk with autograd and gives the chunk's rows of ∇Q (and of any other split
+operand) and its share of ∇Kᵀ and ∇V. Neither pass holds a heads × queries × keys tensor: the peak
+of the core is one chunk's scores, softmax and their gradients (as memory-efficient attention
+does), against the whole map A and ∇A of the unchunked core (CVPR 2021 Eq. 1–3 unchanged; only the
+order of the sums of ∇Kᵀ and ∇V changes, over the chunks).
+"""
+from __future__ import annotations
+
+from typing import Dict, List, Optional, Sequence
+
+import torch
+import torch.fx
+
+from ..graph.attention_core import AttentionCore, evaluate_rows
+
+
+#: query rows per chunk of the row-chunked walk in a folded run (None: off, the cores are evaluated
+#: whole). Experimental: set ``relprop.engine.chunked_core.ROW_CHUNK = 256`` to try it.
+ROW_CHUNK: Optional[int] = None
+
+
+def row_chunks(queries: int, chunk: int) -> List[tuple]:
+    """(lo, hi) of each chunk of ``chunk`` query rows (the last one shorter)."""
+    return [(lo, min(lo + chunk, queries)) for lo in range(0, queries, max(1, chunk))]
+
+
+class _CoreInRowChunks(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, core, nodes, chunk, compute, *tensors):
+        env = dict(zip(nodes, tensors))
+        queries = env[core.rows[0]].shape[-2]  # (the captured size may be another: sizes are dynamic)
+        outs = [evaluate_rows(core, env.__getitem__, lo, hi, compute)[core.nodes[-1]]
+                for lo, hi in row_chunks(queries, chunk)]
+        ctx.core, ctx.nodes, ctx.chunk, ctx.compute, ctx.queries = core, nodes, chunk, compute, queries
+        ctx.save_for_backward(*tensors)
+        return torch.cat(outs, -2)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        core, nodes, tensors = ctx.core, ctx.nodes, ctx.saved_tensors
+        split = set(core.rows)
+        wants = [ctx.needs_input_grad[4 + i] for i in range(len(nodes))]
+        grads: List[Optional[torch.Tensor]] = [None] * len(nodes)
+        row_grads: Dict[int, List[torch.Tensor]] = {i: [] for i, n in enumerate(nodes) if wants[i] and n in split}
+        for lo, hi in row_chunks(ctx.queries, ctx.chunk):
+            with torch.enable_grad():
+                leaves = {}
+                for n, t in zip(nodes, tensors):
+                    v = t[..., lo:hi, :] if n in split else t
+                    leaves[n] = v.detach().requires_grad_(True) if t.is_floating_point() else v
+                out = evaluate_rows(core, leaves.__getitem__, lo, hi, ctx.compute, sliced=True)[core.nodes[-1]]
+                idx = [i for i in range(len(nodes)) if wants[i]]
+                gs = torch.autograd.grad(out, [leaves[nodes[i]] for i in idx], grad_out[..., lo:hi, :],
+                                         allow_unused=True)
+            for i, g in zip(idx, gs):
+                if g is None:
+                    g = torch.zeros_like(leaves[nodes[i]])
+                if i in row_grads:
+                    row_grads[i].append(g)
+                else:
+                    grads[i] = g if grads[i] is None else grads[i] + g
+            del out, gs, leaves
+        for i, parts in row_grads.items():
+            grads[i] = torch.cat(parts, -2)
+        return (None, None, None, None, *grads)
+
+
+def core_in_row_chunks(core: AttentionCore, values: Dict[torch.fx.Node, torch.Tensor], chunk: int,
+                       compute: Optional[torch.dtype] = None) -> torch.Tensor:
+    """A·V of ``core`` from the whole values of its operands (``values``: each node of ``core.rows``
+    and ``core.whole``), computed ``chunk`` query rows at a time forward and backward (see the
+    module docstring). Differentiable in every floating-point operand."""
+    nodes: Sequence[torch.fx.Node] = tuple(core.rows) + tuple(core.whole)
+    return _CoreInRowChunks.apply(core, nodes, chunk, compute, *(values[n] for n in nodes))

@@ -1,0 +1,222 @@
+"""The reverse walk through an attention core in chunks of query rows (the row-chunked walk, steps
+3–4; off unless :data:`relprop.engine.chunked_core.ROW_CHUNK` is set).
+
+In a folded run (:mod:`relprop.engine.fold_hooks`) a block whose core is row-local
+(:func:`relprop.graph.attention_core.find_core`: Q·Kᵀ, scale, mask, softmax, A·V) is evaluated by
+:func:`relprop.engine.chunked_core.core_in_row_chunks`, so the segment's backward pass holds no
+heads × queries × keys tensor and gives the gradient at the core's output, dO. The walk then takes
+one step at the core's output instead of one per core node (:func:`walk_core`): for each chunk of
+query rows it recomputes the chunk's values, A_c and dA_c = ∂y/∂A_c (from dO_c, by autograd through the
+chunk), runs each core node's rule of the preset on the chunk (CVPR 2021 Eq. 1–3 are row-local, so a
+chunk's rows are those of the whole tensors), books what the rules absorb per chunk, hands
+(A_c, dA_c, R_A,c) to the folds, and gathers R_Q by rows and R_Kᵀ, R_V as sums over the chunks.
+
+A rule that sums its tensors per sample (chefer2021's Lemma-2 normalization of the mask's sum,
+:func:`relprop.rules.residual.normalize_shares`) reads the whole tensors' sums: the chunks are walked
+once to add up each such sum (:class:`_Sums`, nothing delivered), then again with the sums known.
+Same numbers as the whole walk up to the order of float sums.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Dict, List, Optional
+
+import torch
+import torch.fx
+import torch.utils._pytree as pytree
+
+from ..errors import UnsupportedOperation
+from ..graph.attention_core import AttentionCore, find_core
+from ..graph.nodes import evaluate, is_live, module_path, module_type
+from ..rules.context import RuleContext
+from ..rules.stabilize import promote
+from .chunked_core import row_chunks
+from .ledger import STABILIZER
+
+
+def plan_cores(analysis) -> Dict[torch.fx.Node, tuple]:
+    """{product node A·V: (its row-local :class:`AttentionCore`, its block)} for each block of
+    ``analysis`` whose core is row-local and holds its attention map."""
+    out = {}
+    for b in analysis.blocks:
+        core, _ = find_core(b, analysis.live)
+        if core is not None and b.attention in core.nodes and b.attention is not core.nodes[-1]:
+            out[core.nodes[-1]] = (core, b)
+    return out
+
+
+def chunk_values(core: AttentionCore, attention, value: Callable, lo: int, hi: int, compute=None,
+                 dout: Optional[torch.Tensor] = None):
+    """(values of the core's nodes on rows ``lo:hi``, dA on those rows or None): ``value(n)`` gives
+    each outside operand whole; with ``dout`` (the gradient at the core's output), ∂y/∂A on the
+    rows by autograd through the chunk (the product and the nodes between A and it)."""
+    split = set(core.rows)
+    out: Dict[torch.fx.Node, Any] = {}
+
+    def val(n):
+        if n in out:
+            return out[n]
+        v = value(n)
+        return v[..., lo:hi, :] if n in split else v
+
+    with torch.enable_grad() if dout is not None else torch.no_grad():
+        for node in core.nodes:
+            v = evaluate(node, val, compute=compute)
+            if node is attention and dout is not None:
+                v = v.detach().requires_grad_(True)
+            out[node] = v
+        grad = None
+        if dout is not None:
+            res = out[core.nodes[-1]]
+            grad = torch.autograd.grad(res, out[attention], dout[..., lo:hi, :].to(res.dtype), allow_unused=True)[0]
+            if grad is None:
+                grad = torch.zeros_like(out[attention])
+    out = {n: v.detach() if torch.is_tensor(v) else v for n, v in out.items()}
+    return out, grad
+
+
+class _Sums:
+    """Per-sample sums that a rule takes over tensors of the chunk (:meth:`RuleContext.sample_sum`):
+    added up over the chunks in the first pass, handed back whole (by call order) in the second."""
+
+    def __init__(self):
+        self.totals: List[torch.Tensor] = []
+        self.calls = 0
+        self.replay = False
+        self.nodes: set = set()  # the nodes whose rules took sums
+
+    def take(self, node, s: torch.Tensor) -> torch.Tensor:
+        self.nodes.add(node)
+        i = self.calls
+        self.calls += 1
+        if self.replay:
+            return self.totals[i]
+        if i < len(self.totals):
+            self.totals[i] = self.totals[i] + s
+        else:
+            self.totals.append(s)
+        return s
+
+
+@dataclasses.dataclass
+class _ChunkContext(RuleContext):
+    sums: Optional[_Sums] = None
+
+    def sample_sum(self, t: torch.Tensor) -> torch.Tensor:
+        """The per-sample sum over the whole tensor whose rows ``t`` is (see :class:`_Sums`)."""
+        return self.sums.take(self.node, super().sample_sum(t))
+
+
+def _fit(rel: torch.Tensor, shape) -> torch.Tensor:
+    if tuple(rel.shape) == tuple(shape):
+        return rel
+    while rel.dim() > len(shape):
+        rel = rel.sum(0)
+    return rel.sum_to_size(shape)
+
+
+def walk_core(walker, product, r, core: AttentionCore, block, dout, chunk: int, hooks=None) -> None:
+    """The walk's step at ``product``, the output of a row-local ``core`` with relevance ``r``
+    (None: none reaches it) and gradient ``dout``: every core node's rule run chunk by chunk
+    (module docstring), the shares of the outside operands delivered to them, each chunk's
+    (A_c, dA_c, R_A,c) handed to ``hooks.reached_rows`` and the block closed by ``hooks.rows_done``."""
+    queries = walker.values.value(core.rows[0]).shape[-2]
+    chunks = row_chunks(queries, chunk)
+    sums = _Sums()
+    if r is not None and len(chunks) > 1:  # first chunk: does a rule sum per sample?
+        _walk_chunks(walker, r, core, block, dout, chunks[:1], sums, None, counting=True)
+        if len(sums.nodes) > 1:  # sums of shares that depend on other sums: walk the rows at once
+            chunks, sums = [(0, queries)], _Sums()
+        elif sums.nodes:  # the sums over the other chunks, then the walk with the whole sums
+            _walk_chunks(walker, r, core, block, dout, chunks[1:], sums, None, counting=True)
+            sums.replay = True
+    _walk_chunks(walker, r, core, block, dout, chunks, sums, hooks, counting=False)
+    if hooks is not None:
+        hooks.rows_done(block)
+
+
+def _walk_chunks(walker, r, core, block, dout, chunks, sums, hooks, counting: bool) -> None:
+    a, values = walker.a, walker.values
+    interior = set(core.nodes)
+    rows_of = set(core.rows)
+    row_shares: Dict[torch.fx.Node, List[torch.Tensor]] = {}
+    whole_shares: Dict[torch.fx.Node, torch.Tensor] = {}
+    product = core.nodes[-1]
+    for lo, hi in chunks:
+        vals, grad = chunk_values(core, block.attention, values.value, lo, hi, values.compute, dout)
+        R: Dict[torch.fx.Node, torch.Tensor] = {} if r is None else {product: r[..., lo:hi, :]}
+        sums.calls = 0
+        value = _reader(vals, values.value, rows_of, lo, hi)
+
+        for node in reversed(core.nodes):
+            rn = R.pop(node, None)
+            if node is block.attention and not counting and hooks is not None:
+                hooks.reached_rows(block, lo, hi, chunks[-1][1], vals[node], grad, rn)
+            if rn is None:
+                continue
+            shares, spec = _rule(walker, node, rn, value, sums, counting)
+            held = spec.constant_positions
+            arg_nodes = node.args if spec.operands is None else spec.operands
+            for i, arg in enumerate(arg_nodes):
+                share = shares[i] if i < len(shares) else None
+                if share is None or counting and arg not in interior:
+                    continue
+                if isinstance(arg, torch.fx.Node) and arg in a.live and i not in held:
+                    share = _fit(promote(share), value(arg).shape)
+                    if arg in interior:
+                        R[arg] = R[arg] + share if arg in R else share
+                    elif arg in rows_of:
+                        row_shares.setdefault(arg, []).append(share)
+                    else:
+                        whole_shares[arg] = whole_shares[arg] + share if arg in whole_shares else share
+                elif torch.is_tensor(share) and not counting:
+                    label = (f"{module_path(node) or 'model'}:{arg.name} (held constant)" if i in held else None)
+                    if label is None:
+                        label = walker.constant_label(arg, node)
+                    walker.ledger.absorb(label, promote(share), node, walker.bdim.get(arg)
+                                         if isinstance(arg, torch.fx.Node) else None, vals[node])
+        del vals, grad, R, value
+    if counting:
+        return
+    for arg, parts in row_shares.items():
+        walker.deliver(arg, torch.cat(parts, -2), product)
+    for arg, share in whole_shares.items():
+        walker.deliver(arg, share, product)
+
+
+def _reader(vals, whole, rows_of, lo: int, hi: int) -> Callable:
+    """The value of a node on the chunk: a core node's from ``vals``, an outside operand's from
+    ``whole`` (its rows ``lo:hi`` where it is split)."""
+    def value(n):
+        if n in vals:
+            return vals[n]
+        v = whole(n)
+        return v[..., lo:hi, :] if n in rows_of else v
+    return value
+
+
+def _rule(walker, node, r, value, sums, counting: bool):
+    """Run the preset's rule of core node ``node`` on the chunk (values from ``value``) with
+    relevance ``r``; book what its stabilizer keeps. Returns (shares, spec)."""
+    a = walker.a
+    spec = walker.rule_of(node)
+    if spec is None:
+        raise UnsupportedOperation(node.target, module_path(node), module_type(node), walker.preset.name)
+    arg_nodes, kw_nodes = (node.args, node.kwargs) if spec.operands is None else (spec.operands, {})
+    args, kw = torch.fx.node.map_arg((arg_nodes, kw_nodes), lambda n: promote(value(n)) if n in a.live else value(n))
+    live = tuple(is_live(x, a.live) for x in arg_nodes)
+    out_val = value(node)
+    ctx = _ChunkContext(node=node, args=tuple(args), kwargs=kw, out=pytree.tree_map(promote, out_val), live=live,
+                        batch_dim=walker.bdim.get(node), batch_size=walker.batch, eps=walker.eps,
+                        preset=walker.preset, options=walker.options, out_writable=False, sums=sums)
+    shares = spec.fn(ctx, r)
+    if shares is None:
+        raise UnsupportedOperation(node.target, module_path(node), module_type(node), walker.preset.name,
+                                   detail="Its rule does not apply to these operands.")
+    lost = spec.gradient_form.lost if spec.gradient_form is not None else None
+    if lost is not None and not counting:  # an ε-rule: book what its stabilizer keeps
+        kept = lost(node, ctx.args, ctx.out, r, walker.eps)
+        if kept is not None:
+            label, share = kept if isinstance(kept, tuple) else (STABILIZER, kept)
+            walker.ledger.absorb(label, share, node, None, out_val)
+    return shares, spec
