@@ -176,3 +176,13 @@ def test_refused_family_names_what_is_missing():
     batch = {"input_ids": torch.tensor([[1, 5, 6]]), "pixel_values": torch.zeros(4, 3 * 2 * 8 * 8)}
     with pytest.raises(relprop.MethodError, match=r"Qwen2-VL.*image_grid_thw"):
         relprop.explain(model, batch, target="next_token", method="lrp")
+
+
+def test_unknown_family_is_refused_without_wrt():
+    """A vision-language model of a family relprop does not know (its config says model_type 'newvlm'):
+    relprop cannot say which patch each image token is, so without wrt= it refuses and says which wrt
+    to pass, rather than guessing a layout."""
+    model = V.llava()
+    model.config.model_type = "newvlm"
+    with pytest.raises(relprop.MethodError, match=r"model_type 'newvlm'.*wrt='input_ids'.*LLaVA"):
+        relprop.explain(model, V.batch("llava"), target="next_token", method="lrp")

@@ -66,7 +66,8 @@ def explained_input(model: Any, inputs: Any, infos: Sequence[Any], wrt: Optional
     Raises
     ------
     MethodError
-        the family is refused (``REFUSED``: what is missing), or the methods need both inputs.
+        the family is refused (``REFUSED``: what is missing), is not known and no ``wrt`` says which input
+        to explain, or the methods need both inputs.
     """
     kind = model_type(model)
     if kind is None or not isinstance(inputs, Mapping) or not torch.is_tensor(inputs.get(PIXELS)):
@@ -76,8 +77,14 @@ def explained_input(model: Any, inputs: Any, infos: Sequence[Any], wrt: Optional
         raise MethodError(f"{type(model).__name__} ({name}) is not explained with its image: {missing}, so relprop "
                           "would draw a wrong map. Supported vision-language families: "
                           f"{', '.join(SUPPORTED.values())}")
-    if wrt is not None or kind not in SUPPORTED:
+    if wrt is not None:
         return wrt
+    if kind not in SUPPORTED:
+        raise MethodError(f"{type(model).__name__} is a vision-language model (model_type {kind!r}) whose image-token "
+                          "layout relprop does not know, so it cannot say which patch each image token is. Pass "
+                          "wrt='input_ids' to explain the prompt's tokens with the image as a constant (image "
+                          "placeholders scored as tokens), or wrt='pixel_values' for the pixels through the vision "
+                          f"tower. Families relprop places on the image: {', '.join(SUPPORTED.values())}")
     blocks = {bool(getattr(i, "needs_blocks", True)) for i in infos}
     if blocks == {False}:
         return PIXELS
