@@ -51,9 +51,10 @@ PIXELS, IDS = "pixel_values", "input_ids"
 
 def model_type(model: Any) -> Optional[str]:
     """``model.config.model_type`` when the model is a vision-language model (its config has a
-    ``vision_config`` and a ``text_config``), else None."""
+    ``vision_config``, a ``text_config`` and an image placeholder token id), else None."""
     cfg = getattr(model, "config", None)
-    if cfg is None or getattr(cfg, "vision_config", None) is None or getattr(cfg, "text_config", None) is None:
+    if cfg is None or getattr(cfg, "vision_config", None) is None or getattr(cfg, "text_config", None) is None \
+            or image_token_id(cfg) is None:  # two-tower models (CLIP, SigLIP) merge no image tokens
         return None
     return getattr(cfg, "model_type", None)
 

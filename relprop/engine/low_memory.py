@@ -75,6 +75,7 @@ def run_low(request: Request, out_nodes: List[torch.fx.Node], wrt: List[torch.fx
     gbuf: Dict[torch.fx.Node, torch.Tensor] = dict(seed)  # gradient arriving at each crossing value
     grad: Dict[torch.fx.Node, torch.Tensor] = {}
     cores = plan_cores(a) if folder is not None and chunked_core.ROW_CHUNK else {}
+    cores = {p: (c, b) for p, (c, b) in cores.items() if _rows_exceed_a_chunk(c, tokens)}
     chunked = (cores, grad, chunked_core.ROW_CHUNK) if cores else None
     walker = None
     if request.relevance:  # (no memo of |W| here: memory="high" only)
@@ -112,6 +113,15 @@ def _token_trace_reads(a) -> set:
     if a.tokens is None:
         return set()
     return {a.tokens.start} | set(a.tokens.reads)
+
+
+def _rows_exceed_a_chunk(core, tokens) -> bool:
+    """Whether ``core``'s block has more query rows than one chunk on these inputs (its tokens as
+    traced, else the captured size when it is a number): a core of one chunk is evaluated whole, as
+    chunking it would only recompute it."""
+    rows = tokens.get(core.block)
+    n = rows.shape[1] if rows is not None else core.queries
+    return not isinstance(n, int) or n > chunked_core.ROW_CHUNK
 
 
 def _backward_segment(captured, env, seg, gbuf, grad, grad_nodes, kept, compute=None, cores=None):
