@@ -79,6 +79,7 @@ def test_lrp_conserves_through_projector_and_merge(vlm, family, preset):
     n = batch["input_ids"].shape[1]
     assert e.modality == "vision" and e.grid == V.GRID and e.scores.shape == (2, 16) and e.map.shape == (2, 32, 32)
     assert set(e.streams) == {"pixel_values", "input_ids"} and e.streams["input_ids"].shape == (2, n)
+    assert any("exp.streams['input_ids']" in note for note in e.notes), e.notes
     assert torch.allclose(e.scores, e.input_relevance.sum(1).reshape(2, 4, 8, 4, 8).sum((2, 4)).reshape(2, 16),
                           atol=1e-7)
     pixels, prompt = e.input_relevance.flatten(1).sum(1), e.streams["input_ids"].sum(1)

@@ -146,11 +146,21 @@ def patch_scores(scores: torch.Tensor, ids: torch.Tensor, config) -> torch.Tenso
 
 
 def place_image_tokens(results, model, kwargs, primary: str) -> None:
-    """For a supported VLM explained onto its language model's tokens (``wrt="input_ids"``): each
+    """For a supported VLM explained onto its pixels (``wrt="pixel_values"``): a note saying where the
+    prompt tokens' relevance is. Explained onto its language model's tokens (``wrt="input_ids"``): each
     Explanation's ``streams`` gets the prompt's scores (``"input_ids"``) and the image tokens' scores
     on the vision tower's patch grid (``"pixel_values"``, :func:`patch_scores`), with a note."""
     kind = model_type(model)
-    if kind not in SUPPORTED or primary != IDS or not torch.is_tensor(kwargs.get(PIXELS)):
+    if kind not in SUPPORTED or not torch.is_tensor(kwargs.get(PIXELS)):
+        return
+    if primary == PIXELS:
+        for exp in results:
+            if IDS in (exp.streams or {}):
+                exp.notes.append(f"{SUPPORTED[kind]}: pixels and prompt explained in one run; exp.scores/exp.map are "
+                                 "the pixels' relevance (per patch / per pixel), exp.streams['input_ids'] the prompt "
+                                 "tokens' (0 at the image placeholders, whose embeddings the image tokens replace)")
+        return
+    if primary != IDS:
         return
     ids = kwargs[IDS]
     (gh, gw), _, cell, _ = token_layout(model.config)
