@@ -380,7 +380,7 @@ def _run_preset(call: Call, p: Preset, input_only: bool, input_gradient: bool) -
             return run_fast(call.request(p, input_gradient=input_gradient))
         except FastPathUnavailable as why:
             note = (f"the one-backward fast path was not taken under preset '{p.name}' ({why}); the graph was "
-                    "walked rule by rule instead (same relevance, slower)")
+                    "walked rule by rule instead, which gives the preset's relevance more slowly")
             if call.fast_path is True:
                 warn(note)
     trace = run(call.request(p, input_gradient=input_gradient))
