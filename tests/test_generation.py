@@ -106,3 +106,24 @@ def test_chunked_encoder_decoder_equals_one_batched_call():
                                       batch_size=1)
     assert len(each.explanation) == 3 and each.source_length == one.source_length == 6
     torch.testing.assert_close(each.matrix, one.matrix, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("prompt, says", [
+    # a vision-language processor's output: generating from input_ids alone would be another prompt
+    ({"input_ids": torch.tensor([[3, 4, 5]]), "pixel_values": torch.zeros(1, 3, 8, 8)}, r"drop.*pixel_values"),
+    ({"input_ids": torch.tensor([[3, 4, 5]]), "attention_mask": torch.tensor([[0, 1, 1]])}, "masks some of its"),
+    ({"attention_mask": torch.tensor([[1, 1, 1]])}, "needs its 'input_ids'"),
+])
+def test_a_dict_prompt_is_never_cut_down_silently(prompt, says):
+    with pytest.raises(relprop.InputError, match=says):
+        relprop.explain_generation(_gpt2(), None, prompt, max_new_tokens=2)
+
+
+def test_a_tokenizers_output_is_a_prompt():
+    """A BatchEncoding (a mapping, not a dict) with an all-ones mask explains like its ids."""
+    ids = torch.tensor([[3, 4, 5]])
+    enc = tf.BatchEncoding({"input_ids": ids, "attention_mask": torch.ones_like(ids)})
+    model = _gpt2()
+    a = relprop.explain_generation(model, None, enc, max_new_tokens=2)
+    b = relprop.explain_generation(model, None, ids, max_new_tokens=2)
+    assert torch.equal(a.matrix, b.matrix) and torch.equal(a.rows, b.rows) and torch.equal(a.columns, b.columns)

@@ -21,7 +21,7 @@ copy, so the chunks give the rows of one batched call.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, List, Optional, Sequence, Union
+from typing import Any, List, Mapping, Optional, Sequence, Union
 
 import torch
 
@@ -88,6 +88,10 @@ def _is_encoder_decoder(model) -> bool:
     return bool(getattr(getattr(model, "config", None), "is_encoder_decoder", False))
 
 
+#: the keys of a tokenizer's output that a one-sample text prompt may carry (its ids; an all-ones mask)
+_TEXT_KEYS = ("input_ids", "attention_mask", "token_type_ids")
+
+
 def _ids(tokenizer, prompt) -> torch.Tensor:
     if torch.is_tensor(prompt) and prompt.is_floating_point():  # an image or log-mel features: one sample
         if prompt.dim() not in (3, 4) or prompt.shape[0] != 1:
@@ -96,8 +100,20 @@ def _ids(tokenizer, prompt) -> torch.Tensor:
         return prompt
     if torch.is_tensor(prompt):
         ids = prompt
-    elif isinstance(prompt, dict):
+    elif isinstance(prompt, Mapping):
+        dropped = sorted(str(k) for k in prompt if k not in _TEXT_KEYS)
+        if dropped:  # e.g. a vision-language processor's pixel_values: generating without them is another prompt
+            raise InputError(f"explain_generation explains a text prompt (its input_ids) and would drop the prompt's "
+                             f"{dropped}: the model would generate from the text alone. For a vision-language model "
+                             "explain one next token with its image: relprop.explain(model, inputs, "
+                             "target='next_token')")
+        if "input_ids" not in prompt:
+            raise InputError("a prompt given as a dict needs its 'input_ids'")
         ids = prompt["input_ids"]
+        mask = prompt.get("attention_mask")
+        if torch.is_tensor(mask) and not bool((mask != 0).all()):
+            raise InputError("the prompt's attention_mask masks some of its tokens; explain_generation takes one "
+                             "unpadded prompt (pass its ids without the padding)")
     elif isinstance(prompt, str):
         if tokenizer is None:
             raise InputError("explain_generation got a prompt string and no tokenizer; pass tokenizer= or the "
@@ -181,8 +197,9 @@ def explain_generation(model, tokenizer=None, prompt: Union[str, torch.Tensor, S
         turns a prompt string into ids and ids into the labels of the picture (optional when
         ``prompt`` holds ids).
     prompt
-        a string, a [1, length] tensor of ids or a tokenizer's output; a list of them gives a
-        list of results. For an encoder–decoder it is the source: ids, or one image [1, C, H, W]
+        a string, a [1, length] tensor of ids or a tokenizer's output (input_ids, an all-ones
+        attention_mask, token_type_ids; any other key, such as a vision-language processor's
+        pixel_values, is refused rather than dropped); a list of them gives a list of results. For an encoder–decoder it is the source: ids, or one image [1, C, H, W]
         (``VisionEncoderDecoderModel``: columns are the image's patches) or one log-mel feature
         matrix [1, mel bins, frames] (Whisper: columns are the frames, or the encoder's tokens for
         the rollout methods).
