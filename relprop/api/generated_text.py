@@ -199,7 +199,8 @@ def explain_generation(model, tokenizer=None, prompt: Union[str, torch.Tensor, S
     prompt
         a string, a [1, length] tensor of ids or a tokenizer's output (input_ids, an all-ones
         attention_mask, token_type_ids; any other key, such as a vision-language processor's
-        pixel_values, is refused rather than dropped); a list of them gives a list of results. For an encoder–decoder it is the source: ids, or one image [1, C, H, W]
+        pixel_values, is refused rather than dropped); a list of them gives a list of results.
+        For an encoder–decoder it is the source: ids, or one image [1, C, H, W]
         (``VisionEncoderDecoderModel``: columns are the image's patches) or one log-mel feature
         matrix [1, mel bins, frames] (Whisper: columns are the frames, or the encoder's tokens for
         the rollout methods).
