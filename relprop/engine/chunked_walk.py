@@ -19,17 +19,17 @@ Same numbers as the whole walk up to the order of float sums.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional
 
 import torch
 import torch.fx
 import torch.utils._pytree as pytree
 
 from ..errors import UnsupportedOperation
-from ..graph.attention_core import AttentionCore, find_core
-from ..graph.nodes import evaluate, is_live, module_path, module_type
+from ..graph.attention_core import AttentionCore, evaluate_rows, find_core
+from ..graph.nodes import is_live, module_path, module_type
 from ..rules.context import RuleContext
-from ..rules.stabilize import promote
+from ..rules.stabilize import fit_to_shape, promote
 from .chunked_core import row_chunks
 from .ledger import STABILIZER
 
@@ -50,21 +50,8 @@ def chunk_values(core: AttentionCore, attention, value: Callable, lo: int, hi: i
     """(values of the core's nodes on rows ``lo:hi``, dA on those rows or None): ``value(n)`` gives
     each outside operand whole; with ``dout`` (the gradient at the core's output), ∂y/∂A on the
     rows by autograd through the chunk (the product and the nodes between A and it)."""
-    split = set(core.rows)
-    out: Dict[torch.fx.Node, Any] = {}
-
-    def val(n):
-        if n in out:
-            return out[n]
-        v = value(n)
-        return v[..., lo:hi, :] if n in split else v
-
     with torch.enable_grad() if dout is not None else torch.no_grad():
-        for node in core.nodes:
-            v = evaluate(node, val, compute=compute)
-            if node is attention and dout is not None:
-                v = v.detach().requires_grad_(True)
-            out[node] = v
+        out = evaluate_rows(core, value, lo, hi, compute, leaf=attention if dout is not None else None)
         grad = None
         if dout is not None:
             res = out[core.nodes[-1]]
@@ -105,14 +92,6 @@ class _ChunkContext(RuleContext):
     def sample_sum(self, t: torch.Tensor) -> torch.Tensor:
         """The per-sample sum over the whole tensor whose rows ``t`` is (see :class:`_Sums`)."""
         return self.sums.take(self.node, super().sample_sum(t))
-
-
-def _fit(rel: torch.Tensor, shape) -> torch.Tensor:
-    if tuple(rel.shape) == tuple(shape):
-        return rel
-    while rel.dim() > len(shape):
-        rel = rel.sum(0)
-    return rel.sum_to_size(shape)
 
 
 def walk_core(walker, product, r, core: AttentionCore, block, dout, chunk: int, hooks=None) -> None:
@@ -162,7 +141,7 @@ def _walk_chunks(walker, r, core, block, dout, chunks, sums, hooks, counting: bo
                 if share is None or counting and arg not in interior:
                     continue
                 if isinstance(arg, torch.fx.Node) and arg in a.live and i not in held:
-                    share = _fit(promote(share), value(arg).shape)
+                    share = fit_to_shape(promote(share), value(arg).shape)
                     if arg in interior:
                         R[arg] = R[arg] + share if arg in R else share
                     elif arg in rows_of:
@@ -170,9 +149,7 @@ def _walk_chunks(walker, r, core, block, dout, chunks, sums, hooks, counting: bo
                     else:
                         whole_shares[arg] = whole_shares[arg] + share if arg in whole_shares else share
                 elif torch.is_tensor(share) and not counting:
-                    label = (f"{module_path(node) or 'model'}:{arg.name} (held constant)" if i in held else None)
-                    if label is None:
-                        label = walker.constant_label(arg, node)
+                    label = walker.held_label(arg, node) if i in held else walker.constant_label(arg, node)
                     walker.ledger.absorb(label, promote(share), node, walker.bdim.get(arg)
                                          if isinstance(arg, torch.fx.Node) else None, vals[node])
         del vals, grad, R, value

@@ -29,7 +29,7 @@ from ..graph.nodes import is_live, module_path, module_type, relevance_path
 from ..rules.context import RuleContext
 from ..rules.pa_lrp import is_positional
 from ..rules.rule_registry import Preset, get_preset
-from ..rules.stabilize import promote, relevance_dtype
+from ..rules.stabilize import fit_to_shape, promote, relevance_dtype
 from .chunked_walk import walk_core
 from .ledger import STABILIZER, Ledger
 from .node_rules import rule_finder
@@ -59,15 +59,6 @@ def walk(walker: "Walker", graph: torch.fx.Graph) -> "WalkResult":
     for node in reversed(graph.nodes):
         walker.visit(node)
     return walker.finish()
-
-
-def _fit(rel: torch.Tensor, shape) -> torch.Tensor:
-    """Reduce a relevance tensor computed in a broadcast shape onto the operand's shape."""
-    if tuple(rel.shape) == tuple(shape):
-        return rel
-    while rel.dim() > len(shape):
-        rel = rel.sum(0)
-    return rel.sum_to_size(shape)
 
 
 @dataclasses.dataclass
@@ -137,6 +128,10 @@ class Walker:
         self.positions = PositionRelevance(self.placeholders, batch) if is_positional(request.preset) else None
         self.cores, self.core_grad, self.core_rows = chunked if chunked is not None else ({}, {}, 0)
         self.inside_cores = {n for core, _ in self.cores.values() for n in core.nodes[:-1]}
+
+    def held_label(self, arg, consumer) -> str:
+        """The ledger's label of a share ``consumer``'s rule holds constant (a selection parameter)."""
+        return f"{module_path(consumer) or 'model'}:{arg.name} (held constant)"
 
     def constant_label(self, arg, consumer) -> str:
         """The ledger's label of a share ``consumer`` gives to constant ``arg``."""
@@ -219,8 +214,7 @@ class Walker:
             if share is None:
                 continue
             if i in held and torch.is_tensor(share):
-                self.absorb(f"{module_path(node) or 'model'}:{arg.name} (held constant)", promote(share), node,
-                            self.bdim.get(arg))
+                self.absorb(self.held_label(arg, node), promote(share), node, self.bdim.get(arg))
                 continue
             if isinstance(arg, (list, tuple)):
                 for el, sh in zip(arg, share):
@@ -238,7 +232,7 @@ class Walker:
         (a constant)."""
         if isinstance(arg, torch.fx.Node) and arg in self.a.live:
             val = self.values.value(arg)
-            share = _fit(promote(share), val.shape)
+            share = fit_to_shape(promote(share), val.shape)
             R = self.R
             R[arg] = R[arg] + share if arg in R else share
             return

@@ -22,6 +22,16 @@ def promote(t):
     return t
 
 
+def fit_to_shape(rel: torch.Tensor, shape) -> torch.Tensor:
+    """A relevance share computed in a broadcast shape, summed onto the operand's ``shape`` (the
+    leading axes broadcasting added, then the axes of size 1)."""
+    if tuple(rel.shape) == tuple(shape):
+        return rel
+    while rel.dim() > len(shape):
+        rel = rel.sum(0)
+    return rel.sum_to_size(shape)
+
+
 def relevance_dtype(dtype: torch.dtype) -> torch.dtype:
     """The dtype relevance has for activations of ``dtype``: float64 for float64, else float32."""
     return torch.float64 if dtype == torch.float64 else torch.float32
