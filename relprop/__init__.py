@@ -27,8 +27,8 @@ import sys
 import warnings
 from typing import TYPE_CHECKING
 
-from .errors import (CaptureError, DispatchError, InputError, MethodError, OptionError, PresetError, RelpropError,
-                     RelpropWarning, TargetError, UnsupportedOperation)
+from .errors import (CaptureError, DispatchError, InputError, MethodError, OptionError, PositionPathError,
+                     PresetError, RelpropError, RelpropWarning, TargetError, UnsupportedOperation)
 from .version import __version__
 
 if TYPE_CHECKING:  # what type checkers and editors see; at run time, __getattr__ below
@@ -67,7 +67,7 @@ __all__ = [
     "CACHE_SIZE", "clear_cache", "set_cache_dir",
     # errors and warnings
     "RelpropError", "CaptureError", "DispatchError", "InputError", "MethodError", "OptionError", "PresetError",
-    "TargetError", "UnsupportedOperation", "RelpropWarning",
+    "PositionPathError", "TargetError", "UnsupportedOperation", "RelpropWarning",
     "__version__",
 ]
 

@@ -74,6 +74,13 @@ def op_name(op) -> str:
     return getattr(op, "__name__", repr(op))
 
 
+class PositionPathError(MethodError):
+    """Preset ``"pa_lrp"`` (Bakish, Zimerman, Chefer & Wolf, NeurIPS 2025) was asked for a model whose
+    position encoding relprop cannot map onto its input tokens: none found, positions that are not
+    the input's tokens, or two position sources (two towers, a table and rotary factors). The message
+    says which; ``preset="attnlrp"`` explains the model without the reassignment."""
+
+
 class OptionError(RelpropError, ValueError):
     """An option of ``relprop.explain`` has a value it does not take (the message lists them)."""
 

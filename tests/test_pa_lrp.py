@@ -19,7 +19,8 @@ import torch
 
 import models
 import relprop
-from relprop.engine.position_relevance import LABEL, PositionPathError
+from relprop import PositionPathError
+from relprop.engine.position_relevance import LABEL
 
 VOCAB, DIM, CLASSES = 40, 8, 3
 

@@ -13,16 +13,12 @@ from typing import List, Optional
 
 import torch
 
-from ..errors import RelpropError
+from ..errors import PositionPathError
 from ..rules.pa_lrp import learned_position_name, position_kind
 from ..rules.stabilize import promote
 
 #: the label under which the ledger books the reassigned relevance before it is moved to the input
 LABEL = "position encodings, reassigned to their tokens (PA-LRP)"
-
-
-class PositionPathError(RelpropError):
-    """PA-LRP was asked for a model whose position encoding relprop cannot map onto its tokens."""
 
 
 class PositionRelevance:
