@@ -101,7 +101,7 @@ def test_lazy_names_are_what_they_name():
     from relprop import cli
     eager = {"RelpropError", "CaptureError", "DispatchError", "InputError", "MethodError", "OptionError",
              "PresetError", "PositionPathError", "TargetError", "UnsupportedOperation", "RelpropWarning",
-                 "__version__"}
+             "__version__"}
     assert set(relprop.__all__) == set(relprop.LAZY_IMPORTS) | eager
     for name, module in relprop.LAZY_IMPORTS.items():
         mod = importlib.import_module(module)
