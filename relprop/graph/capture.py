@@ -134,6 +134,9 @@ class CaptureCache:
         self._by_model: "weakref.WeakKeyDictionary[torch.nn.Module, collections.OrderedDict]" = \
             weakref.WeakKeyDictionary()
         self._memos: "weakref.WeakKeyDictionary[torch.nn.Module, dict]" = weakref.WeakKeyDictionary()
+        #: per model and input names, the export attempts that failed before (not tried again)
+        self._failed: "weakref.WeakKeyDictionary[torch.nn.Module, Dict[frozenset, set]]" = \
+            weakref.WeakKeyDictionary()
         self._lock = threading.RLock()
         self.traces = 0  # torch.export calls (tests and benchmarks read the counts)
         self.loads = 0  # programs read from the disk cache
@@ -178,14 +181,30 @@ class CaptureCache:
                 events.append(event)
             return captured
 
+    def _attempts(self, model, kwargs) -> tuple:
+        """The export attempts for a new program of ``model`` on ``kwargs``: :attr:`attempts` less those
+        that failed for this model on inputs of the same names (e.g. a vision-language model, whose
+        image-token count check stops every dynamic export: each new prompt length then costs one
+        static export, not three). The last attempt is always kept."""
+        failed = self._failed.get(model, {}).get(frozenset(kwargs), set())
+        kept = tuple(a for a in self.attempts if a[0] not in failed)
+        return kept or self.attempts[-1:]
+
+    def _remember_failed(self, model, kwargs, failed: List[str]) -> None:
+        if failed:
+            self._failed.setdefault(model, {}).setdefault(frozenset(kwargs), set()).update(failed)
+
     def _new_program(self, model, kwargs, primary, state, entries):
         timings: Dict[str, float] = {}
+        failed: List[str] = []
         t0 = time.perf_counter()
         weights = offloaded_weights(model)  # a model dispatched by accelerate: never on disk
         program = disk_cache.load(model, kwargs, primary, state) if self.disk and weights is None else None
         if weights is not None:
             with progress_line.step(f"capturing {type(model).__name__} with torch.export (once per model)"):
-                program = export_offloaded(model, weights, kwargs, primary, state, timings, self.attempts)
+                program = export_offloaded(model, weights, kwargs, primary, state, timings,
+                                           self._attempts(model, kwargs), failed)
+            self._remember_failed(model, kwargs, failed)
             self.traces += 1
             event = CaptureEvent("exported", timings)
         elif program is not None:
@@ -195,7 +214,9 @@ class CaptureCache:
         else:
             with progress_line.step(f"capturing {type(model).__name__} with torch.export (once per model; later calls "
                                     "reuse it)"):
-                program = export_program(model, kwargs, primary, state, timings, self.attempts)
+                program = export_program(model, kwargs, primary, state, timings, self._attempts(model, kwargs),
+                                         failed)
+            self._remember_failed(model, kwargs, failed)
             self.traces += 1
             t1 = time.perf_counter()
             if self.disk:
@@ -243,9 +264,11 @@ class CaptureCache:
             if model is None:
                 self._by_model.clear()
                 self._memos.clear()
+                self._failed.clear()
             else:
                 self._by_model.pop(model, None)
                 self._memos.pop(model, None)
+                self._failed.pop(model, None)
 
 
 def _same_structure(a: Program, b: Program) -> bool:

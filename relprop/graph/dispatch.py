@@ -267,10 +267,12 @@ def _fetcher(weights: OffloadedWeights, name: str) -> Callable[[], torch.Tensor]
 
 
 def export_offloaded(model: torch.nn.Module, weights: OffloadedWeights, kwargs: Dict[str, Any], primary: str,
-                     state: tuple, timings: Dict[str, float], attempts=ATTEMPTS) -> Program:
+                     state: tuple, timings: Dict[str, float], attempts=ATTEMPTS,
+                     failed: Optional[List[str]] = None) -> Program:
     """The :class:`Program` of a dispatched model with offloaded weights: its structural copy
     (:func:`structure_of`: stand-ins for the offloaded weights on the execution device) exported on
-    the inputs. Never read from or written to the disk cache."""
-    program = export_program(structure_of(model, weights.device), kwargs, primary, state, timings, attempts)
+    the inputs. Never read from or written to the disk cache. ``failed`` as in :func:`export_program`."""
+    program = export_program(structure_of(model, weights.device), kwargs, primary, state, timings, attempts,
+                             failed)
     program.offloaded = True
     return program

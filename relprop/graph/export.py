@@ -22,7 +22,7 @@
 from __future__ import annotations
 
 import time
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 import torch.fx
@@ -64,11 +64,11 @@ def decomposition_table() -> dict:
 
 
 def export_program(model: torch.nn.Module, kwargs: Dict[str, Any], primary: str, state: tuple,
-                   timings: Dict[str, float], attempts=ATTEMPTS) -> Program:
+                   timings: Dict[str, float], attempts=ATTEMPTS, failed: Optional[List[str]] = None) -> Program:
     """Export ``model`` called with ``kwargs`` (explained onto ``primary``) with the most dynamic
     axes it allows (the first of ``attempts`` that succeeds, :data:`ATTEMPTS`), decompose it, and
     describe it as a :class:`Program`. ``timings`` receives the seconds spent in ``"export"`` and
-    ``"decompose"``."""
+    ``"decompose"``; ``failed``, when given, the labels of the attempts that failed."""
     errors = []
     table = decomposition_table()
     with eval_mode(model), torch.no_grad():
@@ -85,6 +85,8 @@ def export_program(model: torch.nn.Module, kwargs: Dict[str, Any], primary: str,
                 timings["export"] = timings.get("export", 0.0) + time.perf_counter() - t0
                 ep = None
                 errors.append(f"{label}: {type(e).__name__}: {str(e)[:800]}")
+                if failed is not None:
+                    failed.append(label)
     if ep is None:
         raise CaptureError(
             f"torch.export could not capture {type(model).__name__}:\n  " + "\n  ".join(errors)
