@@ -30,9 +30,7 @@ from __future__ import annotations
 import weakref
 from typing import Any, Dict, Mapping, Tuple
 
-import numpy as np
 import torch
-from transformers import vision_utils
 
 from ..errors import MethodError
 
@@ -80,6 +78,9 @@ class QwenImage(torch.nn.Module):
     static_sizes_only = True
 
     def __init__(self, model: torch.nn.Module, grid: Tuple[int, int]):
+        import numpy as np  # a dependency of transformers; relprop itself needs torch alone
+        from transformers import vision_utils  # optional dependency (relprop[hf])
+
         super().__init__()
         self.vlm = model
         cfg = model.config
@@ -117,8 +118,26 @@ def wrapper(model: torch.nn.Module, grid: Tuple[int, int]) -> QwenImage:
     per_model = _WRAPPERS.setdefault(model, {})
     w = per_model.get(grid)
     if w is None:
-        w = per_model[grid] = QwenImage(model, grid)
+        w = QwenImage(model, grid)
+        _check_order(model, grid, w._extra["image_position_ids"])
+        per_model[grid] = w
     return w
+
+
+def _check_order(model, grid: Tuple[int, int], positions: torch.Tensor) -> None:
+    """The vision tower's own (row, column) of each row (its 2-D rotary positions, transformers'
+    ``get_vision_position_ids``) must be the patch :func:`rows_of` cut that row from; else refuse: relprop
+    and the model would disagree on where a patch is."""
+    p, _, _, c = patch_layout(model.config)
+    gh, gw = grid
+    where = torch.zeros(1, c, gh * p, gw * p, dtype=torch.long)
+    where[0, 0] = torch.arange(gh).repeat_interleave(p)[:, None]
+    where[0, 1 % c] = torch.arange(gw).repeat_interleave(p)[None, :]
+    rows = rows_of(where, model.config).reshape(gh * gw, c, -1)[:, :2, 0]
+    if positions.shape != rows.shape or not torch.equal(positions.to(rows.dtype), rows):
+        raise _refuse(model, f"the vision tower's rotary positions of the {gh}x{gw} patches do not follow the "
+                      "processor's 2x2-merged patch order that relprop reads the rows in, so it cannot say which "
+                      "patch each row is")
 
 
 def _refuse(model, why: str) -> MethodError:
@@ -161,8 +180,8 @@ def adapt(model: torch.nn.Module, inputs: Mapping[str, Any]):
                       f"(expected ({gh * gw}, {c * t * p * p}) with {m}x{m} merges)")
     image = image_of(rows, (gh, gw), cfg)
     if not torch.equal(rows_of(image, cfg), rows):
-        raise _refuse(model, "pixel_values are not the cut of one image in the processor's patch order (their time "
-                      "copies differ or the rows are ordered otherwise), so relprop cannot place them on the image")
+        raise _refuse(model, "pixel_values are not the cut of one image: the time copies of a patch differ (a "
+                      "video's frames?), so relprop cannot place them on one image")
     tokens = gh * gw // (m * m)
     n = int((ids == cfg.image_token_id).sum())
     if n != tokens:

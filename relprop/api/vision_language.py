@@ -1,4 +1,5 @@
-"""Vision-language models (LLaVA, PaliGemma, Gemma-3): which input is explained, and the families refused.
+"""Vision-language models (LLaVA, PaliGemma, Gemma-3, Qwen2-VL, Qwen2.5-VL): which input is explained, and
+the families refused.
 
 A vision-language model (VLM) runs its image through a vision tower and a projector and writes the
 resulting image tokens into the placeholder positions of the prompt (``masked_scatter``); its language
@@ -16,9 +17,13 @@ with two relevance sources (:func:`relprop.graph.streams.merges`):
   blocks: the rollouts, ``transformer_attribution``): the blocks are the language model's, image
   placeholders included, and the vision tower is a constant of the explanation.
 
-Families whose image tokens relprop cannot yet place back on the image (tiles, pixel shuffles,
-2x2 merges with 3-D rotary positions) are refused with a :class:`relprop.MethodError` that names the
-family and what is missing, never explained with a wrong map.
+Qwen2-VL and Qwen2.5-VL give their image as flattened rows of 2x2-merged patches: they are explained
+through :class:`relprop.api.qwen_images.QwenImage` (the model called on the image read back from the
+rows, one prompt with one image per call), and their image tokens are 2x2 blocks of the patch grid.
+
+Families whose image tokens relprop cannot yet place back on the image (tiles, pixel shuffles) are
+refused with a :class:`relprop.MethodError` that names the family and what is missing, never explained
+with a wrong map.
 """
 from __future__ import annotations
 
