@@ -9,12 +9,17 @@
 * the patch map is the image's: a patch whose pixels are 0 gets no relevance, and only that one;
 * rollout-style methods on the language model's blocks, each image token placed on its 2x2 patches,
   against a loop;
-* what relprop does not explain (a batch of prompts, a video, rows in another order) is refused.
+* what relprop does not explain (a batch of prompts, a video, unequal time copies, a patch order the
+  model disagrees with) is refused.
 """
 from __future__ import annotations
 
+import types
+
 import pytest
 import torch
+import transformers
+from hypothesis import HealthCheck, given, settings, strategies as st
 
 import relprop
 import vlm_models as V
@@ -68,12 +73,31 @@ def test_rows_are_the_processors_cut_and_read_back():
         assert positions[k].tolist() == [(block // (GW // 2)) * 2 + inner // 2, (block % (GW // 2)) * 2 + inner % 2]
 
 
+@settings(max_examples=12, deadline=None, suppress_health_check=list(HealthCheck))
+@given(blocks_h=st.integers(1, 3), blocks_w=st.integers(1, 3), p=st.sampled_from([2, 4]), t=st.sampled_from([1, 2]),
+       c=st.sampled_from([1, 3]), seed=st.integers(0, 1000))
+def test_any_grid_is_cut_as_the_processor_cuts_it(blocks_h, blocks_w, p, t, c, seed):
+    """Property: for any grid of 2x2 blocks, patch size, number of time copies and channels, relprop's cut
+    of an image is transformers' own (Qwen2VLImageProcessor) and reading the rows back gives the image."""
+    gh, gw = 2 * blocks_h, 2 * blocks_w
+    image = torch.randn(c, gh * p, gw * p, generator=torch.Generator().manual_seed(seed))
+    proc = transformers.Qwen2VLImageProcessor(patch_size=p, merge_size=2, temporal_patch_size=t, do_resize=False,
+                                              do_rescale=False, do_normalize=False, do_convert_rgb=False,
+                                              image_mean=[0.0] * c, image_std=[1.0] * c)
+    out = proc([image], return_tensors="pt", input_data_format="channels_first")
+    cfg = types.SimpleNamespace(vision_config=types.SimpleNamespace(patch_size=p, temporal_patch_size=t,
+                                                                    spatial_merge_size=2, in_channels=c))
+    assert out["image_grid_thw"].tolist() == [[1, gh, gw]]
+    assert torch.equal(qwen_images.rows_of(image[None], cfg), out["pixel_values"])
+    assert torch.equal(qwen_images.image_of(out["pixel_values"], (gh, gw), cfg), image[None])
+
+
 def test_a_patch_order_the_model_disagrees_with_is_refused():
     with pytest.raises(relprop.MethodError, match=r"rotary positions.*do not follow"):
         qwen_images._check_order(V.qwen2_vl(), (GH, GW), torch.zeros(GH * GW, 2, dtype=torch.long))
 
 
-def test_batches_videos_and_reordered_rows_are_refused():
+def test_batches_videos_and_unequal_frames_are_refused():
     model = V.qwen2_vl()
     one = V.qwen_inputs(V.qwen_image())
     two = dict(one, input_ids=one["input_ids"].repeat(2, 1), attention_mask=one["attention_mask"].repeat(2, 1),
@@ -131,6 +155,23 @@ def test_patch_map_is_the_images(qwen, family):
     assert float(e.scores[:, 1 * GW + 4].abs().max()) == 0.0
     others = torch.cat([e.scores[:, :1 * GW + 4], e.scores[:, 1 * GW + 5:]], 1)
     assert bool((others.abs() > 0).all())
+
+
+@pytest.mark.parametrize("family", QWEN)
+@settings(max_examples=4, deadline=None, suppress_health_check=list(HealthCheck))
+@given(row=st.integers(0, GH - 1), col=st.integers(0, GW - 1), seed=st.integers(0, 1000))
+def test_any_blacked_out_patch_gets_zero_and_the_ledger_closes(qwen, family, row, col, seed):
+    """Property: for a random image with a random patch blacked out, that patch's pixels and score are exactly
+    0, the other patches' are not, and Σ pixels + Σ prompt + absorbed = the score (ledger error < 1e-5)."""
+    image = V.qwen_image(seed)
+    image[:, row * P:(row + 1) * P, col * P:(col + 1) * P] = 0
+    inputs = V.qwen_inputs(image, seed=seed)
+    e = relprop.explain(qwen(family), inputs, target="next_token", method="lrp", preset="attnlrp", fast_path=False)
+    assert float(e.map[:, row * P:(row + 1) * P, col * P:(col + 1) * P].abs().max()) == 0.0
+    k = row * GW + col
+    assert float(e.scores[0, k].abs()) == 0.0
+    assert bool((torch.cat([e.scores[0, :k], e.scores[0, k + 1:]]).abs() > 0).all())
+    assert float(e.conservation.error.max()) < 1e-5
 
 
 # ------------------------------------------------------------------ rollout-style methods
