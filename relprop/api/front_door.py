@@ -250,8 +250,7 @@ def _check(model, inputs, target, jobs: Tuple[Job, ...], many: bool, preset: Opt
     special_tokens_mask = opt.check_special_tokens_mask(special_tokens_mask if special_tokens_mask is not None
                                                         else batch_mask)
     wrt = vision_language.explained_input(model, inputs, [j.info for j in jobs], wrt)
-    if vision_language.model_type(model) in qwen_images.QWEN and torch.is_tensor(inputs.get("pixel_values")):
-        model, inputs = qwen_images.adapt(model, inputs)  # one image as pixels [1, C, H, W] (qwen_images.py)
+    model, inputs = qwen_images.explained_call(model, inputs)  # Qwen-VL: one image as pixels [1, C, H, W]
     prepared = prepare(model, inputs, wrt)
     validation.warn_left_padding(model, prepared.kwargs)
     if special_tokens_mask is None and tokenizer is not None:

@@ -199,3 +199,14 @@ def adapt(model: torch.nn.Module, inputs: Mapping[str, Any]):
     if mask is not None:
         out["attention_mask"] = mask
     return wrapper(model, (gh, gw)), out
+
+
+def explained_call(model: torch.nn.Module, inputs: Any):
+    """(model, inputs) as relprop captures them: a Qwen2-VL / Qwen2.5-VL model called with an image
+    (``pixel_values``) becomes its :class:`QwenImage` with the image read back (:func:`adapt`); anything
+    else is returned as given."""
+    kind = getattr(getattr(model, "config", None), "model_type", None)
+    if kind in QWEN and getattr(model.config, "vision_config", None) is not None and isinstance(inputs, Mapping) \
+            and torch.is_tensor(inputs.get(PIXELS)):
+        return adapt(model, inputs)
+    return model, inputs

@@ -185,8 +185,8 @@ def place_image_tokens(results, model, kwargs, primary: str) -> None:
         exp.notes.append(f"{SUPPORTED[kind]}: the language model's blocks explained; each image placeholder's score "
                          f"placed on the {gh}x{gw} patch grid of the vision tower (exp.streams['pixel_values'], "
                          f"row-major) through the placeholder -> patch order"
-                         + (f", each image token spread evenly over its {cell}x{cell} pooled patches" if cell > 1
-                            else ""))
+                         + (f", each image token spread evenly over its {cell}x{cell} "
+                            f"{'merged' if kind in QWEN else 'pooled'} patches" if cell > 1 else ""))
 
 
 def _on_patch_grid(exp, config) -> None:
@@ -204,3 +204,7 @@ def _on_patch_grid(exp, config) -> None:
     exp.grid = (gh, gw)
     if exp.streams is not None:
         exp.streams[_PIXELS] = exp.scores
+    exp.notes.append(f"{SUPPORTED[config.model_type]}: the image read back from the processor's 2x2-merged rows "
+                     f"(pixel_values, image_grid_thw) and explained as pixels [1, C, H, W] through "
+                     f"relprop.api.qwen_images.QwenImage; exp.scores on its {gh}x{gw} grid of {p}x{p} patches, "
+                     "row-major, each pixel's relevance summed over its time copies")
