@@ -10,8 +10,8 @@ tower packs the images of a batch into one sequence and splits its attention by 
 (Qwen2.5-VL: within windows of ``window_size`` pixels in most blocks); the merger turns each 2x2 block
 into one image token; the language model reads them with 3-D rotary positions (``get_rope_index``).
 
-relprop explains such a model through :class:`QwenImage`, a module that holds the unmodified model
-and calls it on one image given as pixels [1, C, H, W]: it cuts them into the processor's rows (views
+relprop explains such a model through :class:`QwenImage`, a module that shares the unmodified model's
+submodules and calls the model on one image given as pixels [1, C, H, W]: it cuts them into the processor's rows (views
 only: reshape, permute, expand over the time axis) and passes the integer side-products the model
 would compute from ``image_grid_thw`` with data-dependent Python (``.tolist()`` splits, loops over
 the grid) precomputed, so that ``torch.export`` sees only fixed sizes: the vision tower's rotary
@@ -71,7 +71,9 @@ def image_of(rows: torch.Tensor, grid: Tuple[int, int], config) -> torch.Tensor:
 
 class QwenImage(torch.nn.Module):
     """A Qwen2-VL / Qwen2.5-VL model called on one image of ``grid`` = (gh, gw) patches given as pixels
-    [1, C, H, W] (module docstring). The model is held, not changed; ``layout`` (plain values) is
+    [1, C, H, W] (module docstring). The model is not changed: this module shares its submodules (the
+    same dict of children, so parameter names and module paths are the model's own) and refers to the
+    model object weakly, so that caching it does not keep a model alive; ``layout`` (plain values) is
     everything its precomputed constants depend on."""
 
     #: torch.export at the given sizes only (the constants are those of one image of one grid)
@@ -82,7 +84,8 @@ class QwenImage(torch.nn.Module):
         from transformers import vision_utils  # optional dependency (relprop[hf])
 
         super().__init__()
-        self.vlm = model
+        object.__setattr__(self, "_modules", model._modules)  # the model's children, shared (not copied)
+        self._model = weakref.ref(model)
         cfg = model.config
         p, t, m, c = patch_layout(cfg)
         self.layout = (model.config.model_type, int(grid[0]), int(grid[1]), p, t, m, c)
@@ -102,14 +105,22 @@ class QwenImage(torch.nn.Module):
     @property
     def config(self):
         """The held model's config."""
-        return self.vlm.config
+        return self._held().config
+
+    def _held(self) -> torch.nn.Module:
+        model = self._model()
+        if model is None:  # cannot happen while relprop caches this module: its cache is keyed by the model
+            raise MethodError("the Qwen-VL model this QwenImage called is gone")
+        return model
 
     def forward(self, input_ids, pixel_values, rope_positions, attention_mask=None):
         """The held model's logits on the prompt ``input_ids`` and the image ``pixel_values`` [1, C, H, W],
         the language model's 3-D positions ``rope_positions`` [1, 3, tokens]."""
-        return self.vlm(input_ids=input_ids, attention_mask=attention_mask, pixel_values=rows_of(pixel_values,
-                        self.vlm.config), image_grid_thw=self._grid_thw, position_ids=rope_positions.permute(1, 0, 2),
-                        use_cache=False, **self._extra).logits
+        model = self._held()
+        extra = {k: v.to(pixel_values.device) if torch.is_tensor(v) else v for k, v in self._extra.items()}
+        return model(input_ids=input_ids, attention_mask=attention_mask, pixel_values=rows_of(pixel_values,
+                     model.config), image_grid_thw=self._grid_thw, position_ids=rope_positions.permute(1, 0, 2),
+                     use_cache=False, **extra).logits
 
 
 def wrapper(model: torch.nn.Module, grid: Tuple[int, int]) -> QwenImage:
