@@ -170,12 +170,13 @@ def test_blocks_of_the_merged_run_are_refused(vlm):
 
 def test_refused_family_names_what_is_missing():
     torch.manual_seed(0)
-    text = transformers.Qwen2Config(**V._TEXT)
-    cfg = transformers.Qwen2VLConfig(text_config=text.to_dict(), vision_config=dict(depth=1, embed_dim=32, num_heads=4,
-                                                                                     hidden_size=32, patch_size=8))
-    model = transformers.Qwen2VLForConditionalGeneration(cfg).eval()
-    batch = {"input_ids": torch.tensor([[1, 5, 6]]), "pixel_values": torch.zeros(4, 3 * 2 * 8 * 8)}
-    with pytest.raises(relprop.MethodError, match=r"Qwen2-VL.*image_grid_thw"):
+    cfg = transformers.LlavaNextConfig(vision_config=transformers.CLIPVisionConfig(**V._VISION),
+                                       text_config=transformers.LlamaConfig(**V._TEXT), image_token_index=V.IMAGE_TOKEN,
+                                       image_grid_pinpoints=[[32, 32]])
+    model = transformers.LlavaNextForConditionalGeneration(cfg).eval()
+    batch = {"input_ids": torch.tensor([[1, 5, 6]]), "pixel_values": torch.zeros(1, 2, 3, 32, 32),
+             "image_sizes": torch.tensor([[32, 32]])}
+    with pytest.raises(relprop.MethodError, match=r"LLaVA-NeXT.*tiles"):
         relprop.explain(model, batch, target="next_token", method="lrp")
 
 

@@ -73,3 +73,62 @@ def batch(family: str, batch: int = 2, before: int = 3, after: int = 3, seed: in
     if family == "paligemma":
         out["token_type_ids"] = torch.zeros_like(ids)
     return out
+
+
+# ------------------------------------------------------------------ Qwen2-VL, Qwen2.5-VL
+
+#: Qwen: a 32x48 image in 8x8 patches (a 4x6 grid: not square, so a transposed map would not fit), each
+#: 2x2 block of patches merged into one image token (6 tokens); 2 frames per patch (temporal_patch_size)
+QWEN_IMAGE, QWEN_GRID, QWEN_TOKENS = (32, 48), (4, 6), 6
+_QWEN_TEXT = dict(_TEXT, rope_parameters=dict(rope_type="default", rope_theta=10000.0, mrope_section=[2, 1, 1]))
+_QWEN_VISION = dict(depth=2, num_heads=4, patch_size=8, spatial_merge_size=2, temporal_patch_size=2, in_channels=3)
+_QWEN_IDS = dict(image_token_id=IMAGE_TOKEN, video_token_id=62, vision_start_token_id=60, vision_end_token_id=61)
+
+
+def qwen2_vl():
+    """Qwen2VLForConditionalGeneration: a 2-block vision tower over 8x8x2 patches with 2-D rotary positions,
+    the 2x2 patch merger, a Qwen2 language model with 3-D (multimodal) rotary positions."""
+    torch.manual_seed(0)
+    cfg = transformers.Qwen2VLConfig(text_config=_QWEN_TEXT, vision_config=dict(
+        _QWEN_VISION, embed_dim=32, hidden_size=32, mlp_ratio=2), **_QWEN_IDS)
+    return transformers.Qwen2VLForConditionalGeneration(cfg).eval()
+
+
+def qwen2_5_vl():
+    """Qwen2_5_VLForConditionalGeneration: the vision tower attends within windows of 2x2 merged blocks
+    (16x16 pixels, window_size) in block 0 and over the whole image in block 1 (fullatt_block_indexes)."""
+    torch.manual_seed(0)
+    cfg = transformers.Qwen2_5_VLConfig(text_config=_QWEN_TEXT, vision_config=dict(
+        _QWEN_VISION, hidden_size=32, intermediate_size=64, out_hidden_size=32, window_size=32,
+        fullatt_block_indexes=[1]), **_QWEN_IDS)
+    return transformers.Qwen2_5_VLForConditionalGeneration(cfg).eval()
+
+
+QWEN_FAMILIES = {"qwen2_vl": qwen2_vl, "qwen2_5_vl": qwen2_5_vl}
+
+
+def qwen_processor():
+    """The Qwen2-VL image processor (transformers' own cut of an image into merged patches) with this file's
+    patch layout; no resizing or normalization, so its rows hold the given pixels."""
+    return transformers.Qwen2VLImageProcessor(patch_size=8, merge_size=2, temporal_patch_size=2, do_resize=False,
+                                              do_rescale=False, do_normalize=False)
+
+
+def qwen_inputs(image: torch.Tensor, before: int = 3, after: int = 3, seed: int = 0):
+    """The processor's outputs for one prompt ([BOS] + ``before`` ids + vision start + the 6 image
+    placeholders + vision end + ``after`` ids) and one image [3, 32, 48]: ``{"input_ids", "attention_mask",
+    "mm_token_type_ids", "pixel_values" [24, 384], "image_grid_thw"}``."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(FIRST_ID, 60, (1, 1 + before + QWEN_TOKENS + 2 + after), generator=g)
+    ids[:, 0] = 1
+    ids[:, 1 + before] = 60
+    ids[:, 2 + before:2 + before + QWEN_TOKENS] = IMAGE_TOKEN
+    ids[:, 2 + before + QWEN_TOKENS] = 61
+    out = dict(qwen_processor()([image], return_tensors="pt"))
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "mm_token_type_ids": (ids == IMAGE_TOKEN).int(),
+            **out}
+
+
+def qwen_image(seed: int = 0) -> torch.Tensor:
+    """A random image [3, 32, 48]."""
+    return torch.randn(3, *QWEN_IMAGE, generator=torch.Generator().manual_seed(seed))

@@ -7,6 +7,7 @@ from typing import Any, Optional
 import torch
 
 from . import options as opt
+from . import qwen_images
 from ..engine import report
 from ..engine.coverage import Coverage
 from ..rules import get_preset
@@ -40,5 +41,7 @@ def coverage(model: torch.nn.Module, inputs: Any, preset: Any = "chefer2021", *,
     checked = opt.check_preset(preset)
     if checked is None:
         checked = get_preset(DEFAULT_PRESET)
+    name = type(model).__name__
+    model, inputs = qwen_images.explained_call(model, inputs)  # Qwen-VL: one image as pixels [1, C, H, W]
     prepared = prepare(model, inputs, wrt)
-    return report(prepared.captured, checked, type(model).__name__, unsupported)
+    return report(prepared.captured, checked, name, unsupported)

@@ -1,4 +1,5 @@
-"""Vision-language models (LLaVA, PaliGemma, Gemma-3): which input is explained, and the families refused.
+"""Vision-language models (LLaVA, PaliGemma, Gemma-3, Qwen2-VL, Qwen2.5-VL): which input is explained, and
+the families refused.
 
 A vision-language model (VLM) runs its image through a vision tower and a projector and writes the
 resulting image tokens into the placeholder positions of the prompt (``masked_scatter``); its language
@@ -16,9 +17,13 @@ with two relevance sources (:func:`relprop.graph.streams.merges`):
   blocks: the rollouts, ``transformer_attribution``): the blocks are the language model's, image
   placeholders included, and the vision tower is a constant of the explanation.
 
-Families whose image tokens relprop cannot yet place back on the image (tiles, pixel shuffles,
-2x2 merges with 3-D rotary positions) are refused with a :class:`relprop.MethodError` that names the
-family and what is missing, never explained with a wrong map.
+Qwen2-VL and Qwen2.5-VL give their image as flattened rows of 2x2-merged patches: they are explained
+through :class:`relprop.api.qwen_images.QwenImage` (the model called on the image read back from the
+rows, one prompt with one image per call), and their image tokens are 2x2 blocks of the patch grid.
+
+Families whose image tokens relprop cannot yet place back on the image (tiles, pixel shuffles) are
+refused with a :class:`relprop.MethodError` that names the family and what is missing, never explained
+with a wrong map.
 """
 from __future__ import annotations
 
@@ -27,9 +32,11 @@ from typing import Any, Mapping, Optional, Sequence
 import torch
 
 from ..errors import MethodError
+from ..explanation.build import patch_sums
+from .qwen_images import PIXELS as _PIXELS, QWEN, patch_layout
 
 #: config.model_type of the families explained (their image tokens merged with masked_scatter)
-SUPPORTED = {"llava": "LLaVA", "paligemma": "PaliGemma", "gemma3": "Gemma-3"}
+SUPPORTED = {"llava": "LLaVA", "paligemma": "PaliGemma", "gemma3": "Gemma-3", **QWEN}
 
 #: config.model_type of the families refused -> (name, what is missing)
 REFUSED = {
@@ -40,10 +47,6 @@ REFUSED = {
                  "image"),
     "smolvlm": ("SmolVLM", "its pixel shuffle and image tiles (pixel_attention_mask) are not mapped back to the "
                 "image"),
-    "qwen2_vl": ("Qwen2-VL", "its flattened 2x2-merged patches (image_grid_thw) and 3-D rotary positions are not "
-                 "mapped back to the image"),
-    "qwen2_5_vl": ("Qwen2.5-VL", "its flattened 2x2-merged patches (image_grid_thw), window attention and 3-D rotary "
-                   "positions are not mapped back to the image"),
 }
 
 PIXELS, IDS = "pixel_values", "input_ids"
@@ -106,12 +109,18 @@ def image_token_id(config) -> Optional[int]:
     return None
 
 
-def token_layout(config):
+def token_layout(config, image_shape=None):
     """(patch grid (gh, gw) of the vision tower, image tokens per image, cell: patches per image token
-    along each side, whether a class token comes first) for the supported families."""
+    along each side, whether a class token comes first) for the supported families; Qwen2-VL and
+    Qwen2.5-VL: of the image of ``image_shape`` (its pixels [1, C, H, W], relprop.api.qwen_images),
+    each image token a merged m x m block of patches, the blocks row-major."""
     v = config.vision_config
-    side = v.image_size // v.patch_size
     kind = config.model_type
+    if kind in QWEN:
+        p, _, m, _ = patch_layout(config)
+        gh, gw = int(image_shape[-2]) // p, int(image_shape[-1]) // p
+        return (gh, gw), gh * gw // (m * m), m, False
+    side = v.image_size // v.patch_size
     if kind == "gemma3":
         per_side = int(round(config.mm_tokens_per_image ** 0.5))
         return (side, side), per_side * per_side, side // per_side, False
@@ -119,19 +128,20 @@ def token_layout(config):
     return (side, side), side * side + int(cls_first), 1, cls_first
 
 
-def patch_scores(scores: torch.Tensor, ids: torch.Tensor, config) -> torch.Tensor:
+def patch_scores(scores: torch.Tensor, ids: torch.Tensor, config, image_shape=None) -> torch.Tensor:
     """[batch, gh·gw] row-major patch scores from [batch, tokens] scores of the language model's
     sequence: the k-th image placeholder of sample b is image token k of image b, which holds a cell of
     ``cell x cell`` patches (1x1 for LLaVA and PaliGemma; Gemma-3 pools the patch grid to
-    ``mm_tokens_per_image`` tokens) and spreads its score evenly over them (Σ patch scores = Σ image-token
-    scores); a class token (LLaVA's ``"full"`` features) holds no patch.
+    ``mm_tokens_per_image`` tokens; Qwen2-VL and Qwen2.5-VL merge 2x2 patches into a token, the image of
+    ``image_shape``) and spreads its score evenly over them (Σ patch scores = Σ image-token scores); a
+    class token (LLaVA's ``"full"`` features) holds no patch.
 
     Raises
     ------
     MethodError
         a sample does not hold exactly one image's placeholders.
     """
-    (gh, gw), n, cell, cls_first = token_layout(config)
+    (gh, gw), n, cell, cls_first = token_layout(config, image_shape)
     at = ids == image_token_id(config)
     counts = at.sum(1)
     if not bool((counts == n).all()):
@@ -155,6 +165,8 @@ def place_image_tokens(results, model, kwargs, primary: str) -> None:
         return
     if primary == PIXELS:
         for exp in results:
+            if kind in QWEN:
+                _on_patch_grid(exp, model.config)
             if IDS in (exp.streams or {}):
                 exp.notes.append(f"{SUPPORTED[kind]}: pixels and prompt explained in one run; exp.scores/exp.map are "
                                  "the pixels' relevance (per patch / per pixel), exp.streams['input_ids'] the prompt "
@@ -163,13 +175,36 @@ def place_image_tokens(results, model, kwargs, primary: str) -> None:
     if primary != IDS:
         return
     ids = kwargs[IDS]
-    (gh, gw), _, cell, _ = token_layout(model.config)
+    shape = tuple(kwargs[PIXELS].shape)
+    (gh, gw), _, cell, _ = token_layout(model.config, shape)
     for exp in results:
         if exp.scores.dim() != 2 or exp.scores.shape != ids.shape:
             continue
-        exp.streams = {IDS: exp.scores, PIXELS: patch_scores(exp.scores, ids.to(exp.scores.device), model.config)}
+        exp.streams = {IDS: exp.scores, PIXELS: patch_scores(exp.scores, ids.to(exp.scores.device), model.config,
+                                                               shape)}
         exp.notes.append(f"{SUPPORTED[kind]}: the language model's blocks explained; each image placeholder's score "
                          f"placed on the {gh}x{gw} patch grid of the vision tower (exp.streams['pixel_values'], "
                          f"row-major) through the placeholder -> patch order"
-                         + (f", each image token spread evenly over its {cell}x{cell} pooled patches" if cell > 1
-                            else ""))
+                         + (f", each image token spread evenly over its {cell}x{cell} "
+                            f"{'merged' if kind in QWEN else 'pooled'} patches" if cell > 1 else ""))
+
+
+def _on_patch_grid(exp, config) -> None:
+    """A Qwen2-VL / Qwen2.5-VL Explanation onto the pixels [1, C, H, W] (relprop.api.qwen_images): the
+    pixel map (relevance summed over the colour channels), the per-patch scores on the gh x gw grid of
+    the vision tower's P x P patches (row-major), also ``exp.streams['pixel_values']``."""
+    r = exp.input_relevance
+    if r is None or r.dim() != 4:
+        return
+    p = patch_layout(config)[0]
+    gh, gw = r.shape[-2] // p, r.shape[-1] // p
+    exp.map = r.sum(1)
+    exp.scores = patch_sums(exp.map, gh, gw)
+    exp.mask = torch.ones_like(exp.scores, dtype=torch.bool)
+    exp.grid = (gh, gw)
+    if exp.streams is not None:
+        exp.streams[_PIXELS] = exp.scores
+    exp.notes.append(f"{SUPPORTED[config.model_type]}: the image read back from the processor's 2x2-merged rows "
+                     f"(pixel_values, image_grid_thw) and explained as pixels [1, C, H, W] through "
+                     f"relprop.api.qwen_images.QwenImage; exp.scores on its {gh}x{gw} grid of {p}x{p} patches, "
+                     "row-major, each pixel's relevance summed over its time copies")

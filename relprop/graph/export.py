@@ -12,7 +12,8 @@
   colour channels, a ViT's 224×224), without an error either way. torch specializes sizes 0 and 1,
   so an input of batch 1 is exported as a batch of copies. If that export fails, the batch alone is
   made dynamic, then nothing (:data:`ATTEMPTS`); :class:`relprop.graph.program.Program` records
-  which axes came out dynamic.
+  which axes came out dynamic. A module whose ``static_sizes_only`` is True (it holds constants made
+  for one input size, e.g. ``relprop.api.qwen_images.QwenImage``) is exported at its sizes only.
 * ``run_decompositions`` with torch's default table *minus* the ops the rules treat as units
   (:data:`KEEP_WHOLE`): fused scaled-dot-product attention becomes matmul → scale → mask →
   softmax → matmul, so the attention probabilities are a node of the graph. Masks built by
@@ -71,6 +72,8 @@ def export_program(model: torch.nn.Module, kwargs: Dict[str, Any], primary: str,
     ``"decompose"``; ``failed``, when given, the labels of the attempts that failed."""
     errors = []
     table = decomposition_table()
+    if getattr(model, "static_sizes_only", False) is True:  # constants of one input size (api/qwen_images.py)
+        attempts = [a for a in attempts if not (a[1] or a[2])]
     with eval_mode(model), torch.no_grad():
         for label, dynamic_batch, dynamic_rest in attempts:
             t0 = time.perf_counter()
