@@ -83,8 +83,8 @@ class ImageGenerationExplanation:
     notes: List[str] = dataclasses.field(default_factory=list)
 
     def step(self, t: int):
-        """The one-sample :class:`relprop.Explanation` of generated token ``t`` (its copy of the
-        sequence): its conservation ledger, its pixel map, ``save()``/``show()`` of the image and prompt."""
+        """The one-sample ``relprop.Explanation`` of generated token ``t`` (its copy of the sequence):
+        its conservation ledger, its pixel map, ``save()``/``show()`` of the image and prompt."""
         g = int(self.rows.numel())
         if not -g <= t < g:
             raise InputError(f"step {t} out of range: {g} generated token(s)")
@@ -96,8 +96,8 @@ class ImageGenerationExplanation:
         raise InputError("no chunk holds this step")  # unreachable: chunk_rows sum to the rows
 
     def html(self) -> str:
-        """A standalone HTML page: per generated token, the image with its patch relevance and the
-        matrix row of the tokens it read (:func:`relprop.viz.vision_text.generation_html`)."""
+        """A standalone HTML page: per generated token, the image with its relevance and the matrix
+        row of the tokens it read (``relprop.viz.vision_text.generation_html``)."""
         return viz_vision_text.generation_html(self)
 
     _repr_html_ = viz_vision_text.generation_notebook_html  # drawn inline in a notebook

@@ -70,8 +70,9 @@ def image_view(exp):
     return dataclasses.replace(exp, scores=patches, map=patches.reshape(-1, gh, gw), grid=(gh, gw))
 
 
-def draw_tokens(ax, chips: List[Token], *, fontsize: float = 10.0, title: str = "") -> None:
-    """Draw ``chips`` on the axes ``ax`` as wrapped coloured boxes (scaled by the largest |score|)."""
+def draw_tokens(ax, chips: List[Token], *, fontsize: float = 10.0, title: str = "", note: str = "") -> None:
+    """Draw ``chips`` on the axes ``ax`` as wrapped coloured boxes (scaled by the largest |score|), and
+    ``note`` in small grey type below them."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     fig = ax.figure
     canvas = fig.canvas if type(fig.canvas).__name__ != "FigureCanvasBase" else FigureCanvasAgg(fig)
@@ -100,6 +101,9 @@ def draw_tokens(ax, chips: List[Token], *, fontsize: float = 10.0, title: str = 
             text.set_bbox(dict(boxstyle="round,pad=0.2", fc=tuple(c / 255 for c in rgb), ec="none"))
         text.set_gid(f"{t.score:.6g}")
         x += w + gap
+    if note:
+        ax.text(0, 1 - (y + line * 1.2) / height, note, fontsize=fontsize * 0.75, color="#666666", va="top",
+                transform=ax.transAxes, wrap=True)
 
 
 def _sums(exp, index: int):
@@ -130,7 +134,10 @@ def combined_figure(exp, indices: Optional[Sequence[int]] = None, image: Any = N
         draw_overlay(ax, view, i, img, mean=mean, std=std, percentile=percentile,
                      title=f"{exp.method}: {what} (Σ {pix:.3g})")
         chips = prompt_chips(exp.streams[IDS][i], exp.image_tokens[i], _names(exp, i, tokens))
-        draw_tokens(fig.add_subplot(grid[r, 1]), chips, title=f"prompt tokens (Σ {words:.3g})")
+        note = ("[image: n tokens]: the image placeholders, whose relevance is the pixels' (left)" if exp.map is
+                not None else "[image: n tokens]: the image placeholders' summed score, placed on their patches "
+                "(left)")
+        draw_tokens(fig.add_subplot(grid[r, 1]), chips, title=f"prompt tokens (Σ {words:.3g})", note=note)
     score = ", ".join(f"{float(exp.target_scores[i]):.3g}" for i in indices)
     fig.suptitle(title if title is not None else f"{exp.method}" + (f" ({exp.preset})" if exp.preset else "")
                  + f": image and prompt for the explained score ({score})", fontsize=10)
@@ -171,8 +178,12 @@ def generation_figure(gen, *, max_steps: int = 8, percentile: float = DEFAULT_PE
     rows, cols = _gen_labels(gen)
     img = display_image(gen.image[0])
     width = max(2.0 * steps, 0.3 * len(cols) + 2.0)
-    fig = _new_figure((width, 2.4 + max(2.0, 0.3 * len(rows) + 1.6)), fig)
-    outer = gridspec.GridSpec(2, 1, figure=fig, height_ratios=[2.2, max(2.0, 0.3 * len(rows) + 1.6)], hspace=0.25)
+    longest = max(len(c) for c in cols)
+    fig = _new_figure((width, 2.4 + max(2.0, 0.3 * len(rows) + 1.6) + 0.08 * longest), fig)
+    height = fig.get_size_inches()[1]
+    label = 0.08 * max(len(c) for c in cols) + 0.3  # inches under the matrix for its rotated column labels
+    outer = gridspec.GridSpec(2, 1, figure=fig, height_ratios=[2.2, max(2.0, 0.3 * len(rows) + 1.6)], hspace=0.3,
+                              top=1 - 0.5 / height, bottom=label / height)
     top = outer[0].subgridspec(1, steps, wspace=0.08)
     signed = bool(getattr(gen.explanation[0], "signed", True)) if gen.explanation else True
     for t in range(steps):
