@@ -70,7 +70,7 @@ def test_chips_are_coloured_by_their_scores(rollout):
             assert face == pytest.approx(to_rgb("#f0f0f0"), abs=1e-6)
             continue
         assert face == pytest.approx(tuple(c / 255 for c in colour(s / scale)), abs=1e-6), text
-    titles = [ax.get_title() for ax in fig.axes]
+    titles = [ax.get_title(loc=side) for ax in fig.axes for side in ("center", "left")]
     assert any(f"Σ {float(exp.streams['pixel_values'][1].sum()):.3g}" in t for t in titles), titles
     assert any(f"Σ {float(words[~at].sum()):.3g}" in t for t in titles), titles
 

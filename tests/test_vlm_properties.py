@@ -49,14 +49,18 @@ def _inputs(family: str, seed: int, words, batch: int = 2):
     return out
 
 
+#: the explained tokens: any id but the padding id 0, whose embedding row is zero (Gemma ties its output to
+#: its embedding, so logit 0 is identically 0 and nothing is relevant)
+TOKENS = st.lists(st.integers(1, V.VOCAB - 1), min_size=2, max_size=2)
+
+
 def _words(batch: int = 2):
     return st.lists(st.integers(V.FIRST_ID, V.VOCAB - 1), min_size=batch * WORDS, max_size=batch * WORDS)
 
 
 @pytest.mark.parametrize("family", ["llava", "gemma3"])
 @PROPERTY
-@given(seed=st.integers(0, 2 ** 16), words=_words(), tokens=st.lists(st.integers(0, V.VOCAB - 1), min_size=2,
-                                                                     max_size=2))
+@given(seed=st.integers(0, 2 ** 16), words=_words(), tokens=TOKENS)
 def test_conservation_and_model_untouched(models, family, seed, words, tokens):
     model = models(family)
     inputs = _inputs(family, seed, words)
@@ -76,8 +80,7 @@ def test_conservation_and_model_untouched(models, family, seed, words, tokens):
 
 
 @PROPERTY
-@given(seed=st.integers(0, 2 ** 16), words=_words(), tokens=st.lists(st.integers(0, V.VOCAB - 1), min_size=2,
-                                                                     max_size=2))
+@given(seed=st.integers(0, 2 ** 16), words=_words(), tokens=TOKENS)
 def test_batch_invariance(models, seed, words, tokens):
     model = models("llava")
     inputs = _inputs("llava", seed, words)

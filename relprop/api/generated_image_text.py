@@ -237,7 +237,7 @@ def explain_one(model, tokenizer, prompt: Mapping, max_new_tokens: int, method, 
     alt = None if contrast is None else as_tokens(contrast, g, "contrast")
     full = _continued(inputs, kind, gen[None, :-1])
     positions = torch.arange(g) + ids.shape[1] - 1
-    (gh, gw), n_img, _, _ = token_layout(model.config)
+    (gh, gw), _, _, _ = token_layout(model.config)
     length = full[IDS].shape[1] + gh * gw + 1  # the sequence and the vision tower's tokens
     size = min(g, batch_size or max(1, tokens_per_call // length))
     chunks = [_chunk(model, full, positions[lo:lo + size], gen[lo:lo + size],
