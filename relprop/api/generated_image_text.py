@@ -84,7 +84,9 @@ class ImageGenerationExplanation:
 
     def step(self, t: int):
         """The one-sample ``relprop.Explanation`` of generated token ``t`` (its copy of the sequence):
-        its conservation ledger, its pixel map, ``save()``/``show()`` of the image and prompt."""
+        its conservation ledger, its pixel map, ``save()``/``show()`` of the image and prompt. The copy
+        holds the whole teacher-forced sequence: the tokens after step t's prefix are in its
+        ``streams["input_ids"]`` with relevance 0 (not read)."""
         g = int(self.rows.numel())
         if not -g <= t < g:
             raise InputError(f"step {t} out of range: {g} generated token(s)")
