@@ -33,7 +33,8 @@ from .version import __version__
 
 if TYPE_CHECKING:  # what type checkers and editors see; at run time, __getattr__ below
     from . import methods
-    from .api import GenerationExplanation, coverage, explain, explain_generation, explain_settings
+    from .api import (GenerationExplanation, ImageGenerationExplanation, coverage, explain, explain_generation,
+                      explain_settings)
     from .engine import Conservation, Coverage, Trace
     from .explanation import Explanation
     from .graph.capture import CACHE_SIZE, clear_cache
@@ -51,6 +52,7 @@ LAZY_IMPORTS = {
     "Explanation": "relprop.explanation",
     "Conservation": "relprop.engine", "Coverage": "relprop.engine", "Trace": "relprop.engine",
     "explain_generation": "relprop.api", "GenerationExplanation": "relprop.api",
+    "ImageGenerationExplanation": "relprop.api",
     "Preset": "relprop.rules", "RuleContext": "relprop.rules", "get_preset": "relprop.rules",
     "presets": "relprop.rules", "rule": "relprop.rules",
     "CACHE_SIZE": "relprop.graph.capture", "clear_cache": "relprop.graph.capture",
@@ -60,7 +62,7 @@ LAZY_IMPORTS = {
 __all__ = [
     # explaining
     "explain", "explain_settings", "coverage", "methods", "contrast", "Explanation", "Conservation", "Coverage",
-    "Trace", "explain_generation", "GenerationExplanation", "maximize_activation",
+    "Trace", "explain_generation", "GenerationExplanation", "ImageGenerationExplanation", "maximize_activation",
     # rules and presets
     "Preset", "RuleContext", "get_preset", "presets", "rule",
     # the capture cache (in memory and on disk)

@@ -109,8 +109,10 @@ def test_chunked_encoder_decoder_equals_one_batched_call():
 
 
 @pytest.mark.parametrize("prompt, says", [
-    # a vision-language processor's output: generating from input_ids alone would be another prompt
-    ({"input_ids": torch.tensor([[3, 4, 5]]), "pixel_values": torch.zeros(1, 3, 8, 8)}, r"drop.*pixel_values"),
+    # pixel_values for a model that is no vision-language model: generating from input_ids alone would be another
+    # prompt (a vision-language model's image prompt is explained with its image: tests/test_vlm_generation.py)
+    ({"input_ids": torch.tensor([[3, 4, 5]]), "pixel_values": torch.zeros(1, 3, 8, 8)},
+     r"drop.*pixel_values.*GPT2LMHeadModel is not a vision-language model"),
     ({"input_ids": torch.tensor([[3, 4, 5]]), "attention_mask": torch.tensor([[0, 1, 1]])}, "masks some of its"),
     ({"attention_mask": torch.tensor([[1, 1, 1]])}, "needs its 'input_ids'"),
 ])

@@ -17,6 +17,7 @@ module              job
 from .front_door import DEFAULT_PRESET, Prepared, explain, explain_settings, prepare
 from .graph_coverage import coverage
 from .generated_text import GenerationExplanation, explain_generation
+from .generated_image_text import ImageGenerationExplanation
 
-__all__ = ["DEFAULT_PRESET", "GenerationExplanation", "Prepared", "coverage", "explain", "explain_generation",
-           "explain_settings", "prepare"]
+__all__ = ["DEFAULT_PRESET", "GenerationExplanation", "ImageGenerationExplanation", "Prepared", "coverage", "explain",
+           "explain_generation", "explain_settings", "prepare"]

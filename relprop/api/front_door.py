@@ -15,7 +15,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from . import options as opt
-from . import qwen_images, raw_inputs, refusals, remembered, validation, vision_language
+from . import qwen_images, raw_inputs, refusals, remembered, remembered_prompt, validation, vision_language
 from ..engine import FastPathUnavailable, Request, Trace, run, run_fast
 from ..errors import MethodError, OptionError, RelpropError, warn
 from ..graph import progress_line
@@ -324,6 +324,7 @@ def _explain(call: Call):
     remembered.remember(results, model=call.model, inputs=call.prepared.kwargs, primary=captured.primary,
                         tokenizer=call.tokenizer, image_processor=call.image_processor, target=call.given_target,
                         spec=call.spec, encodings=call.encodings)
+    remembered_prompt.remember_prompt(results, model=call.model, inputs=call.prepared.kwargs, tokenizer=call.tokenizer)
     for r in results:
         r.notes.extend(capture_notes(call.prepared.event, captured, model_name))
     return results if call.many else results[0]

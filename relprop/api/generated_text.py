@@ -25,6 +25,7 @@ from typing import Any, List, Mapping, Optional, Sequence, Union
 
 import torch
 
+from . import generated_image_text
 from .front_door import explain
 from ..errors import InputError, OptionError, TargetError
 from ..graph.capture import CACHE
@@ -92,7 +93,7 @@ def _is_encoder_decoder(model) -> bool:
 _TEXT_KEYS = ("input_ids", "attention_mask", "token_type_ids")
 
 
-def _ids(tokenizer, prompt) -> torch.Tensor:
+def _ids(tokenizer, prompt, model) -> torch.Tensor:
     if torch.is_tensor(prompt) and prompt.is_floating_point():  # an image or log-mel features: one sample
         if prompt.dim() not in (3, 4) or prompt.shape[0] != 1:
             raise InputError(f"a float prompt must be one image [1, C, H, W] or one feature matrix [1, F, T]; got "
@@ -102,11 +103,12 @@ def _ids(tokenizer, prompt) -> torch.Tensor:
         ids = prompt
     elif isinstance(prompt, Mapping):
         dropped = sorted(str(k) for k in prompt if k not in _TEXT_KEYS)
-        if dropped:  # e.g. a vision-language processor's pixel_values: generating without them is another prompt
+        if dropped:  # e.g. pixel_values for a model that is no vision-language model: another prompt without them
             raise InputError(f"explain_generation explains a text prompt (its input_ids) and would drop the prompt's "
-                             f"{dropped}: the model would generate from the text alone. For a vision-language model "
-                             "explain one next token with its image: relprop.explain(model, inputs, "
-                             "target='next_token')")
+                             f"{dropped}: the model would generate from the text alone. {type(model).__name__} is "
+                             "not a vision-language model (a config with vision_config, text_config and an image "
+                             "token id) whose image prompts explain_generation explains; explain one next token: "
+                             "relprop.explain(model, inputs, target='next_token')")
         if "input_ids" not in prompt:
             raise InputError("a prompt given as a dict needs its 'input_ids'")
         ids = prompt["input_ids"]
@@ -198,8 +200,11 @@ def explain_generation(model, tokenizer=None, prompt: Union[str, torch.Tensor, S
         ``prompt`` holds ids).
     prompt
         a string, a [1, length] tensor of ids or a tokenizer's output (input_ids, an all-ones
-        attention_mask, token_type_ids; any other key, such as a vision-language processor's
-        pixel_values, is refused rather than dropped); a list of them gives a list of results.
+        attention_mask, token_type_ids; any other key is refused rather than dropped); a list of them
+        gives a list of results. For a vision-language model (LLaVA, PaliGemma, Gemma-3) a processor's
+        output with one image (``pixel_values`` [1, C, H, W]): each generated token is explained with
+        the image, the result an ``ImageGenerationExplanation`` (``relprop.api.generated_image_text``:
+        ``matrix`` over the prompt and generated tokens, ``patches`` per patch of the image, ``maps``).
         For an encoder–decoder it is the source: ids, or one image [1, C, H, W]
         (``VisionEncoderDecoderModel``: columns are the image's patches) or one log-mel feature
         matrix [1, mel bins, frames] (Whisper: columns are the frames, or the encoder's tokens for
@@ -225,7 +230,8 @@ def explain_generation(model, tokenizer=None, prompt: Union[str, torch.Tensor, S
     Returns
     -------
     GenerationExplanation
-        the attribution of every generated token (a list of them for a list of prompts).
+        the attribution of every generated token (a list of them for a list of prompts);
+        an ``ImageGenerationExplanation`` for a vision-language model's image prompt.
     """
     before = CACHE.captures
     many = isinstance(prompt, (list, tuple)) and not torch.is_tensor(prompt)
@@ -247,7 +253,10 @@ def _explain_one(model, tokenizer, prompt, max_new_tokens, method, preset, targe
     if batch_size is not None and (not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1):
         raise OptionError(f"batch_size must be a positive int (copies of the sequence per call) or None, not "
                           f"{batch_size!r}")
-    ids = _ids(tokenizer, prompt)
+    if generated_image_text.is_image_prompt(model, prompt):  # a vision-language model's prompt with its image
+        return generated_image_text.explain_one(model, tokenizer, prompt, max_new_tokens, method, preset, target,
+                                                contrast, batch_size, options, TOKENS_PER_CALL, _as_tokens)
+    ids = _ids(tokenizer, prompt, model)
     enc_dec = _is_encoder_decoder(model)
     prefix = torch.tensor([[_start_token(model)]], dtype=torch.long) if enc_dec else ids
     if target is None:

@@ -21,7 +21,7 @@ from ..viz.names import target_name as _name_of
 #: BlockRecord fields that are per model, not per sample (never sliced)
 _PER_MODEL = {"out_proj_weight"}
 #: Explanation fields that are Python lists with one entry per sample
-PER_SAMPLE_LISTS = ("tokens", "target_label")
+PER_SAMPLE_LISTS = ("tokens", "target_label", "prompt_tokens")
 #: format version of to_dict / save_npz
 FORMAT = 1
 

@@ -83,6 +83,10 @@ class Explanation:
     image, image_mean, image_std
         the [batch, C, H, W] pixels the model was given, and the
         normalisation its preprocessing applied (undone for display), when known.
+    image_tokens, prompt_tokens
+        a vision-language model's prompt: [batch, tokens] True at the image placeholders, and per
+        sample the token strings (the ids as strings without a tokenizer); ``show()``/``save()`` draw
+        ``streams["input_ids"]`` on them beside the image's heatmap. None for other models.
     """
 
     method: str
@@ -118,6 +122,8 @@ class Explanation:
     image: Optional[torch.Tensor] = None
     image_mean: Optional[tuple] = None
     image_std: Optional[tuple] = None
+    image_tokens: Optional[torch.Tensor] = None
+    prompt_tokens: Optional[List[List[str]]] = None
 
     def __getattribute__(self, name):
         value = object.__getattribute__(self, name)

@@ -18,6 +18,7 @@ from typing import Any, Optional, Sequence
 from ..errors import InputError
 from . import image as vimg
 from . import text as vtext
+from . import vision_text as vvt
 
 FIGURE_SUFFIXES = (".png", ".jpg", ".jpeg", ".pdf", ".svg")
 
@@ -67,12 +68,17 @@ def save(exp, path: str, *, image: Any = None, tokens: Optional[Sequence] = None
 
     Images (``.png``, ``.jpg``, ``.pdf``, ``.svg``): the overlay of sample ``index`` on ``image`` (the
     batch or one image), or a grid of every sample when ``index`` is None and the batch has several.
+    A vision-language model's explanation (image and prompt from one run): one row per sample (or that
+    of ``index``), the image's heatmap beside the prompt's tokens coloured by their relevance
+    (:func:`relprop.viz.vision_text.combined_figure`; ``tokens=``: the prompt's token strings).
     Text: ``.html`` a page with one coloured element per word (or word piece, ``merge_words=False``);
     ``.png``/``.pdf``/``.svg`` the same drawn as a figure. ``counterfactual``: an explanation of the same
     text for another class, shown beside. ``labels``: class names (``model.config.id2label``).
     Returns ``path``.
     """
     suffix = os.path.splitext(str(path))[1].lower()
+    if vvt.is_vision_text(exp) and suffix in FIGURE_SUFFIXES:  # a vision-language model: image and prompt
+        return vimg.save_figure(_vision_text_figure(exp, index, image, tokens, mean, std, percentile), str(path), dpi)
     if exp.modality == "vision" or exp.map is not None:
         if suffix not in FIGURE_SUFFIXES:
             raise InputError(f"cannot save an image explanation as '{suffix}': use one of {FIGURE_SUFFIXES}")
@@ -96,6 +102,12 @@ def save(exp, path: str, *, image: Any = None, tokens: Optional[Sequence] = None
     raise InputError(f"cannot save a text explanation as '{suffix}': use .html or one of {FIGURE_SUFFIXES}")
 
 
+def _vision_text_figure(exp, index, image, tokens, mean, std, percentile, fig=None):
+    image, _, mean, std = remembered(exp, image, None, mean, std)
+    return vvt.combined_figure(exp, None if index is None else [index], image, tokens=tokens, mean=mean, std=std,
+                               percentile=percentile, fig=fig)
+
+
 def _in_notebook() -> bool:
     try:
         from IPython import get_ipython
@@ -111,14 +123,19 @@ def show(exp, *, image: Any = None, tokens: Optional[Sequence] = None, tokenizer
     """Display ``exp``: in a notebook, the overlay figure (images) or the HTML tokens (text); in a
     terminal, a matplotlib window (images) or the tokens in colour with the top tokens (text).
     Arguments as :func:`save`. Returns the figure (images) or the HTML string (text)."""
-    if exp.modality == "vision" or exp.map is not None:
+    vision_text = vvt.is_vision_text(exp)
+    if exp.modality == "vision" or exp.map is not None or vision_text:
+        def draw(fig=None):
+            if vision_text:
+                return _vision_text_figure(exp, index, image, tokens, mean, std, percentile, fig)
+            return _image_figure(exp, index, image, labels, mean, std, percentile, fig)
         if _in_notebook():
-            fig = _image_figure(exp, index, image, labels, mean, std, percentile)
+            fig = draw()
             from IPython.display import display
             display(fig)
             return fig
         import matplotlib.pyplot as plt
-        fig = _image_figure(exp, index, image, labels, mean, std, percentile, fig=plt.figure())
+        fig = draw(plt.figure())
         plt.show()
         return fig
     rows = _tokens(exp, tokens, tokenizer, inputs)

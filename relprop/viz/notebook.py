@@ -20,6 +20,7 @@ from typing import Any, List, Optional, Sequence
 from . import api as vapi
 from . import colours
 from . import text as vtext
+from . import vision_text as vvt
 from .names import target_caption
 
 #: at most this many samples are drawn; the caption says how many more there are
@@ -88,13 +89,17 @@ def explanation_html(exp, *, tokens: Optional[Sequence] = None, labels=None, ima
     image, _, mean, std = vapi.remembered(exp, image, None, mean, std)
     n = int(exp.scores.shape[0])
     shown = min(n, max_samples)
-    vision = exp.map is not None
+    prompt = vvt.is_vision_text(exp)  # a vision-language model: the image above the prompt's tokens
+    vision = exp.map is not None or prompt
     rows = None if vision else _sample_rows(exp, tokens)
     if rows is not None and len(rows) != n:
         rows = None  # tokens of another batch: name the positions instead
     panels = []
     for i in range(shown):
-        body = _image_panel(exp, i, image, mean, std) if vision else _text_panel(exp, i, rows[i] if rows else None)
+        if prompt:
+            body = vvt.sample_html(exp, i, _image_panel(vvt.image_view(exp), i, image, mean, std))
+        else:
+            body = _image_panel(exp, i, image, mean, std) if vision else _text_panel(exp, i, rows[i] if rows else None)
         head = _html.escape(f"sample {i}: {_target(exp, i, labels)}")
         panels.append(f"<div class='relprop-sample' data-index='{i}' style='min-width: 0'>"
                       f"<div style='font-size: 11px; color: #555; margin-bottom: 2px'>{head}</div>{body}</div>")
