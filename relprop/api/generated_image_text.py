@@ -149,8 +149,22 @@ def prompt_inputs(model, prompt: Mapping) -> dict:
     return out
 
 
+#: config.model_type of the families whose generated tokens are explained here: their captured graph
+#: takes a batch of teacher-forced copies (the families explained one image at a time, through a
+#: wrapper or per tile layout, are refused below: a batch of copies would be a batch of images)
+GENERATION = ("llava", "paligemma", "gemma3")
+
+
 def _check_family(model, inputs, options) -> None:
-    """Refuse before generating what :func:`relprop.explain` would refuse for this family."""
+    """Refuse before generating what :func:`relprop.explain` would refuse for this family, and the
+    families :func:`relprop.explain` explains only one image per call."""
+    kind = model_type(model)
+    if kind in SUPPORTED and kind not in GENERATION:
+        raise MethodError(
+            f"{type(model).__name__} ({SUPPORTED[kind]}): explain_generation with an image is built for "
+            f"{', '.join(SUPPORTED[k] for k in GENERATION)}; {SUPPORTED[kind]} is explained one image per call, and "
+            "explain_generation explains a batch of teacher-forced copies. Explain each generated token with "
+            "relprop.explain(model, inputs, target='next_token') on the prompt followed by the tokens before it.")
     wrt = options.get("wrt")
     if wrt is None and model_type(model) in SUPPORTED:
         wrt = PIXELS  # the supported families: the methods choose the input later
