@@ -73,3 +73,59 @@ def batch(family: str, batch: int = 2, before: int = 3, after: int = 3, seed: in
     if family == "paligemma":
         out["token_type_ids"] = torch.zeros_like(ids)
     return out
+
+
+# ------------------------------------------------------------------ tiled families (Idefics3, SmolVLM)
+
+#: the tiled image: 64x64 pixels cut into 2x2 tiles of 32x32 (the vision tower's size), then the global image
+TILE_ROWS, TILE_COLS, TILE = 2, 2, 32
+#: image tokens per tile: a 4x4 patch grid, pixel-shuffled 2x2 -> 4 tokens
+TILE_TOKENS = 4
+
+
+def _tiled(config_cls, vision_cls, model_cls):
+    torch.manual_seed(0)
+    cfg = config_cls(vision_config=vision_cls(**_VISION), text_config=transformers.LlamaConfig(**_TEXT),
+                     image_token_id=IMAGE_TOKEN, scale_factor=2)
+    return model_cls(cfg).eval()
+
+
+def idefics3():
+    """Idefics3ForConditionalGeneration: SigLIP-like vision tower per tile (a 4x4 patch grid) -> pixel shuffle
+    (scale_factor 2: each 2x2 cell of patches one token, 4 per tile) -> linear projector -> LLaMA."""
+    return _tiled(transformers.Idefics3Config, transformers.Idefics3VisionConfig,
+                  transformers.Idefics3ForConditionalGeneration)
+
+
+def smolvlm():
+    """SmolVLMForConditionalGeneration: built as Idefics3 (its own classes)."""
+    return _tiled(transformers.SmolVLMConfig, transformers.SmolVLMVisionConfig,
+                  transformers.SmolVLMForConditionalGeneration)
+
+
+TILED = {"idefics3": idefics3, "smolvlm": smolvlm}
+
+
+def tiles_of(image: torch.Tensor) -> torch.Tensor:
+    """[batch, 5, 3, 32, 32] from [batch, 3, 64, 64] as Idefics3's processor cuts an image: the 2x2 tiles row
+    by row, then the global image (here the image downscaled by averaging 2x2 pixels, so a region that is
+    0 in the image is 0 in the global image at the place it covers)."""
+    b = image.shape[0]
+    t = image.reshape(b, 3, TILE_ROWS, TILE, TILE_COLS, TILE).permute(0, 2, 4, 1, 3, 5)
+    tiles = t.reshape(b, TILE_ROWS * TILE_COLS, 3, TILE, TILE)
+    glob = torch.nn.functional.avg_pool2d(image, 2)[:, None]
+    return torch.cat([tiles, glob], 1)
+
+
+def tiled_batch(batch: int = 2, before: int = 3, after: int = 3, seed: int = 0, image=None):
+    """A prompt per sample with the placeholders of 5 images (4 tiles and the global image, 4 tokens each; the
+    processor's <row_i_col_j> and newline tokens between them are other ids here) and the tiles of a
+    64x64 image per sample (or of ``image``), with the tile grid (``rows``, ``cols``)."""
+    g = torch.Generator().manual_seed(seed)
+    n = (TILE_ROWS * TILE_COLS + 1) * TILE_TOKENS
+    ids = torch.randint(FIRST_ID, 60, (batch, 1 + before + n + after), generator=g)
+    ids[:, 0] = 1
+    ids[:, 1 + before:1 + before + n] = IMAGE_TOKEN
+    image = torch.randn(batch, 3, 2 * TILE, 2 * TILE, generator=g) if image is None else image
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "pixel_values": tiles_of(image),
+            "rows": [[TILE_ROWS]] * batch, "cols": [[TILE_COLS]] * batch}

@@ -27,6 +27,7 @@ from typing import Any, Mapping, Optional, Sequence
 import torch
 
 from ..errors import MethodError
+from .vlm_tiles import TILED
 
 #: config.model_type of the families explained (their image tokens merged with masked_scatter)
 SUPPORTED = {"llava": "LLaVA", "paligemma": "PaliGemma", "gemma3": "Gemma-3"}
@@ -36,10 +37,6 @@ REFUSED = {
     "llava_next": ("LLaVA-NeXT", "its any-resolution tiles (image_sizes, image_newline tokens) are not mapped back "
                    "to their place in the image"),
     "llava_onevision": ("LLaVA-OneVision", "its any-resolution tiles are not mapped back to their place in the image"),
-    "idefics3": ("Idefics3", "its pixel shuffle and image tiles (pixel_attention_mask) are not mapped back to the "
-                 "image"),
-    "smolvlm": ("SmolVLM", "its pixel shuffle and image tiles (pixel_attention_mask) are not mapped back to the "
-                "image"),
     "qwen2_vl": ("Qwen2-VL", "its flattened 2x2-merged patches (image_grid_thw) and 3-D rotary positions are not "
                  "mapped back to the image"),
     "qwen2_5_vl": ("Qwen2.5-VL", "its flattened 2x2-merged patches (image_grid_thw), window attention and 3-D rotary "
@@ -77,10 +74,10 @@ def explained_input(model: Any, inputs: Any, infos: Sequence[Any], wrt: Optional
         name, missing = REFUSED[kind]
         raise MethodError(f"{type(model).__name__} ({name}) is not explained with its image: {missing}, so relprop "
                           "would draw a wrong map. Supported vision-language families: "
-                          f"{', '.join(SUPPORTED.values())}")
+                          f"{', '.join({**SUPPORTED, **TILED}.values())}")
     if wrt is not None:
         return wrt
-    if kind not in SUPPORTED:
+    if kind not in SUPPORTED and kind not in TILED:
         raise MethodError(f"{type(model).__name__} is a vision-language model (model_type {kind!r}) whose image-token "
                           "layout relprop does not know, so it cannot say which patch each image token is. Pass "
                           "wrt='input_ids' to explain the prompt's tokens with the image as a constant (image "
@@ -91,7 +88,7 @@ def explained_input(model: Any, inputs: Any, infos: Sequence[Any], wrt: Optional
         return PIXELS
     if blocks == {True}:
         return IDS
-    raise MethodError(f"{type(model).__name__} ({SUPPORTED[kind]}): the methods "
+    raise MethodError(f"{type(model).__name__} ({SUPPORTED.get(kind) or TILED[kind]}): the methods "
                       f"{sorted(i.name for i in infos)} explain different inputs (those that read the input relevance "
                       "the pixels and the prompt, those that read the attention blocks the language model's tokens); "
                       "explain them in two calls, or pass wrt=")
