@@ -278,6 +278,8 @@ def test_tiled_map_is_the_images():
     image[:, :, 24:40, 24:40] = 0
     batch = V.tiled_batch(image=image)
     e = relprop.explain(model, batch, target="next_token", method="lrp", preset="attnlrp")
+    assert torch.equal(e.image, image)  # the tiles put back together are the image they were cut from
+    assert e.overlay(index=1).shape == (64, 64, 3)
     assert float(e.map[:, 24:40, 24:40].abs().max()) == 0.0
     dark = torch.zeros(8, 8, dtype=torch.bool)
     dark[3:5, 3:5] = True

@@ -1,4 +1,5 @@
-"""Vision-language models (LLaVA, PaliGemma, Gemma-3): which input is explained, and the families refused.
+"""Vision-language models (LLaVA, PaliGemma, Gemma-3; tiled: Idefics3, SmolVLM): which input is explained, and the
+families refused.
 
 A vision-language model (VLM) runs its image through a vision tower and a projector and writes the
 resulting image tokens into the placeholder positions of the prompt (``masked_scatter``); its language
@@ -16,9 +17,10 @@ with two relevance sources (:func:`relprop.graph.streams.merges`):
   blocks: the rollouts, ``transformer_attribution``): the blocks are the language model's, image
   placeholders included, and the vision tower is a constant of the explanation.
 
-Families whose image tokens relprop cannot yet place back on the image (tiles, pixel shuffles,
-2x2 merges with 3-D rotary positions) are refused with a :class:`relprop.MethodError` that names the
-family and what is missing, never explained with a wrong map.
+Idefics3 and SmolVLM, which cut the image into tiles, are placed back on the image by
+:mod:`relprop.api.vlm_tiles`. Families whose image tokens relprop cannot yet place back on the image
+(LLaVA-NeXT's any-resolution tiles, 2x2 merges with 3-D rotary positions) are refused with a
+:class:`relprop.MethodError` that names the family and what is missing, never explained with a wrong map.
 """
 from __future__ import annotations
 
@@ -34,8 +36,9 @@ SUPPORTED = {"llava": "LLaVA", "paligemma": "PaliGemma", "gemma3": "Gemma-3"}
 
 #: config.model_type of the families refused -> (name, what is missing)
 REFUSED = {
-    "llava_next": ("LLaVA-NeXT", "its any-resolution tiles (image_sizes, image_newline tokens) are not mapped back "
-                   "to their place in the image"),
+    "llava_next": ("LLaVA-NeXT", "its any-resolution tiles (image_sizes, unpadding, image_newline tokens) are not "
+                   "mapped back to their place in the image, and torch.export cannot trace the tile selection it "
+                   "reads from the values of the image_sizes tensor"),
     "llava_onevision": ("LLaVA-OneVision", "its any-resolution tiles are not mapped back to their place in the image"),
     "qwen2_vl": ("Qwen2-VL", "its flattened 2x2-merged patches (image_grid_thw) and 3-D rotary positions are not "
                  "mapped back to the image"),

@@ -22,7 +22,7 @@ and refuses a tiled image without them.
   ``exp.map`` summed per patch of the composed grid (``exp.grid`` = ``(rows·H/p, cols·W/p)``).
   ``exp.input_relevance`` stays the pixels' relevance as the model read them (``[batch, images, C,
   H, W]``), which the ledger counts: Σ pixels + Σ prompt + absorbed = the score; Σ ``exp.map`` = Σ
-  pixels.
+  pixels. ``exp.image`` is the tiles put back together (what ``exp.overlay()`` draws the map on).
 * **Tokens** (rollouts on the language model's blocks): each image placeholder's score goes to the
   s x s patches of its tile that its pixel shuffle merged; a global-image token's to the (s·rows) x
   (s·cols) patches of the composed grid those patches cover; evenly (Σ patch scores = Σ image-token
@@ -198,6 +198,18 @@ def compose_pixels(pixels: torch.Tensor, lay: TileLayout) -> Tuple[torch.Tensor,
     return tiles + spread, glob
 
 
+def compose_image(pixel_values: torch.Tensor, lay: TileLayout) -> torch.Tensor:
+    """[batch, C, rows·H, cols·W]: the tiles of ``pixel_values`` [batch, images, C, H, W] put back
+    together (the image as the processor resized it; the global image alone when it is not split),
+    the picture ``exp.overlay()`` draws the map on."""
+    pv = pixel_values.detach().to("cpu", copy=True)
+    if lay.rows == 0:
+        return pv[:, -1]
+    b, _, ch, h, w = pv.shape
+    r, c = lay.rows, lay.cols
+    return pv[:, :-1].reshape(b, r, c, ch, h, w).permute(0, 3, 1, 4, 2, 5).reshape(b, ch, r * h, c * w)
+
+
 def token_placement(lay: TileLayout, dtype=torch.float32) -> torch.Tensor:
     """[images·tokens per image, gh·gw] of the composed patch grid (row-major): row k holds where image
     token k's score goes, evenly (each row sums to 1; module docstring)."""
@@ -239,6 +251,7 @@ def compose(results, model, kwargs, primary: str, grid: Optional[Tuple[int, int]
             p = lay.patch
             scores = smap.reshape(smap.shape[0], gh, p, gw, p).sum((2, 4)).reshape(smap.shape[0], gh * gw)
             exp.map, exp.scores, exp.grid, exp.modality = smap, scores, (gh, gw), "vision"
+            exp.image = compose_image(kwargs[PIXELS], lay)
             exp.mask = torch.ones_like(scores, dtype=torch.bool)
             exp.streams = {**(exp.streams or {}), PIXELS: scores, GLOBAL: glob}
             exp.notes.append(f"{name}: pixels and prompt explained in one run; exp.map is the image's map composed "
