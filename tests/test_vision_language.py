@@ -19,6 +19,7 @@ import transformers
 import relprop
 import vlm_models as V
 from relprop.api import vlm_tiles
+from relprop.graph.export import leaf_names
 from rule_helpers import make_ctx, rand, rule_of
 from snapshot import assert_same, snapshot
 
@@ -368,13 +369,99 @@ def test_tiled_layout_that_cannot_be_verified_is_refused():
         relprop.explain(model, short, target="next_token", method="lrp")
 
 
-def test_llava_next_is_refused_with_what_is_missing():
-    torch.manual_seed(0)
-    cfg = transformers.LlavaNextConfig(vision_config=transformers.CLIPVisionConfig(**V._VISION),
-                                       text_config=transformers.LlamaConfig(**V._TEXT), image_token_id=V.IMAGE_TOKEN,
-                                       image_grid_pinpoints=[[32, 32], [32, 64]])
-    model = transformers.LlavaNextForConditionalGeneration(cfg).eval()
-    batch = {"input_ids": torch.tensor([[1, 5, 6]]), "pixel_values": torch.zeros(1, 3, 3, 32, 32),
-             "image_sizes": torch.tensor([[32, 64]])}
-    with pytest.raises(relprop.MethodError, match=r"LLaVA-NeXT.*image_newline"):
-        relprop.explain(model, batch, target="next_token", method="lrp")
+# ------------------------------------------------------------------ LLaVA-NeXT: any-resolution crops
+
+@pytest.fixture(scope="module")
+def next_model():
+    model = V.llava_next()
+    with torch.no_grad():  # the first call's lazy state (as vlm above)
+        model(**V.anyres_batch(), use_cache=False)
+    return model
+
+
+@pytest.mark.parametrize("preset", ["attnlrp", "cp_lrp"])
+def test_llava_next_lrp_conserves_and_composes_the_crops(next_model, preset):
+    batch = V.anyres_batch(32)
+    before = snapshot(next_model)
+    e = relprop.explain(next_model, batch, target="next_token", method="lrp", preset=preset, fast_path=False)
+    assert_same(before, snapshot(next_model))
+    assert e.modality == "vision" and e.grid == (4, 8) and e.map.shape == (1, 32, 64)
+    pixels = e.input_relevance.sum(2)  # [1, 3 tiles, 32, 32]: the base image, then the two crops
+    want = torch.zeros(1, 32, 64)
+    for y in range(32):
+        for x in range(64):
+            want[0, y, x] = pixels[0, 1 + x // 32, y, x % 32]
+    assert torch.equal(e.map, want)
+    assert torch.equal(e.streams["base_image"], pixels[:, 0])  # kept apart, not added into the map
+    assert torch.equal(e.image[0, :, :, :32], batch["pixel_values"][0, 1])  # the crops put back together
+    assert torch.equal(e.image[0, :, :, 32:], batch["pixel_values"][0, 2])
+    assert torch.allclose(e.scores, e.map.reshape(1, 4, 8, 8, 8).sum((2, 4)).reshape(1, 32), atol=1e-8)
+    total, prompt = e.input_relevance.sum(), e.streams["input_ids"].sum()
+    assert torch.allclose(e.map.sum() + e.streams["base_image"].sum(), total, atol=1e-7)
+    c = e.conservation
+    assert torch.allclose(c.input, (total + prompt).reshape(1), rtol=1e-5, atol=1e-7)
+    assert float(c.error.max()) < 1e-5, c
+    assert float(pixels[0, 0].abs().sum()) > 0 and float(e.map.abs().sum()) > 0
+    f = relprop.explain(next_model, batch, target="next_token", method="lrp", preset=preset)
+    assert torch.allclose(f.input_relevance, e.input_relevance, atol=1e-6)
+    assert torch.allclose(f.map, e.map, atol=1e-6)
+
+
+def test_llava_next_map_is_the_images(next_model):
+    """A 16x64 image, padded to the 32x64 canvas (8 rows above and below) and unpadded by the model to the
+    middle two patch rows: black out its first 8 rows at columns 24..40 (both crops): the map is 0 there,
+    and so are its patches (1, 3) and (1, 4) and the patch rows the model unpads away (their tokens are
+    dropped: padding), while every other patch of the kept rows gets relevance."""
+    image = torch.randn(1, 3, 16, 64, generator=torch.Generator().manual_seed(1))
+    image[:, :, 0:8, 24:40] = 0
+    batch = V.anyres_batch(16, image=image)
+    e = relprop.explain(next_model, batch, target="next_token", method="lrp", preset="attnlrp")
+    assert torch.equal(e.image[:, :, 8:24], image)  # the crops put back together: the image at the centre
+    assert float(e.map[:, 8:16, 24:40].abs().max()) == 0.0
+    grid = e.scores.reshape(4, 8)
+    dark = torch.zeros(4, 8, dtype=torch.bool)
+    dark[0] = dark[3] = True
+    dark[1, 3:5] = True
+    assert float(grid[dark].abs().max()) == 0.0
+    assert bool((grid[~dark].abs() > 0).all())
+
+
+def test_llava_next_rollouts_place_crop_and_base_tokens(next_model):
+    batch = V.anyres_batch(16)
+    for e in relprop.explain(next_model, batch, target="next_token", method=["rollout", "transformer_attribution"]):
+        scores = e.scores[0][batch["input_ids"][0] == V.IMAGE_TOKEN]  # 16 base, then 2 rows of 8 crops + newline
+        crops, base = torch.zeros(4, 8), torch.zeros(16)
+        for k, s in enumerate(scores.tolist()):
+            if k < 16:
+                base[k] = s
+                continue
+            row, col = divmod(k - 16, 9)
+            if col < 8:  # col 8: the row's image_newline, no patch
+                crops[1 + row, col] = s
+        assert torch.allclose(e.streams["pixel_values"][0], crops.flatten())
+        assert torch.allclose(e.streams["base_image"][0], base)
+        assert any("image_newline" in n for n in e.notes)
+
+
+def test_capture_binds_each_leaf_of_a_plain_input():
+    """LLaVA-NeXT's image_sizes is handed to torch.export as ints, one graph input per int: each is bound
+    to its input's name; an input that holds several tensors is refused (it would be bound whole)."""
+    assert leaf_names({"a": torch.ones(2), "b": [[1, 2], [3, 4]], "c": False}) == ["a", "b", "b", "b", "b", "c"]
+    with pytest.raises(relprop.CaptureError, match="container of tensors"):
+        leaf_names({"a": (torch.ones(2), torch.ones(2))})
+
+
+def test_llava_next_layout_that_cannot_be_verified_is_refused(next_model):
+    batch = V.anyres_batch(32)
+    two = {k: torch.cat([v, v]) for k, v in batch.items()}
+    with pytest.raises(relprop.MethodError, match=r"LLaVA-NeXT.*one sample at a time"):
+        relprop.explain(next_model, two, target="next_token", method="lrp")
+    with pytest.raises(relprop.MethodError, match=r"2x2 tiles.*5 tiles.*holds 3"):
+        relprop.explain(next_model, {**batch, "image_sizes": torch.tensor([[64, 64]])}, target="next_token",
+                        method="lrp")
+    with pytest.raises(relprop.MethodError, match=r"no image_sizes"):
+        relprop.explain(next_model, {k: v for k, v in batch.items() if k != "image_sizes"}, target="next_token",
+                        method="lrp")
+    with pytest.raises(relprop.MethodError, match=r"needs 34 placeholders.*holds 52"):
+        relprop.explain(next_model, {**batch, "image_sizes": torch.tensor([[16, 64]])}, target="next_token",
+                        method="lrp")

@@ -129,3 +129,45 @@ def tiled_batch(batch: int = 2, before: int = 3, after: int = 3, seed: int = 0, 
     image = torch.randn(batch, 3, 2 * TILE, 2 * TILE, generator=g) if image is None else image
     return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "pixel_values": tiles_of(image),
             "rows": [[TILE_ROWS]] * batch, "cols": [[TILE_COLS]] * batch}
+
+
+# ------------------------------------------------------------------ LLaVA-NeXT (any-resolution crops)
+
+#: the pinpoint grids of the tiny LLaVA-NeXT: 1x2, 2x1 and 2x2 tiles of 32x32
+PINPOINTS = [[32, 64], [64, 32], [64, 64]]
+
+
+def llava_next():
+    """LlavaNextForConditionalGeneration: CLIP vision tower per tile (its last-but-one layer, the class token
+    dropped: 16 patch tokens per tile) -> 2-layer MLP projector -> unpadding + image_newline -> LLaMA."""
+    torch.manual_seed(0)
+    cfg = transformers.LlavaNextConfig(vision_config=transformers.CLIPVisionConfig(**_VISION),
+                                       text_config=transformers.LlamaConfig(**_TEXT), image_token_id=IMAGE_TOKEN,
+                                       image_grid_pinpoints=PINPOINTS, vision_feature_layer=-2,
+                                       vision_feature_select_strategy="default")
+    model = transformers.LlavaNextForConditionalGeneration(cfg).eval()
+    with torch.no_grad():  # transformers initializes the newline embedding to zeros; any value will do
+        model.model.image_newline.normal_(0, 0.2)
+    return model
+
+
+def anyres_batch(height: int = 32, seed: int = 0, image=None, before: int = 3, after: int = 3):
+    """One sample as LLaVA-NeXT's processor makes it from a ``height`` x 64 image (32 or 16; or ``image``
+    [1, 3, height, 64]): the best pinpoint is 32x64 (1x2 crops); the image goes to the centre of a 32x64
+    canvas padded with zeros (16 rows high: 8 rows above and below, which the model unpads: the first and
+    last patch rows), cut into its two 32x32 crops after the base image (the image resized to 32x32), and
+    the prompt with the image's placeholders: 16 base tokens + one per kept crop patch + a newline per row."""
+    g = torch.Generator().manual_seed(seed)
+    image = torch.randn(1, 3, height, 64, generator=g) if image is None else image
+    canvas = torch.zeros(1, 3, 32, 64)
+    top = (32 - height) // 2
+    canvas[:, :, top:top + height] = image
+    base = torch.nn.functional.interpolate(image, size=(32, 32), mode="bilinear", align_corners=False)
+    pixel_values = torch.stack([base[0], canvas[0, :, :, :32], canvas[0, :, :, 32:]])[None]
+    kept_rows = 4 if height == 32 else 2
+    n = 16 + kept_rows * (8 + 1)
+    ids = torch.randint(FIRST_ID, 60, (1, 1 + before + n + after), generator=g)
+    ids[:, 0] = 1
+    ids[:, 1 + before:1 + before + n] = IMAGE_TOKEN
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "pixel_values": pixel_values,
+            "image_sizes": torch.tensor([[height, 64]])}

@@ -15,7 +15,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from . import options as opt
-from . import raw_inputs, refusals, remembered, validation, vision_language, vlm_tiles
+from . import raw_inputs, refusals, remembered, validation, vision_language, vlm_anyres, vlm_tiles
 from ..engine import FastPathUnavailable, Request, Trace, run, run_fast
 from ..errors import MethodError, OptionError, RelpropError, warn
 from ..graph import progress_line
@@ -249,6 +249,7 @@ def _check(model, inputs, target, jobs: Tuple[Job, ...], many: bool, preset: Opt
     inputs, batch_mask = split_tokenizer_keys(inputs)
     inputs, tile_grid = vlm_tiles.split_grid_keys(model, inputs)
     vlm_tiles.check(model, inputs, tile_grid)  # a tile layout relprop cannot verify is refused before any work
+    inputs = vlm_anyres.plain_sizes(model, inputs)  # LLaVA-NeXT: checked, image_sizes as ints (traceable)
     mask_source = "special_tokens_mask=" if special_tokens_mask is not None else "the batch's special_tokens_mask"
     special_tokens_mask = opt.check_special_tokens_mask(special_tokens_mask if special_tokens_mask is not None
                                                         else batch_mask)
@@ -324,6 +325,7 @@ def _explain(call: Call):
     validation.check_result(results)
     vision_language.place_image_tokens(results, call.model, call.prepared.kwargs, captured.primary)
     vlm_tiles.compose(results, call.model, call.prepared.kwargs, captured.primary, call.tile_grid)
+    vlm_anyres.compose(results, call.model, call.prepared.kwargs, captured.primary)
     remembered.remember(results, model=call.model, inputs=call.prepared.kwargs, primary=captured.primary,
                         tokenizer=call.tokenizer, image_processor=call.image_processor, target=call.given_target,
                         spec=call.spec, encodings=call.encodings)

@@ -18,9 +18,10 @@ with two relevance sources (:func:`relprop.graph.streams.merges`):
   placeholders included, and the vision tower is a constant of the explanation.
 
 Idefics3 and SmolVLM, which cut the image into tiles, are placed back on the image by
-:mod:`relprop.api.vlm_tiles`. Families whose image tokens relprop cannot yet place back on the image
-(LLaVA-NeXT's any-resolution tiles, 2x2 merges with 3-D rotary positions) are refused with a
-:class:`relprop.MethodError` that names the family and what is missing, never explained with a wrong map.
+:mod:`relprop.api.vlm_tiles`; LLaVA-NeXT's any-resolution crops by :mod:`relprop.api.vlm_anyres`. Families
+whose image tokens relprop cannot yet place back on the image (LLaVA-OneVision's interpolated tiles, 2x2 merges
+with 3-D rotary positions) are refused with a :class:`relprop.MethodError` that names the family and what is
+missing, never explained with a wrong map.
 """
 from __future__ import annotations
 
@@ -29,17 +30,18 @@ from typing import Any, Mapping, Optional, Sequence
 import torch
 
 from ..errors import MethodError
+from .vlm_anyres import ANYRES
 from .vlm_tiles import TILED
 
 #: config.model_type of the families explained (their image tokens merged with masked_scatter)
 SUPPORTED = {"llava": "LLaVA", "paligemma": "PaliGemma", "gemma3": "Gemma-3"}
+#: every family placed on the image: these, the tiled ones (vlm_tiles) and LLaVA-NeXT (vlm_anyres)
+EXPLAINED = {**SUPPORTED, **TILED, **ANYRES}
 
 #: config.model_type of the families refused -> (name, what is missing)
 REFUSED = {
-    "llava_next": ("LLaVA-NeXT", "its any-resolution tiles (image_sizes, unpadding, image_newline tokens) are not "
-                   "mapped back to their place in the image, and torch.export cannot trace the tile selection it "
-                   "reads from the values of the image_sizes tensor"),
-    "llava_onevision": ("LLaVA-OneVision", "its any-resolution tiles are not mapped back to their place in the image"),
+    "llava_onevision": ("LLaVA-OneVision", "its any-resolution tiles, which it may shrink by interpolating their "
+                        "features (vision_aspect_ratio), are not mapped back to their place in the image"),
     "qwen2_vl": ("Qwen2-VL", "its flattened 2x2-merged patches (image_grid_thw) and 3-D rotary positions are not "
                  "mapped back to the image"),
     "qwen2_5_vl": ("Qwen2.5-VL", "its flattened 2x2-merged patches (image_grid_thw), window attention and 3-D rotary "
@@ -77,21 +79,21 @@ def explained_input(model: Any, inputs: Any, infos: Sequence[Any], wrt: Optional
         name, missing = REFUSED[kind]
         raise MethodError(f"{type(model).__name__} ({name}) is not explained with its image: {missing}, so relprop "
                           "would draw a wrong map. Supported vision-language families: "
-                          f"{', '.join({**SUPPORTED, **TILED}.values())}")
+                          f"{', '.join(EXPLAINED.values())}")
     if wrt is not None:
         return wrt
-    if kind not in SUPPORTED and kind not in TILED:
+    if kind not in EXPLAINED:
         raise MethodError(f"{type(model).__name__} is a vision-language model (model_type {kind!r}) whose image-token "
                           "layout relprop does not know, so it cannot say which patch each image token is. Pass "
                           "wrt='input_ids' to explain the prompt's tokens with the image as a constant (image "
                           "placeholders scored as tokens), or wrt='pixel_values' for the pixels through the vision "
-                          f"tower. Families relprop places on the image: {', '.join(SUPPORTED.values())}")
+                          f"tower. Families relprop places on the image: {', '.join(EXPLAINED.values())}")
     blocks = {bool(getattr(i, "needs_blocks", True)) for i in infos}
     if blocks == {False}:
         return PIXELS
     if blocks == {True}:
         return IDS
-    raise MethodError(f"{type(model).__name__} ({SUPPORTED.get(kind) or TILED[kind]}): the methods "
+    raise MethodError(f"{type(model).__name__} ({EXPLAINED[kind]}): the methods "
                       f"{sorted(i.name for i in infos)} explain different inputs (those that read the input relevance "
                       "the pixels and the prompt, those that read the attention blocks the language model's tokens); "
                       "explain them in two calls, or pass wrt=")
