@@ -8,7 +8,11 @@
 * the patch map is the image's: a patch whose pixels are 0 gets no relevance, and only that one;
 * rollout-style methods on the language model's blocks, image placeholders placed on the patch grid,
   against a reference written with loops;
-* the families whose image tokens are not mapped back are refused with a MethodError naming them.
+* the families whose image tokens are not mapped back are refused with a MethodError naming them;
+* tiled images (Idefics3, SmolVLM) and LLaVA-NeXT's any-resolution crops: the composed map against loops,
+  conservation, a region blacked out across tiles gives exactly 0 in the composed map, the image tokens'
+  placement through the pixel shuffle / unpadding / newline tokens against loops, and the layouts relprop
+  cannot verify refused.
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
-"""Tiny random vision-language models (LLaVA, PaliGemma, Gemma-3), each built from a config (never
-downloaded) with a fixed seed, and their inputs built by hand: the prompt's ids with one image
-placeholder per image token the projector makes, and the pixels.
+"""Tiny random vision-language models (LLaVA, PaliGemma, Gemma-3; tiled: Idefics3, SmolVLM; LLaVA-NeXT), each
+built from a config (never downloaded) with a fixed seed, and their inputs built by hand: the prompt's ids with
+one image placeholder per image token the projector makes, and the pixels.
 
 Every family: a 32x32 image in 8x8 patches (a 4x4 grid, 16 image tokens), a 2-layer language model of
 width 32. The placeholder id is 3; the prompt's other ids are >= FIRST_ID.
