@@ -159,6 +159,19 @@ def test_refused_family_is_refused_before_generating():
     assert calls == []
 
 
+@pytest.mark.parametrize("family", ["idefics3", "llava_next"])
+def test_tiled_families_are_refused_before_generating(family):
+    """Idefics3 and LLaVA-NeXT are explained by relprop.explain one image per call; explain_generation
+    (a batch of teacher-forced copies) refuses them before the model runs."""
+    model = getattr(V, family)()
+    calls = []
+    model.register_forward_pre_hook(lambda m, a: calls.append(1))
+    prompt = V.tiled_batch(batch=1) if family == "idefics3" else V.anyres_batch()
+    with pytest.raises(relprop.MethodError, match=r"one image per call.*relprop.explain"):
+        relprop.explain_generation(model, None, prompt, max_new_tokens=2)
+    assert calls == []
+
+
 def test_unknown_family_is_refused_without_wrt():
     model = V.llava()
     model.config.model_type = "newvlm"

@@ -1,6 +1,6 @@
-"""Tiny random vision-language models (LLaVA, PaliGemma, Gemma-3), each built from a config (never
-downloaded) with a fixed seed, and their inputs built by hand: the prompt's ids with one image
-placeholder per image token the projector makes, and the pixels.
+"""Tiny random vision-language models (LLaVA, PaliGemma, Gemma-3; tiled: Idefics3, SmolVLM; LLaVA-NeXT), each
+built from a config (never downloaded) with a fixed seed, and their inputs built by hand: the prompt's ids with
+one image placeholder per image token the projector makes, and the pixels.
 
 Every family: a 32x32 image in 8x8 patches (a 4x4 grid, 16 image tokens), a 2-layer language model of
 width 32. The placeholder id is 3; the prompt's other ids are >= FIRST_ID.
@@ -132,3 +132,101 @@ def qwen_inputs(image: torch.Tensor, before: int = 3, after: int = 3, seed: int 
 def qwen_image(seed: int = 0) -> torch.Tensor:
     """A random image [3, 32, 48]."""
     return torch.randn(3, *QWEN_IMAGE, generator=torch.Generator().manual_seed(seed))
+
+
+# ------------------------------------------------------------------ tiled families (Idefics3, SmolVLM)
+
+#: the tiled image: 64x64 pixels cut into 2x2 tiles of 32x32 (the vision tower's size), then the global image
+TILE_ROWS, TILE_COLS, TILE = 2, 2, 32
+#: image tokens per tile: a 4x4 patch grid, pixel-shuffled 2x2 -> 4 tokens
+TILE_TOKENS = 4
+
+
+def _tiled(config_cls, vision_cls, model_cls):
+    torch.manual_seed(0)
+    cfg = config_cls(vision_config=vision_cls(**_VISION), text_config=transformers.LlamaConfig(**_TEXT),
+                     image_token_id=IMAGE_TOKEN, scale_factor=2)
+    return model_cls(cfg).eval()
+
+
+def idefics3():
+    """Idefics3ForConditionalGeneration: SigLIP-like vision tower per tile (a 4x4 patch grid) -> pixel shuffle
+    (scale_factor 2: each 2x2 cell of patches one token, 4 per tile) -> linear projector -> LLaMA."""
+    return _tiled(transformers.Idefics3Config, transformers.Idefics3VisionConfig,
+                  transformers.Idefics3ForConditionalGeneration)
+
+
+def smolvlm():
+    """SmolVLMForConditionalGeneration: built as Idefics3 (its own classes)."""
+    return _tiled(transformers.SmolVLMConfig, transformers.SmolVLMVisionConfig,
+                  transformers.SmolVLMForConditionalGeneration)
+
+
+TILED = {"idefics3": idefics3, "smolvlm": smolvlm}
+
+
+def tiles_of(image: torch.Tensor) -> torch.Tensor:
+    """[batch, 5, 3, 32, 32] from [batch, 3, 64, 64] as Idefics3's processor cuts an image: the 2x2 tiles row
+    by row, then the global image (here the image downscaled by averaging 2x2 pixels, so a region that is
+    0 in the image is 0 in the global image at the place it covers)."""
+    b = image.shape[0]
+    t = image.reshape(b, 3, TILE_ROWS, TILE, TILE_COLS, TILE).permute(0, 2, 4, 1, 3, 5)
+    tiles = t.reshape(b, TILE_ROWS * TILE_COLS, 3, TILE, TILE)
+    glob = torch.nn.functional.avg_pool2d(image, 2)[:, None]
+    return torch.cat([tiles, glob], 1)
+
+
+def tiled_batch(batch: int = 2, before: int = 3, after: int = 3, seed: int = 0, image=None):
+    """A prompt per sample with the placeholders of 5 images (4 tiles and the global image, 4 tokens each; the
+    processor's <row_i_col_j> and newline tokens between them are other ids here) and the tiles of a
+    64x64 image per sample (or of ``image``), with the tile grid (``rows``, ``cols``)."""
+    g = torch.Generator().manual_seed(seed)
+    n = (TILE_ROWS * TILE_COLS + 1) * TILE_TOKENS
+    ids = torch.randint(FIRST_ID, 60, (batch, 1 + before + n + after), generator=g)
+    ids[:, 0] = 1
+    ids[:, 1 + before:1 + before + n] = IMAGE_TOKEN
+    image = torch.randn(batch, 3, 2 * TILE, 2 * TILE, generator=g) if image is None else image
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "pixel_values": tiles_of(image),
+            "rows": [[TILE_ROWS]] * batch, "cols": [[TILE_COLS]] * batch}
+
+
+# ------------------------------------------------------------------ LLaVA-NeXT (any-resolution crops)
+
+#: the pinpoint grids of the tiny LLaVA-NeXT: 1x2, 2x1 and 2x2 tiles of 32x32
+PINPOINTS = [[32, 64], [64, 32], [64, 64]]
+
+
+def llava_next():
+    """LlavaNextForConditionalGeneration: CLIP vision tower per tile (its last-but-one layer, the class token
+    dropped: 16 patch tokens per tile) -> 2-layer MLP projector -> unpadding + image_newline -> LLaMA."""
+    torch.manual_seed(0)
+    cfg = transformers.LlavaNextConfig(vision_config=transformers.CLIPVisionConfig(**_VISION),
+                                       text_config=transformers.LlamaConfig(**_TEXT), image_token_id=IMAGE_TOKEN,
+                                       image_grid_pinpoints=PINPOINTS, vision_feature_layer=-2,
+                                       vision_feature_select_strategy="default")
+    model = transformers.LlavaNextForConditionalGeneration(cfg).eval()
+    with torch.no_grad():  # transformers initializes the newline embedding to zeros; any value will do
+        model.model.image_newline.normal_(0, 0.2)
+    return model
+
+
+def anyres_batch(height: int = 32, seed: int = 0, image=None, before: int = 3, after: int = 3):
+    """One sample as LLaVA-NeXT's processor makes it from a ``height`` x 64 image (32 or 16; or ``image``
+    [1, 3, height, 64]): the best pinpoint is 32x64 (1x2 crops); the image goes to the centre of a 32x64
+    canvas padded with zeros (16 rows high: 8 rows above and below, which the model unpads: the first and
+    last patch rows), cut into its two 32x32 crops after the base image (the image resized to 32x32), and
+    the prompt with the image's placeholders: 16 base tokens + one per kept crop patch + a newline per row."""
+    g = torch.Generator().manual_seed(seed)
+    image = torch.randn(1, 3, height, 64, generator=g) if image is None else image
+    canvas = torch.zeros(1, 3, 32, 64)
+    top = (32 - height) // 2
+    canvas[:, :, top:top + height] = image
+    base = torch.nn.functional.interpolate(image, size=(32, 32), mode="bilinear", align_corners=False)
+    pixel_values = torch.stack([base[0], canvas[0, :, :, :32], canvas[0, :, :, 32:]])[None]
+    kept_rows = 4 if height == 32 else 2
+    n = 16 + kept_rows * (8 + 1)
+    ids = torch.randint(FIRST_ID, 60, (1, 1 + before + n + after), generator=g)
+    ids[:, 0] = 1
+    ids[:, 1 + before:1 + before + n] = IMAGE_TOKEN
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "pixel_values": pixel_values,
+            "image_sizes": torch.tensor([[height, 64]])}

@@ -15,7 +15,8 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from . import options as opt
-from . import qwen_images, raw_inputs, refusals, remembered, remembered_prompt, validation, vision_language
+from . import (qwen_images, raw_inputs, refusals, remembered, remembered_prompt, validation, vision_language,
+               vlm_anyres, vlm_tiles)
 from ..engine import FastPathUnavailable, Request, Trace, run, run_fast
 from ..errors import MethodError, OptionError, RelpropError, warn
 from ..graph import progress_line
@@ -96,6 +97,7 @@ class Call:
     given_target: Any = None
     spec: Any = None
     encodings: Any = None
+    tile_grid: Any = None  # (rows, cols) of a tiled vision-language model's image (relprop.api.vlm_tiles)
 
     def request(self, preset: Preset, **fields) -> Request:
         """The engine's Request for one run under ``preset`` (``fields``: ``relevance``,
@@ -246,6 +248,9 @@ def _check(model, inputs, target, jobs: Tuple[Job, ...], many: bool, preset: Opt
                         keep_blocks=keep_blocks, precision=precision, records_budget=records_budget)
     encodings = getattr(inputs, "encodings", None)  # a fast tokenizer's output knows its token strings
     inputs, batch_mask = split_tokenizer_keys(inputs)
+    inputs, tile_grid = vlm_tiles.split_grid_keys(model, inputs)
+    vlm_tiles.check(model, inputs, tile_grid)  # a tile layout relprop cannot verify is refused before any work
+    inputs = vlm_anyres.plain_sizes(model, inputs)  # LLaVA-NeXT: checked, image_sizes as ints (traceable)
     mask_source = "special_tokens_mask=" if special_tokens_mask is not None else "the batch's special_tokens_mask"
     special_tokens_mask = opt.check_special_tokens_mask(special_tokens_mask if special_tokens_mask is not None
                                                         else batch_mask)
@@ -265,7 +270,7 @@ def _check(model, inputs, target, jobs: Tuple[Job, ...], many: bool, preset: Opt
     return Call(model, prepared, resolved, jobs, many, preset, preset if preset is not None else get_preset(
         DEFAULT_PRESET), special_tokens_mask, mask_source, eps, unsupported, memory, precision, fast_path,
         keep_blocks, records_budget, tokenizer, image_processor, given_target if given_target is not None
-        else target, spec, encodings)
+        else target, spec, encodings, tile_grid)
 
 
 @contextlib.contextmanager
@@ -321,6 +326,8 @@ def _explain(call: Call):
                 results[-1].notes.append(note)
     validation.check_result(results)
     vision_language.place_image_tokens(results, call.model, call.prepared.kwargs, captured.primary)
+    vlm_tiles.compose(results, call.model, call.prepared.kwargs, captured.primary, call.tile_grid)
+    vlm_anyres.compose(results, call.model, call.prepared.kwargs, captured.primary)
     remembered.remember(results, model=call.model, inputs=call.prepared.kwargs, primary=captured.primary,
                         tokenizer=call.tokenizer, image_processor=call.image_processor, target=call.given_target,
                         spec=call.spec, encodings=call.encodings)

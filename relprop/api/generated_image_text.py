@@ -30,7 +30,7 @@ from typing import Any, List, Mapping, Optional
 import torch
 
 from .front_door import explain
-from .vision_language import IDS, PIXELS, SUPPORTED, explained_input, model_type, token_layout
+from .vision_language import EXPLAINED, IDS, PIXELS, SUPPORTED, explained_input, model_type, token_layout
 from ..errors import InputError, MethodError, TargetError
 from ..graph.state import eval_mode
 from ..viz import vision_text as viz_vision_text
@@ -155,16 +155,20 @@ def prompt_inputs(model, prompt: Mapping) -> dict:
 GENERATION = ("llava", "paligemma", "gemma3")
 
 
-def _check_family(model, inputs, options) -> None:
-    """Refuse before generating what :func:`relprop.explain` would refuse for this family, and the
-    families :func:`relprop.explain` explains only one image per call."""
+def _check_generation_family(model) -> None:
+    """Refuse the families :func:`relprop.explain` explains only one image per call (before the prompt's
+    keys are read: theirs, e.g. LLaVA-NeXT's ``image_sizes``, are not the point)."""
     kind = model_type(model)
-    if kind in SUPPORTED and kind not in GENERATION:
+    if kind in EXPLAINED and kind not in GENERATION:
         raise MethodError(
-            f"{type(model).__name__} ({SUPPORTED[kind]}): explain_generation with an image is built for "
-            f"{', '.join(SUPPORTED[k] for k in GENERATION)}; {SUPPORTED[kind]} is explained one image per call, and "
+            f"{type(model).__name__} ({EXPLAINED[kind]}): explain_generation with an image is built for "
+            f"{', '.join(SUPPORTED[k] for k in GENERATION)}; {EXPLAINED[kind]} is explained one image per call, and "
             "explain_generation explains a batch of teacher-forced copies. Explain each generated token with "
             "relprop.explain(model, inputs, target='next_token') on the prompt followed by the tokens before it.")
+
+
+def _check_family(model, inputs, options) -> None:
+    """Refuse before generating what :func:`relprop.explain` would refuse for this family."""
     wrt = options.get("wrt")
     if wrt is None and model_type(model) in SUPPORTED:
         wrt = PIXELS  # the supported families: the methods choose the input later
@@ -236,6 +240,7 @@ def explain_one(model, tokenizer, prompt: Mapping, max_new_tokens: int, method, 
                 ) -> ImageGenerationExplanation:
     """:func:`relprop.explain_generation` of one vision-language prompt (module docstring).
     ``as_tokens(x, n, name)`` checks ``contrast``; ``tokens_per_call`` sizes the default chunk."""
+    _check_generation_family(model)
     inputs = prompt_inputs(model, prompt)
     _check_family(model, inputs, options)
     kind = model_type(model)

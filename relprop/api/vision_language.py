@@ -1,5 +1,5 @@
-"""Vision-language models (LLaVA, PaliGemma, Gemma-3, Qwen2-VL, Qwen2.5-VL): which input is explained, and
-the families refused.
+"""Vision-language models (LLaVA, PaliGemma, Gemma-3, Qwen2-VL, Qwen2.5-VL; tiled: Idefics3, SmolVLM;
+any-resolution: LLaVA-NeXT): which input is explained, and the families refused.
 
 A vision-language model (VLM) runs its image through a vision tower and a projector and writes the
 resulting image tokens into the placeholder positions of the prompt (``masked_scatter``); its language
@@ -20,8 +20,9 @@ with two relevance sources (:func:`relprop.graph.streams.merges`):
 Qwen2-VL and Qwen2.5-VL give their image as flattened rows of 2x2-merged patches: they are explained
 through :class:`relprop.api.qwen_images.QwenImage` (the model called on the image read back from the
 rows, one prompt with one image per call), and their image tokens are 2x2 blocks of the patch grid.
-
-Families whose image tokens relprop cannot yet place back on the image (tiles, pixel shuffles) are
+Idefics3 and SmolVLM, which cut the image into tiles, are placed back on the image by
+:mod:`relprop.api.vlm_tiles`; LLaVA-NeXT's any-resolution crops by :mod:`relprop.api.vlm_anyres`. Families
+whose image tokens relprop cannot yet place back on the image (LLaVA-OneVision's interpolated tiles) are
 refused with a :class:`relprop.MethodError` that names the family and what is missing, never explained
 with a wrong map.
 """
@@ -34,19 +35,18 @@ import torch
 from ..errors import MethodError
 from ..explanation.build import patch_sums
 from .qwen_images import PIXELS as _PIXELS, QWEN, patch_layout
+from .vlm_anyres import ANYRES
+from .vlm_tiles import TILED
 
 #: config.model_type of the families explained (their image tokens merged with masked_scatter)
 SUPPORTED = {"llava": "LLaVA", "paligemma": "PaliGemma", "gemma3": "Gemma-3", **QWEN}
+#: every family placed on the image: these, the tiled ones (vlm_tiles) and LLaVA-NeXT (vlm_anyres)
+EXPLAINED = {**SUPPORTED, **TILED, **ANYRES}
 
 #: config.model_type of the families refused -> (name, what is missing)
 REFUSED = {
-    "llava_next": ("LLaVA-NeXT", "its any-resolution tiles (image_sizes, image_newline tokens) are not mapped back "
-                   "to their place in the image"),
-    "llava_onevision": ("LLaVA-OneVision", "its any-resolution tiles are not mapped back to their place in the image"),
-    "idefics3": ("Idefics3", "its pixel shuffle and image tiles (pixel_attention_mask) are not mapped back to the "
-                 "image"),
-    "smolvlm": ("SmolVLM", "its pixel shuffle and image tiles (pixel_attention_mask) are not mapped back to the "
-                "image"),
+    "llava_onevision": ("LLaVA-OneVision", "its any-resolution tiles, which it may shrink by interpolating their "
+                        "features (vision_aspect_ratio), are not mapped back to their place in the image"),
 }
 
 PIXELS, IDS = "pixel_values", "input_ids"
@@ -80,21 +80,21 @@ def explained_input(model: Any, inputs: Any, infos: Sequence[Any], wrt: Optional
         name, missing = REFUSED[kind]
         raise MethodError(f"{type(model).__name__} ({name}) is not explained with its image: {missing}, so relprop "
                           "would draw a wrong map. Supported vision-language families: "
-                          f"{', '.join(SUPPORTED.values())}")
+                          f"{', '.join(EXPLAINED.values())}")
     if wrt is not None:
         return wrt
-    if kind not in SUPPORTED:
+    if kind not in EXPLAINED:
         raise MethodError(f"{type(model).__name__} is a vision-language model (model_type {kind!r}) whose image-token "
                           "layout relprop does not know, so it cannot say which patch each image token is. Pass "
                           "wrt='input_ids' to explain the prompt's tokens with the image as a constant (image "
                           "placeholders scored as tokens), or wrt='pixel_values' for the pixels through the vision "
-                          f"tower. Families relprop places on the image: {', '.join(SUPPORTED.values())}")
+                          f"tower. Families relprop places on the image: {', '.join(EXPLAINED.values())}")
     blocks = {bool(getattr(i, "needs_blocks", True)) for i in infos}
     if blocks == {False}:
         return PIXELS
     if blocks == {True}:
         return IDS
-    raise MethodError(f"{type(model).__name__} ({SUPPORTED[kind]}): the methods "
+    raise MethodError(f"{type(model).__name__} ({EXPLAINED[kind]}): the methods "
                       f"{sorted(i.name for i in infos)} explain different inputs (those that read the input relevance "
                       "the pixels and the prompt, those that read the attention blocks the language model's tokens); "
                       "explain them in two calls, or pass wrt=")

@@ -27,6 +27,7 @@ import torch.fx
 from . import progress_line
 from ..errors import CaptureError
 from . import disk_cache
+from .data_sizes import data_sizes, static_axes
 from .dispatch import bind_offloaded, export_offloaded, offloaded_weights
 from .analysis import GraphAnalysis, analyze
 from .export import ATTEMPTS, export_program
@@ -165,6 +166,7 @@ class CaptureCache:
                     break
             else:
                 entry, sizes, event = self._new_program(model, kwargs, primary, state, entries)
+            sizes = {**sizes, **data_sizes(entry.program, model, kwargs)}  # sizes the data decide (u0, ...)
             batch = entry.program.batch_symbol
             skey = tuple(sorted((k, v) for k, v in sizes.items() if k != batch))
             captured = entry.specializations.get(skey)
@@ -240,6 +242,8 @@ class CaptureCache:
         graph, bindings = specialize(program, entry.values, sizes)
         static_batch = None if program.batch_dynamic else batch_size_of(kwargs, primary)
         axes = batch_axes(program, graph, sizes) if program.batch_dynamic else None
+        if axes is None and static_batch is not None:  # rows chosen by the data (Idefics3's real images)
+            axes = static_axes(program, graph, sizes, static_batch)
         analysis = analyze(graph, bindings, primary, static_batch, axes)
         captured = Captured(program, graph, bindings, analysis, primary, sizes,
                             weight_cache=self._memos.setdefault(model, {}))  # one memo per model

@@ -27,6 +27,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 import torch.fx
+import torch.utils._pytree as pytree
 from torch.export import Dim
 from torch.export.graph_signature import InputKind
 
@@ -105,7 +106,7 @@ def _export(model, kwargs, primary: str, dynamic_batch: bool, dynamic_rest: bool
     b = batch_size_of(kwargs, primary)
     tensors = {k: v for k, v in kwargs.items() if v is not None}
     if not (dynamic_batch or dynamic_rest):
-        return torch.export.export(model, (), tensors, strict=False), list(tensors), b
+        return torch.export.export(model, (), tensors, strict=False), leaf_names(tensors), b
     # the inputs that share the explained input's batch (decided before any copy, so that an input
     # of another batch, e.g. the 2 texts CLIP compares 1 image with, keeps its own)
     keys = {k for k, v in tensors.items() if torch.is_tensor(v) and v.dim() > 0 and v.shape[0] == b}
@@ -127,7 +128,22 @@ def _export(model, kwargs, primary: str, dynamic_batch: bool, dynamic_rest: bool
         if k in keys and dynamic_batch:
             axes[0] = batch
         shapes[k] = axes or None
-    return torch.export.export(model, (), tensors, strict=False, dynamic_shapes=shapes), list(tensors), hint
+    return torch.export.export(model, (), tensors, strict=False, dynamic_shapes=shapes), leaf_names(tensors), hint
+
+
+def leaf_names(kwargs: Dict[str, Any]) -> List[str]:
+    """The input name of each graph input torch.export makes from ``kwargs``, in order: one per
+    pytree leaf (a tensor, a flag: one; a list of ints such as LLaVA-NeXT's ``image_sizes``: one per
+    int, each specialized into the graph as a constant). An input that holds several tensors is
+    refused: each of its graph inputs would be bound to the whole container."""
+    names = []
+    for k, v in kwargs.items():
+        leaves = pytree.tree_leaves(v)
+        if len(leaves) > 1 and any(torch.is_tensor(x) for x in leaves):
+            raise CaptureError(f"input {k!r} is a container of tensors ({type(v).__name__}); relprop binds one tensor "
+                               "per input: pass its tensors as separate inputs")
+        names.extend([k] * len(leaves))
+    return names
 
 
 def _sizes_may_vary(model, kwargs, value: torch.Tensor) -> bool:
