@@ -16,7 +16,7 @@ import torch
 
 from . import options as opt
 from . import raw_inputs, refusals, remembered, validation, vision_language
-from ..engine import FastPathUnavailable, Request, Trace, run, run_fast
+from ..engine import FastPathUnavailable, Request, Trace, run, run_fast, run_fast_low
 from ..errors import MethodError, OptionError, RelpropError, warn
 from ..graph import progress_line
 from ..explanation import build, mask_from_tokenizer, split_tokenizer_keys
@@ -377,7 +377,8 @@ def _run_preset(call: Call, p: Preset, input_only: bool, input_gradient: bool) -
     note = None
     if call.fast_path is not False and input_only:
         try:
-            return run_fast(call.request(p, input_gradient=input_gradient))
+            fast = run_fast_low if call.memory == "low" else run_fast  # low: segmented, cores in row chunks
+            return fast(call.request(p, input_gradient=input_gradient))
         except FastPathUnavailable as why:
             note = (f"the one-backward fast path was not taken under preset '{p.name}' ({why}); the graph was "
                     "walked rule by rule instead, which gives the preset's relevance more slowly")

@@ -43,11 +43,11 @@ def core_forward(core: AttentionCore, value: Callable[[torch.fx.Node], torch.Ten
 
 class _CoreInRowChunks(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, core, nodes, chunk, compute, known, rows_hook, *tensors):
+    def forward(ctx, core, nodes, chunk, compute, known, rows_hook, fns, *tensors):
         env = dict(zip(nodes, tensors))
         queries = env[core.rows[0]].shape[-2]  # (the captured size may be another: sizes are dynamic)
         ctx.core, ctx.nodes, ctx.chunk, ctx.compute, ctx.queries = core, nodes, chunk, compute, queries
-        ctx.rows_hook = rows_hook
+        ctx.rows_hook, ctx.fns = rows_hook, fns
         ctx.save_for_backward(*tensors)
         if known is not None:  # the forward pass's own result (core_forward: the same chunks, the same values)
             return known if known._base is None else known.clone()
@@ -57,7 +57,7 @@ class _CoreInRowChunks(torch.autograd.Function):
     def backward(ctx, grad_out):
         core, nodes, tensors = ctx.core, ctx.nodes, ctx.saved_tensors
         split = set(core.rows)
-        wants = [ctx.needs_input_grad[6 + i] for i in range(len(nodes))]
+        wants = [ctx.needs_input_grad[7 + i] for i in range(len(nodes))]
         grads: List[Optional[torch.Tensor]] = [None] * len(nodes)
         row_grads: Dict[int, List[torch.Tensor]] = {i: [] for i, n in enumerate(nodes) if wants[i] and n in split}
         for lo, hi in row_chunks(ctx.queries, ctx.chunk):
@@ -66,7 +66,7 @@ class _CoreInRowChunks(torch.autograd.Function):
                 for n, t in zip(nodes, tensors):
                     v = t[..., lo:hi, :] if n in split else t
                     leaves[n] = v.detach().requires_grad_(True) if t.is_floating_point() else v
-                vals = evaluate_rows(core, leaves.__getitem__, lo, hi, ctx.compute, sliced=True)
+                vals = evaluate_rows(core, leaves.__getitem__, lo, hi, ctx.compute, sliced=True, fns=ctx.fns)
                 out = vals[core.nodes[-1]]
                 idx = [i for i in range(len(nodes)) if wants[i]]
                 also = [vals[ctx.rows_hook[0]]] if ctx.rows_hook is not None else []
@@ -89,12 +89,12 @@ class _CoreInRowChunks(torch.autograd.Function):
             del out, gs, leaves
         for i, parts in row_grads.items():
             grads[i] = torch.cat(parts, -2)
-        return (None, None, None, None, None, None, *grads)
+        return (None, None, None, None, None, None, None, *grads)
 
 
 def core_in_row_chunks(core: AttentionCore, values: Dict[torch.fx.Node, torch.Tensor], chunk: int,
                        compute: Optional[torch.dtype] = None, known: Optional[torch.Tensor] = None,
-                       rows_hook: Optional[tuple] = None) -> torch.Tensor:
+                       rows_hook: Optional[tuple] = None, fns: Optional[dict] = None) -> torch.Tensor:
     """A·V of ``core`` from the whole values of its operands (``values``: each node of ``core.rows``
     and ``core.whole``), computed ``chunk`` query rows at a time forward and backward (see the
     module docstring). Differentiable in every floating-point operand.
@@ -103,6 +103,8 @@ def core_in_row_chunks(core: AttentionCore, values: Dict[torch.fx.Node, torch.Te
     computed again). ``rows_hook`` = (attention node, fn): the backward calls ``fn(lo, hi, queries,
     A, dA)`` with each chunk's attention map and its gradient ∂y/∂A (no grad), in row order, as it
     computes them anyway (a gradient-only folded run folds them there,
-    :meth:`relprop.engine.fold_hooks.BlockFolder.rows_hook`)."""
+    :meth:`relprop.engine.fold_hooks.BlockFolder.rows_hook`). ``fns``: replacements of core nodes'
+    ops in the backward's recomputation (the modified gradients of :mod:`relprop.engine.fast_path`:
+    the chunks' backward then gives the modified gradient, :mod:`relprop.engine.fast_low`)."""
     nodes: Sequence[torch.fx.Node] = tuple(core.rows) + tuple(core.whole)
-    return _CoreInRowChunks.apply(core, nodes, chunk, compute, known, rows_hook, *(values[n] for n in nodes))
+    return _CoreInRowChunks.apply(core, nodes, chunk, compute, known, rows_hook, fns, *(values[n] for n in nodes))

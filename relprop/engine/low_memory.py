@@ -150,7 +150,7 @@ def _rows_exceed_a_chunk(core, tokens) -> bool:
 
 
 def _backward_segment(captured, env, seg, gbuf, grad, grad_nodes, kept, compute=None, cores=None, known=None,
-                      hooks=None):
+                      hooks=None, plan=None):
     """Recompute one segment with autograd from its inputs in ``env``, propagate the gradients in
     ``gbuf`` (at its outgoing values) back to its incoming values (added to ``gbuf``) and to the
     nodes of ``grad_nodes`` it holds (into ``grad``); leave its values, detached, in ``env``.
@@ -159,7 +159,9 @@ def _backward_segment(captured, env, seg, gbuf, grad, grad_nodes, kept, compute=
     no gradient, and the gradient at their output goes into ``grad``; their operands stay in
     ``env``. ``known`` ({A·V node: value}): a core's output as the forward pass computed it in the
     same chunks (not computed again); ``hooks`` ({A·V node: rows hook}): the rows hook of
-    :func:`relprop.engine.chunked_core.core_in_row_chunks` for that core."""
+    :func:`relprop.engine.chunked_core.core_in_row_chunks` for that core. ``plan``: a
+    :class:`relprop.engine.fast_path.Plan` whose modified-gradient replacements the recomputation
+    uses (the segmented fast path, :mod:`relprop.engine.fast_low`)."""
     a = captured.analysis
     sources = set(a.sources)
     remat, last = rematerializable(captured), last_uses(captured)  # plans memoized on the graph
@@ -183,6 +185,8 @@ def _backward_segment(captured, env, seg, gbuf, grad, grad_nodes, kept, compute=
     inner = {n for c in seg_cores.values() for n in c.nodes[:-1]}
     inner |= {u for n in inner for u in n.users if u.target in CHECKS}  # metadata checks of inner values
     operands = {n for c in seg_cores.values() for n in c.rows + c.whole}
+    if plan is not None:  # a subgraph explained as a whole reads its operands after its last node
+        operands |= {m for n in seg if n in plan.functions for m in plan.functions[n][0]}
     fn_nodes = [n for n in fn_nodes if n not in inner]
     inside = set(fn_nodes)
     with torch.enable_grad(), saving_by_name(env):  # offloaded weights: saved by name, not value
@@ -191,9 +195,12 @@ def _backward_segment(captured, env, seg, gbuf, grad, grad_nodes, kept, compute=
             if core is not None:
                 out = chunked_core.core_in_row_chunks(core, {n: val(n) for n in core.rows + core.whole},
                                                      chunked_core.ROW_CHUNK, compute, (known or {}).pop(node, None),
-                                                     (hooks or {}).get(node))
+                                                     (hooks or {}).get(node), plan.replacements if plan else None)
             else:
-                out = evaluate(node, val, compute=compute)
+                out = evaluate(node, val, plan.replacements.get(node) if plan else None, compute=compute)
+                if plan is not None and node in plan.functions:  # a subgraph explained as a whole
+                    operands, call = plan.functions[node]
+                    out = call(*(val(m) for m in operands), out)
             if node in sources:
                 out = out.detach().requires_grad_(True)
             senv[node] = out
