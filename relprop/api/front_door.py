@@ -148,8 +148,9 @@ def explain(model: torch.nn.Module, inputs: Any, target: Any = None, method: Any
         None takes AttnLRP/CP-LRP's one-backward form when it applies; True also warns when it
         does not; False always walks rule by rule (with the conservation ledger).
     memory
-        ``"default"``, ``"low"`` (block by block, lower peak, about one more forward pass) or
-        ``"high"`` (keeps a memo of |W| with the model for later calls).
+        ``"default"``, ``"low"`` (block by block, lower peak, about one more forward pass; on the
+        fast path also the attention cores in chunks of query rows) or ``"high"`` (keeps a memo
+        of |W| with the model for later calls).
     wrt
         name of the input to explain onto when the model takes several (CLIP: ``"pixel_values"``).
     image_processor
