@@ -145,8 +145,8 @@ def child(name: str, n: int, what: str, device: str) -> None:
                       "seconds": meter.seconds, "threads": torch.get_num_threads(), "kept_blocks": kept}))
 
 
-def measure(name: str, n: int, what: str, device: str, for_memory: bool = True) -> dict:
-    result, _, stderr = run_child(__file__, [name, str(n), what, device], for_memory=for_memory)
+def measure(name: str, n: int, what: str, device: str, for_memory: bool = True, rows: int = ROWS) -> dict:
+    result, _, stderr = run_child(__file__, [name, str(n), what, device, str(rows)], for_memory=for_memory)
     return result if result is not None else {"error": stderr.strip().splitlines()[-1:] or ["no output"]}
 
 
@@ -161,10 +161,13 @@ def main(argv=None) -> int:
                              "process with glibc's default allocator")
     parser.add_argument("--repeats", type=int, default=1,
                         help="CPU: time runs per configuration (fresh processes, default allocator); the median")
-    parser.add_argument("--child", nargs=4, help=argparse.SUPPRESS)
+    parser.add_argument("--rows", type=int, default=ROWS,
+                        help=f"query rows per chunk of the -rows and lrp measurements (default {ROWS})")
+    parser.add_argument("--child", nargs=5, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
-        name, n, what, device = args.child
+        name, n, what, device, rows = args.child
+        globals()["ROWS"] = int(rows)  # (read by child's calls)
         child(name, int(n), what, device)
         return 0
     import torch
@@ -183,9 +186,10 @@ def main(argv=None) -> int:
         for n in args.tokens or DEFAULT_TOKENS[name]:
             ref = None
             for w in whats:
-                r = measure(name, n, w, device)
+                r = measure(name, n, w, device, rows=args.rows)
                 if "error" not in r and second:  # the time of runs under glibc's defaults: the median
-                    times = [measure(name, n, w, device, for_memory=False) for _ in range(max(1, args.repeats))]
+                    times = [measure(name, n, w, device, for_memory=False, rows=args.rows)
+                             for _ in range(max(1, args.repeats))]
                     bad = [t for t in times if "error" in t]
                     r = bad[0] if bad else dict(r, seconds=statistics.median(t["seconds"] for t in times),
                                                  runs=[round(t["seconds"], 2) for t in times])
