@@ -12,3 +12,4 @@ cd "$here"
 python3 -c "import torch, relprop; assert torch.cuda.is_available(), 'no CUDA device'; print(torch.__version__, torch.cuda.get_device_name(), relprop.__file__)"
 python3 memory_scaling.py --device cuda --model llama --tokens 4096 --what fwdbwd ta-rows gr-rows
 python3 memory_scaling.py --device cuda --model llama --tokens 8192 --what fwdbwd lrp-low lrp
+python3 memory_scaling.py --device cuda --model llama --tokens 8192 --what fwdbwd lrp-low --rows 64

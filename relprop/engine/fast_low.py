@@ -29,7 +29,7 @@ from . import chunked_core
 from .chunked_walk import plan_cores
 from .fast_path import FastPathUnavailable, fast_trace, output_gradient, plan, run_fast
 from .forward import forward, output_seed
-from .low_memory import _backward_segment, _cores_in_the_forward
+from .low_memory import backward_segment, cores_in_the_forward
 from .memory import crossing, segments
 from .request import Request
 from .trace import Trace
@@ -53,7 +53,7 @@ def run_fast_low(request: Request) -> Trace:
     # cores with a node explained as a whole (an element-wise function) are evaluated whole
     planned = {n: cb for n, cb in (plan_cores(a) if chunked_core.ROW_CHUNK else {}).items()
                if not set(cb[0].nodes) & set(p.functions)}
-    computed, skip = _cores_in_the_forward(planned, keep, compute)
+    computed, skip = cores_in_the_forward(planned, keep, compute)
     discard = {n for n in captured.graph.nodes if n.op == "call_function" and n not in keep | set(computed)}
     with torch.no_grad():
         env, outputs = forward(captured, request.model, request.kwargs, discard=discard, compute=compute,
@@ -71,7 +71,7 @@ def run_fast_low(request: Request) -> Trace:
     known = {n: env[n] for n in cores}  # A·V from the forward pass, in the chunks the segments use
     grad: Dict[torch.fx.Node, torch.Tensor] = {}
     for seg in reversed(segments(captured)):
-        _backward_segment(captured, env, seg, gbuf, grad, sources, kept, compute, cores, known, None, p)
+        backward_segment(captured, env, seg, gbuf, grad, sources, kept, compute, cores, known, None, p)
         for n in cores:
             grad.pop(n, None)  # (the gradient at a core's output: only the row-chunked walk reads it)
         for node in seg:

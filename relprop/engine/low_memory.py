@@ -61,7 +61,7 @@ def run_low(request: Request, out_nodes: List[torch.fx.Node], wrt: List[torch.fx
     kept = crossing(captured)
     keep = kept | sources | {a.primary} | _token_trace_reads(a)
     planned = plan_cores(a) if folder is not None and chunked_core.ROW_CHUNK else {}
-    computed, skip = _cores_in_the_forward(planned, keep, request.compute)
+    computed, skip = cores_in_the_forward(planned, keep, request.compute)
     discard = {n for n in captured.graph.nodes if n.op == "call_function" and n not in keep | set(computed)}
     with torch.no_grad():
         env, outputs = forward(captured, request.model, request.kwargs, discard=discard, compute=request.compute,
@@ -94,7 +94,7 @@ def run_low(request: Request, out_nodes: List[torch.fx.Node], wrt: List[torch.fx
     hooks = {p: (b.attention, folder.rows_hook(b)) for p, (_, b) in cores.items()} \
         if folder is not None and walker is None else {}
     for seg in reversed(segments(captured)):
-        _backward_segment(captured, env, seg, gbuf, grad, grad_nodes, kept, request.compute, cores, known, hooks)
+        backward_segment(captured, env, seg, gbuf, grad, grad_nodes, kept, request.compute, cores, known, hooks)
         if walker is not None:
             with torch.no_grad():
                 for node in reversed(seg):
@@ -123,7 +123,7 @@ def _token_trace_reads(a) -> set:
     return {a.tokens.start} | set(a.tokens.reads)
 
 
-def _cores_in_the_forward(planned, keep, compute) -> tuple:
+def cores_in_the_forward(planned, keep, compute) -> tuple:
     """({A·V node: fn}, inner nodes): the row-local cores of ``planned``
     (:func:`relprop.engine.chunked_walk.plan_cores`) that the forward pass without autograd evaluates
     in chunks of query rows (:func:`relprop.engine.chunked_core.core_forward`), so that it holds no
@@ -149,7 +149,7 @@ def _rows_exceed_a_chunk(core, tokens) -> bool:
     return not isinstance(n, int) or n > chunked_core.ROW_CHUNK
 
 
-def _backward_segment(captured, env, seg, gbuf, grad, grad_nodes, kept, compute=None, cores=None, known=None,
+def backward_segment(captured, env, seg, gbuf, grad, grad_nodes, kept, compute=None, cores=None, known=None,
                       hooks=None, plan=None):
     """Recompute one segment with autograd from its inputs in ``env``, propagate the gradients in
     ``gbuf`` (at its outgoing values) back to its incoming values (added to ``gbuf``) and to the
