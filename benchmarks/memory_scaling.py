@@ -25,6 +25,12 @@ Measured, each in a fresh subprocess (``--child``):
   folded into the query row during the reverse walk and dropped, :mod:`relprop.methods.fold_maps`);
 * ``ta-default``: the same with ``keep_blocks`` not given (records kept while they fit
   ``records_budget``, else folded: :mod:`relprop.methods.fold_choice`); the row says which ran.
+* ``ta-rows``, ``gr-rows`` (``gr-fold``): ``transformer_attribution`` (``gradient_rollout``) folded with the
+  row-chunked walk (``relprop.engine.chunked_core.ROW_CHUNK`` = :data:`ROWS`; on by default since 2026-11-27,
+  so ``ta-fold`` and ``gr-fold`` run it too);
+* ``lrp``: ``method="lrp", preset="attnlrp"`` (the one-backward fast path, ``memory="default"``);
+  ``lrp-low``: the same with ``memory="low"`` (the fast path segment by segment, attention cores in row
+  chunks of :data:`ROWS`: :mod:`relprop.engine.fast_low`).
 
 Memory on CPU is the peak resident set size of the process (VmHWM of /proc/self/status, reset with
 ``5 > /proc/self/clear_refs`` once the model, the inputs and, for relprop, the captured graph exist)
@@ -40,6 +46,8 @@ penalizes the call that allocates more).
     OMP_NUM_THREADS=1 python benchmarks/memory_scaling.py --model bert --tokens 512 1024 2048
     OMP_NUM_THREADS=1 python benchmarks/memory_scaling.py --model llama --tokens 4096 --what fwdbwd ta-fold
     OMP_NUM_THREADS=1 python benchmarks/memory_scaling.py --model bert --tokens 2048 --repeats 3
+    OMP_NUM_THREADS=1 python benchmarks/memory_scaling.py --model llama --tokens 4096 --what fwdbwd lrp lrp-low
+    bash benchmarks/long_context_gpu.sh        # issue 29's three targets on a CUDA GPU
 """
 from __future__ import annotations
 
@@ -51,7 +59,8 @@ import sys
 
 from peak_memory import PeakMeter, run_child
 
-WHATS = ("fwdbwd", "fwdbwd-eager", "ta-full", "ta-fold", "ta-default", "ta-rows", "gr-fold", "gr-rows")
+WHATS = ("fwdbwd", "fwdbwd-eager", "ta-full", "ta-fold", "ta-default", "ta-rows", "gr-fold", "gr-rows", "lrp",
+         "lrp-low")
 #: query rows per chunk of the row-chunked walk of the "-rows" measurements (relprop.engine.chunked_core.ROW_CHUNK)
 ROWS = 256
 DEFAULT_TOKENS = {"bert": (512, 1024, 2048), "llama": (1024, 2048, 4096)}
@@ -101,29 +110,43 @@ def child(name: str, n: int, what: str, device: str) -> None:
     model, inputs, target = build(name, n, "eager" if what == "fwdbwd-eager" else "sdpa", device)
     if not what.startswith("fwdbwd"):
         CACHE.get(model, bind_inputs(model, inputs))  # the capture is outside the measurement
-    gc.collect()
-    kept = None
-    with PeakMeter(device) as meter:
+    from relprop.engine import chunked_core
+    kept = []
+
+    def call():
         if what.startswith("fwdbwd"):
             logits = model(**inputs).logits
             score = logits[:, 1] if name == "bert" else logits[:, -1, target]
             score.sum().backward()
             del logits, score
+            model.zero_grad(set_to_none=True)
+        elif what.startswith("lrp"):
+            chunked_core.ROW_CHUNK = ROWS
+            exp = relprop.explain(model, inputs, target=target, method="lrp", preset="attnlrp",
+                                  memory="low" if what == "lrp-low" else "default")
+            del exp
         else:
             keep = {"ta-full": True, "ta-fold": False, "ta-rows": False, "gr-fold": False, "gr-rows": False}.get(what)
-            if what.endswith("-rows"):  # the row-chunked walk (off by default)
-                from relprop.engine import chunked_core
+            if what.endswith("-rows"):  # the row-chunked walk (on by default since 2026-11-27)
                 chunked_core.ROW_CHUNK = ROWS
             method = "gradient_rollout" if what.startswith("gr") else "transformer_attribution"
             exp = relprop.explain(model, inputs, target=target, method=method, keep_blocks=keep)
-            kept = exp.kept_blocks
+            kept[:] = [exp.kept_blocks]
             del exp
+
+    if device.startswith("cuda"):  # one call outside the measurement: kernels loaded, the allocator warm
+        call()
+        torch.cuda.synchronize()
+    gc.collect()
+    with PeakMeter(device) as meter:
+        call()
+    kept = kept[0] if kept else None
     print(json.dumps({"model": name, "tokens": n, "what": what, "device": device, "peak_bytes": meter.peak_bytes,
                       "seconds": meter.seconds, "threads": torch.get_num_threads(), "kept_blocks": kept}))
 
 
-def measure(name: str, n: int, what: str, device: str, for_memory: bool = True) -> dict:
-    result, _, stderr = run_child(__file__, [name, str(n), what, device], for_memory=for_memory)
+def measure(name: str, n: int, what: str, device: str, for_memory: bool = True, rows: int = ROWS) -> dict:
+    result, _, stderr = run_child(__file__, [name, str(n), what, device, str(rows)], for_memory=for_memory)
     return result if result is not None else {"error": stderr.strip().splitlines()[-1:] or ["no output"]}
 
 
@@ -138,10 +161,13 @@ def main(argv=None) -> int:
                              "process with glibc's default allocator")
     parser.add_argument("--repeats", type=int, default=1,
                         help="CPU: time runs per configuration (fresh processes, default allocator); the median")
-    parser.add_argument("--child", nargs=4, help=argparse.SUPPRESS)
+    parser.add_argument("--rows", type=int, default=ROWS,
+                        help=f"query rows per chunk of the -rows and lrp measurements (default {ROWS})")
+    parser.add_argument("--child", nargs=5, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
-        name, n, what, device = args.child
+        name, n, what, device, rows = args.child
+        globals()["ROWS"] = int(rows)  # (read by child's calls)
         child(name, int(n), what, device)
         return 0
     import torch
@@ -160,9 +186,10 @@ def main(argv=None) -> int:
         for n in args.tokens or DEFAULT_TOKENS[name]:
             ref = None
             for w in whats:
-                r = measure(name, n, w, device)
+                r = measure(name, n, w, device, rows=args.rows)
                 if "error" not in r and second:  # the time of runs under glibc's defaults: the median
-                    times = [measure(name, n, w, device, for_memory=False) for _ in range(max(1, args.repeats))]
+                    times = [measure(name, n, w, device, for_memory=False, rows=args.rows)
+                             for _ in range(max(1, args.repeats))]
                     bad = [t for t in times if "error" in t]
                     r = bad[0] if bad else dict(r, seconds=statistics.median(t["seconds"] for t in times),
                                                  runs=[round(t["seconds"], 2) for t in times])

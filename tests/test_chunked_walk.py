@@ -78,3 +78,28 @@ def test_row_chunked_walk_with_options_equals_the_whole_cores(name, method, opti
     whole, got = runs
     _close(got.scores, whole.scores, f"{name} {options} scores")
     _close(got.heads, whole.heads, f"{name} {options} heads")
+
+
+def test_causal_rows_of_chunks_agree_with_the_whole_map():
+    """first_block_rows.causal_rows on chunks of rows (it reads only the keys after each chunk's first
+    row) says what query.causal_block says of the whole map: causal maps, one entry above the
+    diagonal in each position of a chunk, padding rows (not read), 3-d and 4-d maps."""
+    import torch
+
+    from relprop.methods.first_block_rows import causal_rows
+    from relprop.methods.query import causal_block
+    n = 7
+    g = torch.Generator().manual_seed(0)
+    causal = torch.rand(2, 3, n, n, generator=g).tril()
+    real = torch.ones(2, n, dtype=torch.bool)
+    real[1, 5:] = False
+    maps = [causal, causal[:, 0]]
+    for i, j in [(0, 1), (2, 3), (2, 6), (5, 6), (6, 6)]:
+        for b in (0, 1):
+            m = causal.clone()
+            m[b, 1, i, j] = 0.5
+            maps += [m, m[:, 1]]
+    for a in maps:
+        for chunk in (1, 2, 3, n):
+            got = all(causal_rows(a[..., lo:lo + chunk, :], real, lo) for lo in range(0, n, chunk))
+            assert got == causal_block(a, real), chunk

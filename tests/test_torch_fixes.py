@@ -83,3 +83,17 @@ def test_safe_softmax_substitute_is_bit_identical():
                 gb, = torch.autograd.grad(yb, b, seed)
                 assert torch.equal(ga, gb)
     assert not torch.isnan(fast(dead, -1)).any()
+
+
+def test_deferred_row_test_gives_the_booleans_of_any_not_eq():
+    """``any(logical_not(eq(x, c)), dim)`` deferred (PendingEqual, any_pending): the same booleans as
+    the explicit ops for c = -inf, +inf and a finite c, with rows entirely c, NaN and mixed rows."""
+    from relprop.graph.torch_fixes import any_pending, pending_eq, pending_not
+    inf, nan = float("inf"), float("nan")
+    for c in (-inf, inf, 0.0, -3.5):
+        rows = torch.tensor([[c, c, c], [c, nan, c], [c, 1.0, c], [nan, nan, nan], [-inf, inf, c], [2.0, -1.0, 0.0]])
+        x = torch.cat([rows, rows.flip(-1)])[None].expand(2, -1, -1)
+        for dim, keep in ((-1, False), (2, True), (1, False)):
+            want = aten.any.dim(aten.logical_not.default(aten.eq.Scalar(x, c)), dim, keep)
+            got = any_pending(pending_not(pending_eq(x, c)), dim, keep)
+            assert torch.equal(got, want), (c, dim, keep)

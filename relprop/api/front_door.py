@@ -17,7 +17,7 @@ import torch
 from . import options as opt
 from . import (qwen_images, raw_inputs, refusals, remembered, remembered_prompt, validation, vision_language,
                vlm_anyres, vlm_tiles)
-from ..engine import FastPathUnavailable, Request, Trace, run, run_fast
+from ..engine import FastPathUnavailable, Request, Trace, run, run_fast, run_fast_low
 from ..errors import MethodError, OptionError, RelpropError, warn
 from ..graph import progress_line
 from ..explanation import build, mask_from_tokenizer, split_tokenizer_keys
@@ -150,8 +150,9 @@ def explain(model: torch.nn.Module, inputs: Any, target: Any = None, method: Any
         None takes AttnLRP/CP-LRP's one-backward form when it applies; True also warns when it
         does not; False always walks rule by rule (with the conservation ledger).
     memory
-        ``"default"``, ``"low"`` (block by block, lower peak, about one more forward pass) or
-        ``"high"`` (keeps a memo of |W| with the model for later calls).
+        ``"default"``, ``"low"`` (block by block, lower peak, about one more forward pass; on the
+        fast path also the attention cores in chunks of query rows) or ``"high"`` (keeps a memo
+        of |W| with the model for later calls).
     wrt
         name of the input to explain onto when the model takes several (CLIP: ``"pixel_values"``).
     image_processor
@@ -386,7 +387,8 @@ def _run_preset(call: Call, p: Preset, input_only: bool, input_gradient: bool) -
     note = None
     if call.fast_path is not False and input_only:
         try:
-            return run_fast(call.request(p, input_gradient=input_gradient))
+            fast = run_fast_low if call.memory == "low" else run_fast  # low: segmented, cores in row chunks
+            return fast(call.request(p, input_gradient=input_gradient))
         except FastPathUnavailable as why:
             note = (f"the one-backward fast path was not taken under preset '{p.name}' ({why}); the graph was "
                     "walked rule by rule instead, which gives the preset's relevance more slowly")

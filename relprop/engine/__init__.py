@@ -15,6 +15,8 @@ module              job
 ``memory``          what the forward pass keeps, frees or recomputes; segments for ``memory="low"``
 ``low_memory``      the run segment by segment (``memory="low"``)
 ``fast_path``       :func:`run_fast`: a preset's rules as one modified-gradient backward pass
+``fast_low``        :func:`run_fast_low`: the fast path segment by segment, cores in row chunks
+                    (``memory="low"``)
 ``session``         :class:`Session`: re-running the graph for the methods that perturb inputs
 ``trace``           :class:`Trace`, :class:`BlockRecord`, :class:`Conservation`
 ``budget``          the bytes of the block records a full-record run keeps, and their default
@@ -23,6 +25,7 @@ module              job
 ==================  ===========================================================================
 """
 from .coverage import Coverage, report
+from .fast_low import run_fast_low
 from .fast_path import FastPathUnavailable, run_fast, supports
 from .request import MEMORY_MODES, UNSUPPORTED_MODES, Request, check_options
 from .run import run
@@ -31,4 +34,4 @@ from .trace import BlockConservation, BlockRecord, Conservation, Trace
 
 __all__ = ["BlockConservation", "BlockRecord", "Conservation", "Coverage", "FastPathUnavailable", "MEMORY_MODES",
            "Request", "Session", "Trace", "UNSUPPORTED_MODES", "check_options", "report", "run", "run_fast",
-           "supports"]
+           "run_fast_low", "supports"]

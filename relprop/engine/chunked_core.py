@@ -11,7 +11,7 @@ order of the sums of ∇Kᵀ and ∇V changes, over the chunks).
 """
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 import torch.fx
@@ -30,22 +30,34 @@ def row_chunks(queries: int, chunk: int) -> List[tuple]:
     return [(lo, min(lo + chunk, queries)) for lo in range(0, queries, max(1, chunk))]
 
 
+def core_forward(core: AttentionCore, value: Callable[[torch.fx.Node], torch.Tensor], chunk: int,
+                 compute: Optional[torch.dtype] = None) -> torch.Tensor:
+    """A·V of ``core`` without autograd, ``chunk`` query rows at a time (``value(n)``: the whole value
+    of each operand): the forward pass of a folded run evaluates the row-local cores so, and its
+    result equals the forward of :func:`core_in_row_chunks` bit for bit (the same chunks)."""
+    queries = value(core.rows[0]).shape[-2]  # (the captured size may be another: sizes are dynamic)
+    with torch.no_grad():
+        outs = [evaluate_rows(core, value, lo, hi, compute)[core.nodes[-1]] for lo, hi in row_chunks(queries, chunk)]
+        return outs[0] if len(outs) == 1 else torch.cat(outs, -2)
+
+
 class _CoreInRowChunks(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, core, nodes, chunk, compute, *tensors):
+    def forward(ctx, core, nodes, chunk, compute, known, rows_hook, fns, *tensors):
         env = dict(zip(nodes, tensors))
         queries = env[core.rows[0]].shape[-2]  # (the captured size may be another: sizes are dynamic)
-        outs = [evaluate_rows(core, env.__getitem__, lo, hi, compute)[core.nodes[-1]]
-                for lo, hi in row_chunks(queries, chunk)]
         ctx.core, ctx.nodes, ctx.chunk, ctx.compute, ctx.queries = core, nodes, chunk, compute, queries
+        ctx.rows_hook, ctx.fns = rows_hook, fns
         ctx.save_for_backward(*tensors)
-        return torch.cat(outs, -2)
+        if known is not None:  # the forward pass's own result (core_forward: the same chunks, the same values)
+            return known if known._base is None else known.clone()
+        return core_forward(core, env.__getitem__, chunk, compute)
 
     @staticmethod
     def backward(ctx, grad_out):
         core, nodes, tensors = ctx.core, ctx.nodes, ctx.saved_tensors
         split = set(core.rows)
-        wants = [ctx.needs_input_grad[4 + i] for i in range(len(nodes))]
+        wants = [ctx.needs_input_grad[7 + i] for i in range(len(nodes))]
         grads: List[Optional[torch.Tensor]] = [None] * len(nodes)
         row_grads: Dict[int, List[torch.Tensor]] = {i: [] for i, n in enumerate(nodes) if wants[i] and n in split}
         for lo, hi in row_chunks(ctx.queries, ctx.chunk):
@@ -54,10 +66,19 @@ class _CoreInRowChunks(torch.autograd.Function):
                 for n, t in zip(nodes, tensors):
                     v = t[..., lo:hi, :] if n in split else t
                     leaves[n] = v.detach().requires_grad_(True) if t.is_floating_point() else v
-                out = evaluate_rows(core, leaves.__getitem__, lo, hi, ctx.compute, sliced=True)[core.nodes[-1]]
+                vals = evaluate_rows(core, leaves.__getitem__, lo, hi, ctx.compute, sliced=True, fns=ctx.fns)
+                out = vals[core.nodes[-1]]
                 idx = [i for i in range(len(nodes)) if wants[i]]
-                gs = torch.autograd.grad(out, [leaves[nodes[i]] for i in idx], grad_out[..., lo:hi, :],
+                also = [vals[ctx.rows_hook[0]]] if ctx.rows_hook is not None else []
+                gs = torch.autograd.grad(out, [leaves[nodes[i]] for i in idx] + also, grad_out[..., lo:hi, :],
                                          allow_unused=True)
+                if also:  # A and dA on the chunk's rows, handed over (as chunked_walk.chunk_values gives them)
+                    da = gs[-1] if gs[-1] is not None else torch.zeros_like(also[0])
+                    attention, gs = also[0].detach(), gs[:-1]
+                del vals, also
+            if ctx.rows_hook is not None:
+                ctx.rows_hook[1](lo, hi, ctx.queries, attention, da)
+                del attention, da
             for i, g in zip(idx, gs):
                 if g is None:
                     g = torch.zeros_like(leaves[nodes[i]])
@@ -68,13 +89,22 @@ class _CoreInRowChunks(torch.autograd.Function):
             del out, gs, leaves
         for i, parts in row_grads.items():
             grads[i] = torch.cat(parts, -2)
-        return (None, None, None, None, *grads)
+        return (None, None, None, None, None, None, None, *grads)
 
 
 def core_in_row_chunks(core: AttentionCore, values: Dict[torch.fx.Node, torch.Tensor], chunk: int,
-                       compute: Optional[torch.dtype] = None) -> torch.Tensor:
+                       compute: Optional[torch.dtype] = None, known: Optional[torch.Tensor] = None,
+                       rows_hook: Optional[tuple] = None, fns: Optional[dict] = None) -> torch.Tensor:
     """A·V of ``core`` from the whole values of its operands (``values``: each node of ``core.rows``
     and ``core.whole``), computed ``chunk`` query rows at a time forward and backward (see the
-    module docstring). Differentiable in every floating-point operand."""
+    module docstring). Differentiable in every floating-point operand.
+
+    ``known``: A·V as :func:`core_forward` gave it on these operands (then the forward is not
+    computed again). ``rows_hook`` = (attention node, fn): the backward calls ``fn(lo, hi, queries,
+    A, dA)`` with each chunk's attention map and its gradient ∂y/∂A (no grad), in row order, as it
+    computes them anyway (a gradient-only folded run folds them there,
+    :meth:`relprop.engine.fold_hooks.BlockFolder.rows_hook`). ``fns``: replacements of core nodes'
+    ops in the backward's recomputation (the modified gradients of :mod:`relprop.engine.fast_path`:
+    the chunks' backward then gives the modified gradient, :mod:`relprop.engine.fast_low`)."""
     nodes: Sequence[torch.fx.Node] = tuple(core.rows) + tuple(core.whole)
-    return _CoreInRowChunks.apply(core, nodes, chunk, compute, *(values[n] for n in nodes))
+    return _CoreInRowChunks.apply(core, nodes, chunk, compute, known, rows_hook, fns, *(values[n] for n in nodes))

@@ -121,13 +121,19 @@ def _walk_chunks(walker, r, core, block, dout, chunks, sums, hooks, counting: bo
     row_shares: Dict[torch.fx.Node, List[torch.Tensor]] = {}
     whole_shares: Dict[torch.fx.Node, torch.Tensor] = {}
     product = core.nodes[-1]
+    # counting: no dA (only the folds read it), and once the summing rules are known, no rule below them
+    last_sum = min((core.nodes.index(n) for n in sums.nodes), default=None) if counting else None
     for lo, hi in chunks:
-        vals, grad = chunk_values(core, block.attention, values.value, lo, hi, values.compute, dout)
+        vals, grad = chunk_values(core, block.attention, values.value, lo, hi, values.compute,
+                                  None if counting else dout)
         R: Dict[torch.fx.Node, torch.Tensor] = {} if r is None else {product: r[..., lo:hi, :]}
         sums.calls = 0
         value = _reader(vals, values.value, rows_of, lo, hi)
 
-        for node in reversed(core.nodes):
+        for i in range(len(core.nodes) - 1, -1, -1):
+            node = core.nodes[i]
+            if last_sum is not None and i < last_sum:
+                break
             rn = R.pop(node, None)
             if node is block.attention and not counting and hooks is not None:
                 hooks.reached_rows(block, lo, hi, chunks[-1][1], vals[node], grad, rn)

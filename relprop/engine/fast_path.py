@@ -184,17 +184,30 @@ def run_fast(request: Request) -> Trace:
         require_input_dependence(scores)
         seeds = torch.autograd.grad(scores.sum(), [leaves[n] for n in out_nodes], allow_unused=True)
         roots, grad_outputs = [], []
-        by_value = request.preset.seed == "score"
         for n, seed in zip(out_nodes, seeds):
             if seed is None:
                 continue
             roots.append(env[n])
-            # exact R / y: the ε of the ε-rule enters at each ε-rule node, as in the interpreter
-            # (on the rows the seed reaches: a decoder's logits are seeded at one position); with
-            # the "score" seed R = y ⊙ ∂s/∂y, so R / y is the derivative itself where y ≠ 0
-            grad_outputs.append(on_nonzero_rows(_score_seed if by_value else _gradient_seed, seed,
-                                                env[n].detach()).to(env[n].dtype))
+            grad_outputs.append(output_gradient(seed, env[n], request.preset.seed))
         grads = torch.autograd.grad(roots, src_vals, grad_outputs, allow_unused=True)
+    return fast_trace(request, outputs, scores, target, src_vals, grads)
+
+
+def output_gradient(seed: torch.Tensor, y: torch.Tensor, kind: str) -> torch.Tensor:
+    """The gradient that starts the modified backward pass at output ``y``, from ``seed`` = ∂s/∂y:
+    exact R / y (the ε of the ε-rule enters at each ε-rule node, as in the interpreter), on the rows
+    the seed reaches (a decoder's logits are seeded at one position); with the ``"score"`` seed
+    (``kind``, :attr:`relprop.rules.Preset.seed`) R = y ⊙ ∂s/∂y, so R / y is the derivative itself
+    where y ≠ 0."""
+    fn = _score_seed if kind == "score" else _gradient_seed
+    return on_nonzero_rows(fn, seed, y.detach()).to(y.dtype)
+
+
+def fast_trace(request: Request, outputs, scores, target, src_vals, grads) -> Trace:
+    """The :class:`relprop.engine.trace.Trace` of a fast-path run from the sources' values
+    ``src_vals`` and their modified gradients ``grads`` (relevance = source ⊙ gradient)."""
+    captured, compute = request.captured, request.compute
+    a = captured.analysis
     batch = scores.shape[0]
     input_rel = None
     parts = [(s, promote(v.detach() * g) if g is not None else torch.zeros(v.shape, dtype=relevance_dtype(v.dtype),

@@ -67,6 +67,7 @@ class BlockFolder:
         self.compute = compute
         self.chunked_blocks = {b.index: p for p, (_, b) in self.cores.items()}
         self.pending = None
+        self.handed: set = set()  # the blocks the backward passes handed over (rows_hook)
 
     def reached_rows(self, b, lo: int, hi: int, queries: int, attention, gradient, relevance) -> None:
         """The row-chunked walk reached rows ``lo:hi`` of block ``b``'s attention map (of ``queries``
@@ -112,6 +113,19 @@ class BlockFolder:
         if b.features is not None and b.features in self.droppable:
             self.grad.pop(b.features, None)
 
+    def rows_hook(self, b):
+        """Gradient-only methods: the function the segment's backward pass calls with each chunk of
+        block ``b`` (``fn(lo, hi, queries, A, dA)``, :func:`relprop.engine.chunked_core.core_in_row_chunks`),
+        which hands the chunks to the folds as that backward computes them; :meth:`after_segment`
+        then has nothing left to compute for the block (else, when no gradient reached the core,
+        it recomputes the chunks, :meth:`_rows_without_walk`)."""
+        def hand(lo, hi, queries, attention, gradient):
+            self.reached_rows(b, lo, hi, queries, attention, gradient, None)
+            if hi == queries:
+                self.rows_done(b)
+                self.handed.add(b.index)
+        return hand
+
     def _rows_without_walk(self, b) -> None:
         """Gradient-only methods: hand block ``b``'s chunks over after the segment's backward pass."""
         product = self.chunked_blocks[b.index]
@@ -147,7 +161,9 @@ class BlockFolder:
         blocks = sorted((b for b in self.analysis.blocks if b.attention in inside), key=lambda b: -b.index)
         if not self.walked:
             for b in blocks:
-                if b.index in self.chunked_blocks:
+                if b.index in self.handed:  # by the backward pass (rows_hook)
+                    self.grad.pop(self.chunked_blocks[b.index], None)
+                elif b.index in self.chunked_blocks:
                     self._rows_without_walk(b)
                 else:
                     self._hand_over(b, {})

@@ -35,7 +35,8 @@ def count_forward() -> None:
 
 def forward(captured: Captured, model, kwargs, *, perturb: Optional[Callable] = None,
             overrides: Optional[Dict[torch.fx.Node, torch.Tensor]] = None, env: Optional[dict] = None,
-            only: Optional[set] = None, discard: Optional[set] = None, compute: Optional[torch.dtype] = None):
+            only: Optional[set] = None, discard: Optional[set] = None, compute: Optional[torch.dtype] = None,
+            computed: Optional[Dict[torch.fx.Node, Callable]] = None, skip: frozenset = frozenset()):
     """Evaluate the captured graph; returns (env, outputs).
 
     ``perturb(value)`` replaces the value of the relevance source (pixels, or the word embeddings)
@@ -45,6 +46,10 @@ def forward(captured: Captured, model, kwargs, *, perturb: Optional[Callable] = 
     :func:`relprop.engine.memory.rematerializable`). Sources are made leaves that require grad.
     ``compute`` (float32 for a half-precision model, :attr:`relprop.engine.request.Request.compute`)
     is the precision every node is evaluated in (:func:`relprop.graph.nodes.evaluate`).
+    ``computed`` ({node: fn}) gives the value of those nodes as ``fn(value)`` (``value(n)``: the
+    value of node ``n``) instead of evaluating their op, and the nodes of ``skip`` are not evaluated
+    (only such functions read them: the attention cores of the row-chunked walk,
+    :func:`relprop.engine.chunked_core.core_forward`).
     """
     a = captured.analysis
     count_forward()
@@ -63,6 +68,7 @@ def forward(captured: Captured, model, kwargs, *, perturb: Optional[Callable] = 
     else:
         env = env.copy()  # (a LazyEnv stays one: offloaded weights are read on demand)
     last = last_uses(captured) if discard else {}
+    pending: List[torch.fx.Node] = []  # values last read by a skipped node: freed after the next computed one
     with saving_by_name(env):  # offloaded weights: autograd saves their names, not their values
         for node in captured.graph.nodes:
             if node.op != "call_function":
@@ -70,15 +76,22 @@ def forward(captured: Captured, model, kwargs, *, perturb: Optional[Callable] = 
             if node in overrides:
                 env[node] = overrides[node]
                 continue
+            if node in skip:
+                pending.extend(last.get(node, ()))
+                continue
             if only is not None and node not in only:
                 continue
-            out = evaluate(node, env.__getitem__, compute=compute)
+            fn = computed.get(node) if computed else None
+            out = fn(env.__getitem__) if fn is not None else evaluate(node, env.__getitem__, compute=compute)
             if node in sources:
                 if perturb is not None:
                     out = perturb(out)
                 out = out.detach().requires_grad_(True)
             env[node] = out
-            for m in last.get(node, ()):
+            freed = list(last.get(node, ()))
+            if fn is not None:
+                freed, pending = freed + pending, []
+            for m in freed:
                 if m in discard:
                     env.pop(m, None)
     return env, output_values(captured.graph, captured.out_spec, env.__getitem__)

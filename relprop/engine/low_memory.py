@@ -8,6 +8,7 @@ about one more forward pass of time.
 """
 from __future__ import annotations
 
+import functools
 from typing import Any, Dict, List, Optional
 
 import torch
@@ -59,9 +60,12 @@ def run_low(request: Request, out_nodes: List[torch.fx.Node], wrt: List[torch.fx
     sources = set(a.sources)
     kept = crossing(captured)
     keep = kept | sources | {a.primary} | _token_trace_reads(a)
-    discard = {n for n in captured.graph.nodes if n.op == "call_function" and n not in keep}
+    planned = plan_cores(a) if folder is not None and chunked_core.ROW_CHUNK else {}
+    computed, skip = cores_in_the_forward(planned, keep, request.compute)
+    discard = {n for n in captured.graph.nodes if n.op == "call_function" and n not in keep | set(computed)}
     with torch.no_grad():
-        env, outputs = forward(captured, request.model, request.kwargs, discard=discard, compute=request.compute)
+        env, outputs = forward(captured, request.model, request.kwargs, discard=discard, compute=request.compute,
+                               computed=computed, skip=skip)
     scores, seed = output_seed(captured, env, request.target.score, out_nodes, with_scores=True)
     with torch.no_grad():
         target = request.target.classes(outputs)
@@ -74,8 +78,10 @@ def run_low(request: Request, out_nodes: List[torch.fx.Node], wrt: List[torch.fx
     grad_nodes = set(wrt) - (set(out_nodes) - records)
     gbuf: Dict[torch.fx.Node, torch.Tensor] = dict(seed)  # gradient arriving at each crossing value
     grad: Dict[torch.fx.Node, torch.Tensor] = {}
-    cores = plan_cores(a) if folder is not None and chunked_core.ROW_CHUNK else {}
-    cores = {p: (c, b) for p, (c, b) in cores.items() if _rows_exceed_a_chunk(c, tokens)}
+    cores = {p: (c, b) for p, (c, b) in planned.items() if _rows_exceed_a_chunk(c, tokens)}
+    known = {p: env[p] for p in cores if p in computed}  # A·V from the forward pass, as the segment would compute it
+    for p in set(computed) - set(known):
+        env.pop(p, None)
     chunked = (cores, grad, chunked_core.ROW_CHUNK) if cores else None
     walker = None
     if request.relevance:  # (no memo of |W| here: memory="high" only)
@@ -85,8 +91,10 @@ def run_low(request: Request, out_nodes: List[torch.fx.Node], wrt: List[torch.fx
     dropped: set = set()
     if folder is not None:
         folder.attach(env, grad, batch, walked=walker is not None, chunked=chunked, compute=request.compute)
+    hooks = {p: (b.attention, folder.rows_hook(b)) for p, (_, b) in cores.items()} \
+        if folder is not None and walker is None else {}
     for seg in reversed(segments(captured)):
-        _backward_segment(captured, env, seg, gbuf, grad, grad_nodes, kept, request.compute, cores)
+        backward_segment(captured, env, seg, gbuf, grad, grad_nodes, kept, request.compute, cores, known, hooks)
         if walker is not None:
             with torch.no_grad():
                 for node in reversed(seg):
@@ -115,6 +123,23 @@ def _token_trace_reads(a) -> set:
     return {a.tokens.start} | set(a.tokens.reads)
 
 
+def cores_in_the_forward(planned, keep, compute) -> tuple:
+    """({A·V node: fn}, inner nodes): the row-local cores of ``planned``
+    (:func:`relprop.engine.chunked_walk.plan_cores`) that the forward pass without autograd evaluates
+    in chunks of query rows (:func:`relprop.engine.chunked_core.core_forward`), so that it holds no
+    heads × tokens² tensor either, and whose inner values it then never has (none of them is kept)."""
+    computed, skip = {}, set()
+    for product, (core, _) in planned.items():
+        inner = set(core.nodes[:-1])
+        inner |= {u for n in inner for u in n.users if u.target in CHECKS}
+        if inner & keep:
+            continue
+        computed[product] = functools.partial(chunked_core.core_forward, core, chunk=chunked_core.ROW_CHUNK,
+                                              compute=compute)
+        skip |= inner
+    return computed, frozenset(skip)
+
+
 def _rows_exceed_a_chunk(core, tokens) -> bool:
     """Whether ``core``'s block has more query rows than one chunk on these inputs (its tokens as
     traced, else the captured size when it is a number): a core of one chunk is evaluated whole, as
@@ -124,14 +149,19 @@ def _rows_exceed_a_chunk(core, tokens) -> bool:
     return not isinstance(n, int) or n > chunked_core.ROW_CHUNK
 
 
-def _backward_segment(captured, env, seg, gbuf, grad, grad_nodes, kept, compute=None, cores=None):
+def backward_segment(captured, env, seg, gbuf, grad, grad_nodes, kept, compute=None, cores=None, known=None,
+                      hooks=None, plan=None):
     """Recompute one segment with autograd from its inputs in ``env``, propagate the gradients in
     ``gbuf`` (at its outgoing values) back to its incoming values (added to ``gbuf``) and to the
     nodes of ``grad_nodes`` it holds (into ``grad``); leave its values, detached, in ``env``.
     ``cores`` ({A·V node: (core, block)}): those cores are evaluated in chunks of query rows
     (:func:`relprop.engine.chunked_core.core_in_row_chunks`), their inner nodes get no value and
     no gradient, and the gradient at their output goes into ``grad``; their operands stay in
-    ``env``."""
+    ``env``. ``known`` ({A·V node: value}): a core's output as the forward pass computed it in the
+    same chunks (not computed again); ``hooks`` ({A·V node: rows hook}): the rows hook of
+    :func:`relprop.engine.chunked_core.core_in_row_chunks` for that core. ``plan``: a
+    :class:`relprop.engine.fast_path.Plan` whose modified-gradient replacements the recomputation
+    uses (the segmented fast path, :mod:`relprop.engine.fast_low`)."""
     a = captured.analysis
     sources = set(a.sources)
     remat, last = rematerializable(captured), last_uses(captured)  # plans memoized on the graph
@@ -155,6 +185,8 @@ def _backward_segment(captured, env, seg, gbuf, grad, grad_nodes, kept, compute=
     inner = {n for c in seg_cores.values() for n in c.nodes[:-1]}
     inner |= {u for n in inner for u in n.users if u.target in CHECKS}  # metadata checks of inner values
     operands = {n for c in seg_cores.values() for n in c.rows + c.whole}
+    if plan is not None:  # a subgraph explained as a whole reads its operands after its last node
+        operands |= {m for n in seg if n in plan.functions for m in plan.functions[n][0]}
     fn_nodes = [n for n in fn_nodes if n not in inner]
     inside = set(fn_nodes)
     with torch.enable_grad(), saving_by_name(env):  # offloaded weights: saved by name, not value
@@ -162,9 +194,13 @@ def _backward_segment(captured, env, seg, gbuf, grad, grad_nodes, kept, compute=
             core = seg_cores.get(node)
             if core is not None:
                 out = chunked_core.core_in_row_chunks(core, {n: val(n) for n in core.rows + core.whole},
-                                                     chunked_core.ROW_CHUNK, compute)
+                                                     chunked_core.ROW_CHUNK, compute, (known or {}).pop(node, None),
+                                                     (hooks or {}).get(node), plan.replacements if plan else None)
             else:
-                out = evaluate(node, val, compute=compute)
+                out = evaluate(node, val, plan.replacements.get(node) if plan else None, compute=compute)
+                if plan is not None and node in plan.functions:  # a subgraph explained as a whole
+                    operands, call = plan.functions[node]
+                    out = call(*(val(m) for m in operands), out)
             if node in sources:
                 out = out.detach().requires_grad_(True)
             senv[node] = out

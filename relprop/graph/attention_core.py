@@ -134,13 +134,15 @@ def find_core(block, live) -> Tuple[Optional[AttentionCore], str]:
 
 def evaluate_rows(core: AttentionCore, value: Callable[[torch.fx.Node], Any], lo: int, hi: int,
                   compute: Optional[torch.dtype] = None, sliced: bool = False,
-                  leaf: Optional[torch.fx.Node] = None) -> Dict[torch.fx.Node, Any]:
+                  leaf: Optional[torch.fx.Node] = None, fns: Optional[Dict[torch.fx.Node, Callable]] = None
+                  ) -> Dict[torch.fx.Node, Any]:
     """The values of the core's nodes on query rows ``lo:hi``, from ``value(n)``, the whole value of
     each operand outside the core (rows of those in ``core.rows`` are taken here; ``sliced``: value
     gives those rows already). Row i of each value equals row ``lo + i`` of the node's whole value
     (the core is row-local), to the rounding of the products computed on fewer rows. ``leaf``: a core
     node whose value is detached and made to require grad, so that gradients can be taken with
-    respect to it (under ``torch.enable_grad``)."""
+    respect to it (under ``torch.enable_grad``). ``fns``: replacements of some nodes' ops (the
+    modified-gradient functions of :mod:`relprop.engine.fast_path`), as :func:`evaluate` takes them."""
     split = set() if sliced else set(core.rows)
     out: Dict[torch.fx.Node, Any] = {}
 
@@ -151,6 +153,6 @@ def evaluate_rows(core: AttentionCore, value: Callable[[torch.fx.Node], Any], lo
         return v[..., lo:hi, :] if n in split else v
 
     for node in core.nodes:
-        v = evaluate(node, val, compute=compute)
+        v = evaluate(node, val, fns.get(node) if fns else None, compute=compute)
         out[node] = v.detach().requires_grad_(True) if node is leaf else v
     return out

