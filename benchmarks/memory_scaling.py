@@ -12,6 +12,10 @@ Models (random weights, built from configs; memory and time do not depend on the
   attention) far smaller than a real LLaMA so that one thread can run it at 4096 tokens: hidden 512,
   8 heads of 64 (2 key/value heads), MLP 1408, 4 blocks, vocabulary 4096; causal LM, batch 1, target
   a fixed next token at the last position.
+* ``llama_mha``: the same decoder with 8 key/value heads (no grouping). On CUDA, sdpa has no fused
+  kernel for grouped-query attention in float32 (``llama``'s forward+backward there is math attention,
+  a heads x tokens² tensor per block); this variant's runs the memory-efficient kernel, the baseline
+  a GPU user of a fused model pays.
 
 Measured, each in a fresh subprocess (``--child``):
 
@@ -63,7 +67,7 @@ WHATS = ("fwdbwd", "fwdbwd-eager", "ta-full", "ta-fold", "ta-default", "ta-rows"
          "lrp-low")
 #: query rows per chunk of the row-chunked walk of the "-rows" measurements (relprop.engine.chunked_core.ROW_CHUNK)
 ROWS = 256
-DEFAULT_TOKENS = {"bert": (512, 1024, 2048), "llama": (1024, 2048, 4096)}
+DEFAULT_TOKENS = {"bert": (512, 1024, 2048), "llama": (1024, 2048, 4096), "llama_mha": (1024, 2048, 4096)}
 TARGET_TOKEN = 7
 
 
@@ -84,7 +88,8 @@ def build(name: str, n: int, attn: str, device: str):
         target = 1
     else:
         cfg = transformers.LlamaConfig(vocab_size=4096, hidden_size=512, intermediate_size=1408, num_hidden_layers=4,
-                                       num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=n,
+                                       num_attention_heads=8, num_key_value_heads=8 if name == "llama_mha" else 2,
+                                       max_position_embeddings=n,
                                        pad_token_id=0, bos_token_id=1, eos_token_id=2, attn_implementation=attn)
         model = transformers.LlamaForCausalLM(cfg)
         ids = torch.randint(3, 4096, (1, n))
@@ -152,7 +157,7 @@ def measure(name: str, n: int, what: str, device: str, for_memory: bool = True, 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--model", choices=("bert", "llama", "all"), default="all")
+    parser.add_argument("--model", choices=("bert", "llama", "llama_mha", "all"), default="all")
     parser.add_argument("--tokens", type=int, nargs="+", default=None, help="sequence lengths (default per model)")
     parser.add_argument("--what", nargs="+", choices=WHATS, default=None, help="subset of the measurements")
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
