@@ -175,15 +175,20 @@ def test_blocks_of_the_merged_run_are_refused(vlm):
 # ------------------------------------------------------------------ refused families
 
 def test_refused_family_names_what_is_missing():
+    """LLaVA-OneVision (any-resolution tiles whose features it may interpolate down) is refused with a
+    MethodError that names the family and what is missing, before the model runs."""
     torch.manual_seed(0)
-    cfg = transformers.LlavaNextConfig(vision_config=transformers.CLIPVisionConfig(**V._VISION),
-                                       text_config=transformers.LlamaConfig(**V._TEXT), image_token_index=V.IMAGE_TOKEN,
-                                       image_grid_pinpoints=[[32, 32]])
-    model = transformers.LlavaNextForConditionalGeneration(cfg).eval()
+    cfg = transformers.LlavaOnevisionConfig(vision_config=transformers.SiglipVisionConfig(**V._VISION),
+                                            text_config=transformers.Qwen2Config(**V._TEXT),
+                                            image_token_index=V.IMAGE_TOKEN, image_grid_pinpoints=[[32, 32]])
+    model = transformers.LlavaOnevisionForConditionalGeneration(cfg).eval()
+    calls = []
+    model.register_forward_pre_hook(lambda m, a: calls.append(1))
     batch = {"input_ids": torch.tensor([[1, 5, 6]]), "pixel_values": torch.zeros(1, 2, 3, 32, 32),
              "image_sizes": torch.tensor([[32, 32]])}
-    with pytest.raises(relprop.MethodError, match=r"LLaVA-NeXT.*tiles"):
+    with pytest.raises(relprop.MethodError, match=r"LLaVA-OneVision.*tiles.*interpolat"):
         relprop.explain(model, batch, target="next_token", method="lrp")
+    assert calls == []
 
 
 def test_unknown_family_is_refused_without_wrt():
