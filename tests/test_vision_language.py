@@ -33,19 +33,7 @@ FAMILIES = list(V.FAMILIES)
 
 @pytest.fixture(scope="module")
 def vlm():
-    cache = {}
-
-    def get(family):
-        if family not in cache:
-            cache[family] = model = V.FAMILIES[family][0]()
-            # transformers installs hooks that record the vision tower's hidden states on a model's first
-            # call (LLaVA reads its last-but-one layer) and keeps them: called once here, so that the
-            # snapshots below see only what explain() would change
-            with torch.no_grad():
-                model(**V.batch(family), use_cache=False)
-        return cache[family]
-
-    return get
+    return V.model_cache({f: b for f, (b, _) in V.FAMILIES.items()}, V.batch)
 
 
 # ------------------------------------------------------------------ the masked_scatter rule
@@ -208,16 +196,7 @@ TILED = list(V.TILED)
 
 @pytest.fixture(scope="module")
 def tiled():
-    cache = {}
-
-    def get(family):
-        if family not in cache:
-            cache[family] = model = V.TILED[family]()
-            with torch.no_grad():  # the first call's lazy state (as vlm above)
-                model(**_model_inputs(V.tiled_batch()), use_cache=False)
-        return cache[family]
-
-    return get
+    return V.model_cache(V.TILED, lambda family: _model_inputs(V.tiled_batch()))
 
 
 def _model_inputs(batch):

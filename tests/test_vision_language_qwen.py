@@ -33,14 +33,7 @@ P = 8
 
 @pytest.fixture(scope="module")
 def qwen():
-    cache = {}
-
-    def get(family):
-        if family not in cache:
-            cache[family] = V.QWEN_FAMILIES[family]()
-        return cache[family]
-
-    return get
+    return V.model_cache(V.QWEN_FAMILIES)
 
 
 # ------------------------------------------------------------------ the patch order (no export: fast)

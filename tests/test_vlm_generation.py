@@ -25,16 +25,7 @@ from snapshot import assert_same, snapshot
 
 @pytest.fixture(scope="module")
 def vlm():
-    cache = {}
-
-    def get(family):
-        if family not in cache:
-            cache[family] = model = V.FAMILIES[family][0]()
-            with torch.no_grad():  # transformers' first call installs its hidden-state hooks (see test_vision_language)
-                model(**V.batch(family, batch=1), use_cache=False)
-        return cache[family]
-
-    return get
+    return V.model_cache({f: b for f, (b, _) in V.FAMILIES.items()}, lambda family: V.batch(family, batch=1))
 
 
 def _step_inputs(prompt, generated, family):

@@ -28,16 +28,7 @@ PROPERTY = settings(max_examples=4, deadline=None)
 
 @pytest.fixture(scope="module")
 def models():
-    cache = {}
-
-    def get(family):
-        if family not in cache:
-            cache[family] = model = V.FAMILIES[family][0]()
-            with torch.no_grad():  # transformers' first call installs its hidden-state hooks (test_vision_language)
-                model(**V.batch(family), use_cache=False)
-        return cache[family]
-
-    return get
+    return V.model_cache({f: b for f, (b, _) in V.FAMILIES.items()}, V.batch)
 
 
 def _inputs(family: str, seed: int, words, batch: int = 2):

@@ -60,6 +60,24 @@ def gemma3():
 FAMILIES = {"llava": (llava, 16), "paligemma": (paligemma, 16), "gemma3": (gemma3, 4)}
 
 
+def model_cache(builders, first_inputs=None):
+    """``get(family)``: the model of ``builders[family]()``, built once. With ``first_inputs``, the model
+    is called once on ``first_inputs(family)`` (no grad, no cache) when built: transformers installs hooks
+    that record the vision tower's hidden states on a model's first call (LLaVA reads its last-but-one
+    layer) and keeps them, so snapshots taken afterwards see only what explain() would change."""
+    cache = {}
+
+    def get(family):
+        if family not in cache:
+            cache[family] = model = builders[family]()
+            if first_inputs is not None:
+                with torch.no_grad():
+                    model(**first_inputs(family), use_cache=False)
+        return cache[family]
+
+    return get
+
+
 def batch(family: str, batch: int = 2, before: int = 3, after: int = 3, seed: int = 0):
     """A prompt per sample ([BOS] + ``before`` ids + the image placeholders + ``after`` ids) and one image per
     sample: ``{"input_ids", "attention_mask", "pixel_values"}`` (PaliGemma: ``token_type_ids`` too)."""
