@@ -33,6 +33,7 @@ from .front_door import explain
 from .vision_language import EXPLAINED, IDS, PIXELS, SUPPORTED, explained_input, model_type, token_layout
 from ..errors import InputError, MethodError, TargetError
 from ..graph.state import eval_mode
+from ..targets.target_scores import teacher_forced
 from ..viz import vision_text as viz_vision_text
 
 #: the keys of a vision-language prompt that explain_generation carries to every step
@@ -219,14 +220,8 @@ def _chunk(model, full: dict, positions, tok, other, size: int, method, preset, 
     positions = torch.cat([positions, positions[-1:].expand(pad)])
     tok = torch.cat([tok, tok[-1:].expand(pad)])
     other = None if other is None else torch.cat([other, other[-1:].expand(pad)])
-    rows = torch.arange(size)
-
-    def score(outputs):
-        logits = outputs.logits
-        s = logits[rows, positions, tok]
-        return s if other is None else s - logits[rows, positions, other]
-
-    exp = explain(model, _copies(full, size), target=score, method=method, preset=preset, **options)
+    exp = explain(model, _copies(full, size), target=teacher_forced(positions, tok, other), method=method,
+                  preset=preset, **options)
     streams = exp.streams or {}
     if IDS not in streams or PIXELS not in streams:
         raise MethodError(f"{type(model).__name__}: the explanation holds no per-token and per-patch scores "

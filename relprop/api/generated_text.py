@@ -30,6 +30,7 @@ from .front_door import explain
 from ..errors import InputError, OptionError, TargetError
 from ..graph.capture import CACHE
 from ..graph.state import eval_mode
+from ..targets.target_scores import teacher_forced
 from ..viz import generation as viz_generation
 
 #: the default chunk of teacher-forced copies explained in one call holds about this many tokens
@@ -298,13 +299,7 @@ def _explain_chunk(model, ids, full, src_name, enc_dec, positions, tok, other, m
     """(Explanation, [rows, columns] relevance) of one chunk of teacher-forced copies: copy i explains
     the logit of ``tok[i]`` (minus that of ``other[i]``) at position ``positions[i]``."""
     n = tok.numel()
-    rows = torch.arange(n)
-
-    def score(outputs):
-        logits = outputs.logits
-        s = logits[rows, positions, tok]
-        return s if other is None else s - logits[rows, positions, other]
-
+    score = teacher_forced(positions, tok, other)
     if enc_dec:
         inputs = {src_name: ids.expand((n,) + tuple(ids.shape[1:])), "decoder_input_ids": full.expand(n, -1)}
     else:

@@ -143,6 +143,19 @@ def fixed(classes: torch.Tensor, wrt: Optional[str] = None) -> Target:
     return Target(score, lambda outputs: classes)
 
 
+def teacher_forced(positions: torch.Tensor, tokens: torch.Tensor,
+                   other: Optional[torch.Tensor] = None) -> Callable:
+    """The score of a batch of teacher-forced copies of one sequence (``relprop.explain_generation``):
+    copy i's logit of ``tokens[i]`` at position ``positions[i]``, minus that of ``other[i]`` when given."""
+    rows = torch.arange(tokens.numel())
+
+    def score(outputs):
+        logits = outputs.logits
+        s = logits[rows, positions, tokens]
+        return s if other is None else s - logits[rows, positions, other]
+    return score
+
+
 def last_positions(attention_mask: Optional[torch.Tensor], batch: int, length: int) -> torch.Tensor:
     """[batch] index of the last non-padding position of each sample (``length - 1`` without a
     mask; right and left padding both work, since it is the last position where the mask is 1)."""
