@@ -17,7 +17,7 @@ import torch
 from . import options as opt
 from . import (qwen_images, raw_inputs, refusals, remembered, remembered_prompt, validation, vision_language,
                vlm_anyres, vlm_tiles)
-from ..engine import FastPathUnavailable, Request, Trace, run, run_fast, run_fast_low
+from ..engine import FastPathUnavailable, Request, Trace, fast_memory, run, run_fast, run_fast_low
 from ..errors import MethodError, OptionError, RelpropError, warn
 from ..graph import progress_line
 from ..explanation import build, mask_from_tokenizer, split_tokenizer_keys
@@ -387,14 +387,33 @@ def _run_preset(call: Call, p: Preset, input_only: bool, input_gradient: bool) -
     note = None
     if call.fast_path is not False and input_only:
         try:
-            fast = run_fast_low if call.memory == "low" else run_fast  # low: segmented, cores in row chunks
-            return fast(call.request(p, input_gradient=input_gradient))
+            return _run_fast(call, p, input_gradient)
         except FastPathUnavailable as why:
             note = (f"the one-backward fast path was not taken under preset '{p.name}' ({why}); the graph was "
                     "walked rule by rule instead, which gives the preset's relevance more slowly")
             if call.fast_path is True:
                 warn(note)
     trace = run(call.request(p, input_gradient=input_gradient))
+    if note is not None:
+        trace.notes.append(note)
+    return trace
+
+
+def _run_fast(call: Call, p: Preset, input_gradient: bool) -> Trace:
+    """The fast path whole, or segment by segment with row-chunked attention cores when ``memory="low"``
+    or its attention maps would exceed the budget (:func:`relprop.engine.fast_memory.choose`)."""
+    request = call.request(p, input_gradient=input_gradient)
+    captured = call.prepared.captured
+    segmented, note = fast_memory.choose(call.memory, captured.analysis.blocks, call.prepared.batch,
+                                         call.prepared.kwargs[captured.primary].device, call.records_budget)
+    if not segmented:
+        return run_fast(request)
+    try:
+        trace = run_fast_low(request)
+    except FastPathUnavailable:
+        if note is None:  # memory="low" asked for it: the caller says why it was not taken
+            raise
+        return run_fast(request)  # chosen for memory only: the whole fast path where segments do not apply
     if note is not None:
         trace.notes.append(note)
     return trace

@@ -21,6 +21,8 @@ module              job
 ``trace``           :class:`Trace`, :class:`BlockRecord`, :class:`Conservation`
 ``budget``          the bytes of the block records a full-record run keeps, and their default
                     budget (``explain(..., records_budget=)``)
+``fast_memory``     whether the fast path runs whole or segment by segment (``memory="default"``:
+                    by the bytes of its attention maps against the same budget)
 ``coverage``        the coverage report: every op of a graph and how a preset handles it
 ==================  ===========================================================================
 """

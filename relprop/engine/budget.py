@@ -35,6 +35,11 @@ def _per_sample(block) -> int:
     return max(1, block.queries) * max(1, block.keys) * (block.folded_heads or 1)
 
 
+def attention_values(blocks: Sequence) -> int:
+    """Values of one sample's attention maps, summed over ``blocks`` (Σ heads × queries × keys)."""
+    return sum(_per_sample(b) for b in blocks)
+
+
 def records_bytes(blocks: Sequence, batch: int, itemsize: int, runs: int = 1) -> int:
     """Bytes of the attention-sized records a full-record run keeps: Σ_blocks batch × heads ×
     queries × keys × ``itemsize`` × :data:`RECORDS_PER_BLOCK`, times ``runs`` (one trace per preset;
@@ -49,7 +54,7 @@ def records_bytes(blocks: Sequence, batch: int, itemsize: int, runs: int = 1) ->
         trace without relevance).
     """
     per_run = RECORDS_PER_BLOCK if runs > 0 else RECORDS_PER_BLOCK - 1
-    return sum(_per_sample(b) for b in blocks) * batch * itemsize * per_run * max(1, runs)
+    return attention_values(blocks) * batch * itemsize * per_run * max(1, runs)
 
 
 def available_bytes(device: torch.device) -> Optional[int]:
