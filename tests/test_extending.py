@@ -11,7 +11,7 @@ import models
 import relprop
 from relprop.methods import method_registry as methods_registry
 from relprop.methods import get_method
-from relprop.rules import get_preset, lookup, rule_registry as registry
+from relprop.rules import get_preset, lookup, preset_table
 from relprop.rules.gradient_forms import identity_rule
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "extending.md"
@@ -36,7 +36,7 @@ def vit():
 
 
 def _drop_preset(name):
-    registry._PRESETS.pop(name, None)
+    preset_table.PRESETS.pop(name, None)
 
 
 def test_the_docs_examples_are_found():

@@ -216,7 +216,7 @@ def test_an_unexpected_error_inside_explain_is_a_relprop_error(monkeypatch):
 
     def boom(request):
         raise RuntimeError("shape mismatch deep inside")
-    monkeypatch.setattr(relprop.api.front_door, "run", boom)
+    monkeypatch.setattr(relprop.api.method_runs, "run", boom)
     with pytest.raises(relprop.RelpropError, match="RuntimeError: shape mismatch deep inside.*report") as info:
         relprop.explain(model, x, target=0)
     assert isinstance(info.value.__cause__, RuntimeError)

@@ -30,7 +30,7 @@ def test_one_engine_run_per_batch(vit, monkeypatch):
     """All settings of a batch share one forward/backward pass (one engine run)."""
     model, x = vit
     calls = []
-    import relprop.api.front_door as api
+    import relprop.api.method_runs as api
 
     def counted(request):
         calls.append(1)

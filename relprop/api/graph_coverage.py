@@ -12,8 +12,8 @@ from ..engine import report
 from ..engine.coverage import Coverage
 from ..rules import get_preset
 from ..rules.stabilize import DEFAULT_EPS
-from .front_door import prepare
 from .options import DEFAULT_PRESET
+from .prologue import prepare
 
 
 def coverage(model: torch.nn.Module, inputs: Any, preset: Any = "chefer2021", *, wrt: Optional[str] = None,

@@ -23,6 +23,10 @@ module              ops
 ``gradient_forms``  rules as modified gradients (autograd functions) for the one-backward fast path
 ``spec``            :class:`RuleSpec`: a rule with what it declares (its gradient form, formula, ...)
 ==================  ======================================================================
+
+The registry: ``preset_table`` (the :class:`Preset`, a named table of rules extending other presets),
+``rule_registry`` (presets by name, the ``@rule`` decorator, ``override``) and ``builtin_presets``
+(``"base"``, ``"chefer2021"``, ``"lrp"``).
 """
 # the rule modules register their rules when imported; a preset's table is complete after the last
 from . import routing, passthrough, linear, products, residual, convolution, reductions
