@@ -32,7 +32,10 @@ Measured, each in a fresh subprocess (``--child``):
 * ``ta-rows``, ``gr-rows`` (``gr-fold``): ``transformer_attribution`` (``gradient_rollout``) folded with the
   row-chunked walk (``relprop.engine.chunked_core.ROW_CHUNK`` = :data:`ROWS`; on by default since 2026-11-27,
   so ``ta-fold`` and ``gr-fold`` run it too);
-* ``lrp``: ``method="lrp", preset="attnlrp"`` (the one-backward fast path, ``memory="default"``);
+* ``lrp``: ``method="lrp", preset="attnlrp"`` (the plain one-backward fast path: ``memory="high"``, which
+  never segments; before 2026-11-27 ``memory="default"`` was this path at every length);
+  ``lrp-default``: the same with ``memory`` not given (plain, or segmented beyond ``records_budget``:
+  :mod:`relprop.engine.fast_memory`);
   ``lrp-low``: the same with ``memory="low"`` (the fast path segment by segment, attention cores in row
   chunks of :data:`ROWS`: :mod:`relprop.engine.fast_low`).
 
@@ -64,7 +67,7 @@ import sys
 from peak_memory import PeakMeter, run_child
 
 WHATS = ("fwdbwd", "fwdbwd-eager", "ta-full", "ta-fold", "ta-default", "ta-rows", "gr-fold", "gr-rows", "lrp",
-         "lrp-low")
+         "lrp-low", "lrp-default")
 #: query rows per chunk of the row-chunked walk of the "-rows" measurements (relprop.engine.chunked_core.ROW_CHUNK)
 ROWS = 256
 DEFAULT_TOKENS = {"bert": (512, 1024, 2048), "llama": (1024, 2048, 4096), "llama_mha": (1024, 2048, 4096)}
@@ -127,8 +130,8 @@ def child(name: str, n: int, what: str, device: str) -> None:
             model.zero_grad(set_to_none=True)
         elif what.startswith("lrp"):
             chunked_core.ROW_CHUNK = ROWS
-            exp = relprop.explain(model, inputs, target=target, method="lrp", preset="attnlrp",
-                                  memory="low" if what == "lrp-low" else "default")
+            memory = {"lrp": "high", "lrp-low": "low", "lrp-default": "default"}[what]
+            exp = relprop.explain(model, inputs, target=target, method="lrp", preset="attnlrp", memory=memory)
             del exp
         else:
             keep = {"ta-full": True, "ta-fold": False, "ta-rows": False, "gr-fold": False, "gr-rows": False}.get(what)

@@ -67,7 +67,8 @@ def explain(model: torch.nn.Module, inputs: Any, target: Any = None, method: Any
     memory
         ``"default"``, ``"low"`` (block by block, lower peak, about one more forward pass; on the
         fast path also the attention cores in chunks of query rows) or ``"high"`` (keeps a memo
-        of |W| with the model for later calls).
+        of |W| with the model for later calls). ``"default"`` runs the fast path as ``"low"`` does
+        when its attention maps would exceed ``records_budget`` (``exp.notes`` says so).
     wrt
         name of the input to explain onto when the model takes several (CLIP: ``"pixel_values"``).
     image_processor
@@ -78,7 +79,8 @@ def explain(model: torch.nn.Module, inputs: Any, target: Any = None, method: Any
     precision
         ``"float32"`` evaluates a half-precision model in float32; ``"model"`` keeps its dtype.
     records_budget
-        bytes the kept records may take; None: 1 GiB or a quarter of the free memory.
+        bytes the kept records (or the fast path's attention maps) may take; None: 1 GiB or a
+        quarter of the free memory.
     progress
         a progress line on stderr once the call has lasted 2 s (first capture, many methods, SmoothGrad's
         samples); None: as ``RELPROP_PROGRESS`` says, else when stderr is a terminal. It changes no result.
