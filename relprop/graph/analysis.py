@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import operator
-from typing import Dict, List, Optional, Set, Tuple
+from typing import Dict, List, Optional, Set, Tuple, Union
 
 import torch
 import torch.fx
@@ -36,6 +36,26 @@ INDEX_ROUTING = {aten.view.default, aten.reshape.default, aten._unsafe_view.defa
                  aten.alias.default, aten.slice.Tensor, aten.squeeze.dim, aten.flatten.using_ints}
 
 
+#: ops that move or copy the pixels without changing them: a convolution behind them still reads pixels
+PIXEL_REARRANGING = INDEX_ROUTING | {aten.permute.default, aten.transpose.int}
+
+
+def _pixel_bounds(x, primary, batch_dim, static_batch) -> Union[bool, str]:
+    """How the z^B rule bounds the input of a convolution that reads ``x`` (CVPR 2021 supplementary
+    §B: l = min, h = max of the sample's pixels): True, per sample along axis 0; ``"whole"``, over the
+    whole input, when the convolution's axis 0 is not the sample axis (patches cut from one image,
+    as Qwen2-VL's) and the call has one sample; False, the convolution does not read the pixels."""
+    start, hops = x, 0
+    while x is not primary and isinstance(x, torch.fx.Node) and x.op == "call_function" \
+            and x.target in PIXEL_REARRANGING and hops < 16:
+        x, hops = x.args[0], hops + 1
+    if x is not primary:
+        return False
+    if hops and batch_dim.get(start) != 0 and static_batch == 1:
+        return "whole"
+    return True
+
+
 @dataclasses.dataclass
 class GraphAnalysis:
     primary: torch.fx.Node
@@ -44,7 +64,7 @@ class GraphAnalysis:
     live: Set[torch.fx.Node]
     relevant: Set[torch.fx.Node]
     batch_dim: Dict[torch.fx.Node, Optional[int]]
-    pixel_convs: Dict[str, bool]
+    pixel_convs: Dict[str, Union[bool, str]]  # convolution -> how z^B bounds its pixels (_pixel_bounds)
     blocks: List[BlockInfo]
     grid: Optional[Tuple[int, int]]
     outputs: List[torch.fx.Node]
@@ -122,7 +142,7 @@ def _analyze(graph, bindings, primary_name, static_batch, batch_axes, extra) -> 
     primary = next(n for n, (kind, tgt) in placeholders.items() if kind == "user" and tgt == primary_name)
     primary_val = _val(primary)
     sources: List[torch.fx.Node] = []
-    pixel_convs: Dict[str, bool] = {}
+    pixel_convs: Dict[str, Union[bool, str]] = {}
 
     def traces_to_primary(n) -> bool:
         seen = 0
@@ -189,16 +209,12 @@ def _analyze(graph, bindings, primary_name, static_batch, batch_axes, extra) -> 
             ok = isinstance(v, torch.Tensor) and v.dim() > 0 and static_batch is not None and v.shape[0] == static_batch
             batch_dim[n] = 0 if ok else None
 
-    # convolutions reading the pixels (z^B rule)
+    # convolutions reading the pixels (z^B rule), also through rearrangements of them (Qwen2-VL cuts the
+    # image into rows of patches: reshape, permute, expand)
     if modality == "vision":
         for n in graph.nodes:
             if n.op == "call_function" and n.target is aten.convolution.default:
-                x = n.args[0]
-                hops = 0
-                while x is not primary and isinstance(x, torch.fx.Node) and x.op == "call_function" \
-                        and x.target in INDEX_ROUTING and hops < 8:
-                    x, hops = x.args[0], hops + 1
-                pixel_convs[n.name] = x is primary
+                pixel_convs[n.name] = _pixel_bounds(n.args[0], primary, batch_dim, static_batch)
 
     blocks, left_out = find_blocks(graph, live, fold_counter(batch_dim, static_batch, folds))
     named: Dict[str, List[torch.fx.Node]] = {}

@@ -45,7 +45,8 @@ class RuleContext:
         preset's table names its own rules).
     options
         what the engine knows of this call beyond the node: ``reads_pixels`` (node name ->
-        whether the convolution reads the pixel input, for the z^B rule) and ``weight_cache`` (the
+        whether the convolution reads the pixel input, for the z^B rule: True, bounds per sample along
+        axis 0; ``"whole"``, bounds over the whole input) and ``weight_cache`` (the
         memo of the weights' |W| under ``explain(..., memory="high")``, else None).
     out_writable
         the engine's word that ``out`` is dead once the rule has run: nothing reads

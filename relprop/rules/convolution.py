@@ -7,10 +7,13 @@ supplementary §B, with per-sample bounds l = min(x), h = max(x)::
     z_j = Σ_i x_i w_ji − l w⁺_ji − h w⁻_ji        (bias ignored, z_j ≥ 0)
     R_i = Σ_j (x_i w_ji − l w⁺_ji − h w⁻_ji) / z_j · R_j
 
-We apply z^B whenever the convolution reads the model's pixel input directly (whatever the number
-of channels). Any other convolution gets the preset's linear rule: alpha1-beta0 with a joint
-denominator for chefer2021 (``layers_ours.Conv2d``), and for lrp the separate denominators of
-``layers_lrp.Conv2d`` (x⁺W⁺ / z⁺ + x⁻W⁻ / z⁻, as :func:`relprop.rules.linear.lrp_baseline`).
+We apply z^B whenever the convolution reads the model's pixel input directly or through a
+rearrangement of it (reshape, permute, expand: Qwen2-VL's rows of patches), whatever the number of
+channels; where its first axis holds the patches of one image instead of samples, the bounds are
+those of the whole input (``reads_pixels`` value ``"whole"``). Any other convolution gets the
+preset's linear rule: alpha1-beta0 with a joint denominator for chefer2021 (``layers_ours.Conv2d``),
+and for lrp the separate denominators of ``layers_lrp.Conv2d`` (x⁺W⁺ / z⁺ + x⁻W⁻ / z⁻, as
+:func:`relprop.rules.linear.lrp_baseline`).
 Both presets share z^B. Its denominator is ≥ 0; the authors add 1e-9 to it, as ``safe_divide`` does
 where it is > 0 (where it is 0, a constant image, we give 0 and they divide by 1e-9).
 """
@@ -109,8 +112,9 @@ def _convolution(ctx, relevance, joint: bool):
     """z^B on a convolution that reads the pixels (per-sample bounds), else alpha1-beta0."""
     x, w = promote(ctx.args[0]), promote(ctx.args[1])
     p = tuple(ctx.args[3:9])
-    if ctx.options.get("reads_pixels", {}).get(ctx.node.name, False):
-        dims = list(range(1, x.dim()))
+    pixels = ctx.options.get("reads_pixels", {}).get(ctx.node.name, False)
+    if pixels:
+        dims = list(range(1 if pixels != "whole" else 0, x.dim()))  # "whole": patches of one image on axis 0
         low = x.amin(dim=dims, keepdim=True)
         high = x.amax(dim=dims, keepdim=True)
         rx = z_box(x, w, p, relevance, ctx.eps, low, high)
