@@ -90,6 +90,16 @@ def test_a_patch_order_the_model_disagrees_with_is_refused():
         qwen_images._check_order(V.qwen2_vl(), (GH, GW), torch.zeros(GH * GW, 2, dtype=torch.long))
 
 
+def test_the_explained_module_is_named_as_the_users_model():
+    """relprop's warnings and notes name the class of the module they explain: the QwenImage of a model carries
+    the model's class name (never "QwenImage"), one class per model class."""
+    for make in V.QWEN_FAMILIES.values():
+        model = make()
+        w = qwen_images.wrapper(model, (GH, GW))
+        assert type(w).__name__ == type(model).__name__ and isinstance(w, qwen_images.QwenImage)
+        assert type(qwen_images.wrapper(model, (2, 2))) is type(w)
+
+
 def test_batches_videos_and_unequal_frames_are_refused():
     model = V.qwen2_vl()
     one = V.qwen_inputs(V.qwen_image())

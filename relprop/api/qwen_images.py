@@ -27,6 +27,7 @@ the rows are an image's, not a video's); otherwise relprop refuses.
 """
 from __future__ import annotations
 
+import functools
 import weakref
 from typing import Any, Dict, Mapping, Tuple
 
@@ -123,13 +124,20 @@ class QwenImage(torch.nn.Module):
                      use_cache=False, **extra).logits
 
 
+@functools.lru_cache(maxsize=None)
+def _named(model_class: type) -> type:
+    """A :class:`QwenImage` class named as ``model_class``, so that relprop's warnings and notes, which name
+    the class of the module they explain, name the model the user gave."""
+    return type(model_class.__name__, (QwenImage,), {"__module__": __name__, "__doc__": QwenImage.__doc__})
+
+
 def wrapper(model: torch.nn.Module, grid: Tuple[int, int]) -> QwenImage:
     """The :class:`QwenImage` of ``model`` for images of ``grid`` (one per model and grid, so that its
     captured graph is reused)."""
     per_model = _WRAPPERS.setdefault(model, {})
     w = per_model.get(grid)
     if w is None:
-        w = QwenImage(model, grid)
+        w = _named(type(model))(model, grid)
         _check_order(model, grid, w._extra["image_position_ids"])
         per_model[grid] = w
     return w
