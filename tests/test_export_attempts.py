@@ -72,3 +72,33 @@ def test_explanations_after_a_static_export_match_a_fresh_capture():
     assert fresh_model.symbolic_calls == len(export.ATTEMPTS) - 1
     torch.testing.assert_close(skipped.scores, fresh.scores, rtol=0, atol=0)
     assert skipped.scores.abs().sum() > 0
+
+
+class Sized(torch.nn.Module):
+    """A linear map scaled by plain-int inputs (as LLaVA-NeXT's image_sizes, which relprop hands the model as
+    ints): torch.export fixes them as constants of the program."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = torch.nn.Linear(4, 2)
+
+    def forward(self, x, sizes):
+        return self.lin(x) * (sizes[0][0] + 2 * sizes[0][1])
+
+
+def test_equal_plain_values_reuse_the_program_other_values_do_not():
+    """A list of ints is matched by value (it was matched by identity: a fresh list each call meant a new
+    export each call); another value is another program, whose constant is its own."""
+    cache = CaptureCache(disk=False)
+    model = Sized()
+    x = torch.randn(1, 4)
+    first = cache.get(model, {"x": x, "sizes": [[3, 5]]})
+    again = cache.get(model, {"x": x, "sizes": [[3, 5]]})  # equal, not the same list
+    assert again is first and cache.traces == 1
+    other = cache.get(model, {"x": x, "sizes": [[3, 6]]})
+    assert other is not first and cache.traces == 2
+    assert cache.get(model, {"x": x, "sizes": ((3, 5),)}) is not first  # a tuple is not the list
+    for sizes in ([[3, 5]], [[3, 6]]):  # each value explained with its own constant
+        out = relprop.explain(model, {"x": x, "sizes": sizes}, target=0, method="input_x_gradient")
+        torch.testing.assert_close(out.logits, model(x, sizes))

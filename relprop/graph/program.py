@@ -80,7 +80,16 @@ class InputPattern:
 
 
 def _plain(v: Any) -> str:
-    return repr(v) if isinstance(v, (int, float, bool, str, type(None))) else f"<{type(v).__name__} {id(v)}>"
+    """What a program records of a non-tensor input, which torch.export fixes as a constant: the value of
+    a number, string, None, or list/tuple of them (LLaVA-NeXT's image_sizes as ints), so that equal
+    values match; the identity of anything else."""
+    if isinstance(v, (int, float, bool, str, type(None))):
+        return repr(v)
+    if type(v) in (list, tuple):
+        items = [_plain(e) for e in v]
+        if not any(i.startswith("<") for i in items):
+            return f"{type(v).__name__}({', '.join(items)})"
+    return f"<{type(v).__name__} {id(v)}>"
 
 
 @dataclasses.dataclass
