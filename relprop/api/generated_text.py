@@ -25,7 +25,7 @@ from typing import Any, List, Mapping, Optional, Sequence, Union
 
 import torch
 
-from . import generated_image_text
+from . import generated_image_steps, generated_image_text
 from .front_door import explain
 from ..errors import InputError, OptionError, TargetError
 from ..graph.capture import CACHE
@@ -254,6 +254,9 @@ def _explain_one(model, tokenizer, prompt, max_new_tokens, method, preset, targe
     if batch_size is not None and (not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1):
         raise OptionError(f"batch_size must be a positive int (copies of the sequence per call) or None, not "
                           f"{batch_size!r}")
+    if generated_image_steps.is_stepwise(model, prompt):  # Qwen-VL, Idefics3, LLaVA-NeXT: one call per step
+        return generated_image_steps.explain_one(model, tokenizer, prompt, max_new_tokens, method, preset, target,
+                                                 contrast, batch_size, options, _as_tokens)
     if generated_image_text.is_image_prompt(model, prompt):  # a vision-language model's prompt with its image
         return generated_image_text.explain_one(model, tokenizer, prompt, max_new_tokens, method, preset, target,
                                                 contrast, batch_size, options, TOKENS_PER_CALL, _as_tokens)
