@@ -94,6 +94,7 @@ def test_each_step_equals_a_plain_explain_with_the_image(vlm, family):
         assert gen.step(t).map.shape == plain.map.shape
     assert tuple(gen.image.shape[-2:]) == tuple(gen.maps.shape[-2:])  # the picture the maps lie on
     assert gen.grid[0] * gen.grid[1] == gen.patches.shape[1]
+    assert gen._repr_html_().count("data:image/png;base64,") == g  # one heatmap over the image per token
 
 
 @pytest.mark.slow

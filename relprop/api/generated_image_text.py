@@ -72,7 +72,7 @@ class ImageGenerationExplanation:
     ``streams``: the family's other image parts per generated token, as its Explanation's ``streams``
     (Idefics3, SmolVLM: ``"global_image"`` [G, H, W], a part of ``maps``; LLaVA-NeXT: ``"base_image"``
     [G, H, W], kept apart from ``maps``, so Σ ``matrix[t]`` + Σ ``patches[t]`` + Σ base image + absorbed
-    = the score); empty for the others.
+    = the score; with the rollouts its patches [G, patches]); empty for the others.
     """
 
     matrix: torch.Tensor

@@ -202,10 +202,13 @@ def explain_generation(model, tokenizer=None, prompt: Union[str, torch.Tensor, S
     prompt
         a string, a [1, length] tensor of ids or a tokenizer's output (input_ids, an all-ones
         attention_mask, token_type_ids; any other key is refused rather than dropped); a list of them
-        gives a list of results. For a vision-language model (LLaVA, PaliGemma, Gemma-3) a processor's
-        output with one image (``pixel_values`` [1, C, H, W]): each generated token is explained with
-        the image, the result an ``ImageGenerationExplanation`` (``relprop.api.generated_image_text``:
-        ``matrix`` over the prompt and generated tokens, ``patches`` per patch of the image, ``maps``).
+        gives a list of results. For a vision-language model (LLaVA, PaliGemma, Gemma-3, Qwen2-VL,
+        Qwen2.5-VL, Idefics3, SmolVLM, LLaVA-NeXT) a processor's output with one image: each generated
+        token is explained with the image, the result an ``ImageGenerationExplanation``
+        (``relprop.api.generated_image_text``: ``matrix`` over the prompt and generated tokens,
+        ``patches`` per patch of the image, ``maps``; the families explained one prompt with its image
+        per call, Qwen-VL, Idefics3/SmolVLM and LLaVA-NeXT, one ``relprop.explain`` call per step:
+        ``relprop.api.generated_image_steps``).
         For an encoder–decoder it is the source: ids, or one image [1, C, H, W]
         (``VisionEncoderDecoderModel``: columns are the image's patches) or one log-mel feature
         matrix [1, mel bins, frames] (Whisper: columns are the frames, or the encoder's tokens for
@@ -226,7 +229,8 @@ def explain_generation(model, tokenizer=None, prompt: Union[str, torch.Tensor, S
         how many teacher-forced copies of the sequence one call of ``relprop.explain``
         explains (the memory of a call grows with it). None (default): as many as hold about
         ``TOKENS_PER_CALL`` tokens, at least one. The rows do not depend on it (to float
-        rounding of the batched products).
+        rounding of the batched products). Not used by the families explained one call per
+        step (Qwen-VL, Idefics3/SmolVLM, LLaVA-NeXT).
 
     Returns
     -------
