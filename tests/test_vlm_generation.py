@@ -7,14 +7,13 @@ the tiny LLaVA and PaliGemma of tests/vlm_models.py:
 * each step conserves: Σ prompt and generated tokens + Σ patches + absorbed = the token's logit;
 * chunks: the rows do not depend on ``batch_size`` (the last chunk filled up, one capture), the model
   untouched;
-* refusals: a family vision_language.py refuses, an unknown family, keys it would drop, two images, a
-  masked prompt; the pictures.
+* refusals: an unknown family, keys it would drop, two images, a masked prompt; the pictures. (The
+  families explained one prompt with its image per call: tests/test_vlm_generation_stepwise.py.)
 """
 from __future__ import annotations
 
 import pytest
 import torch
-import transformers
 
 import relprop
 import vlm_models as V
@@ -131,37 +130,6 @@ def test_generation_pictures(vlm, tmp_path):
 
 
 # ------------------------------------------------------------------ refusals (no export, the fast suite)
-
-def _qwen2_vl():
-    torch.manual_seed(0)
-    text = transformers.Qwen2Config(**V._TEXT)
-    cfg = transformers.Qwen2VLConfig(text_config=text.to_dict(), vision_config=dict(depth=1, embed_dim=32, num_heads=4,
-                                                                                     hidden_size=32, patch_size=8))
-    return transformers.Qwen2VLForConditionalGeneration(cfg).eval()
-
-
-def test_refused_family_is_refused_before_generating():
-    model = _qwen2_vl()
-    calls = []
-    model.register_forward_pre_hook(lambda m, a: calls.append(1))
-    prompt = {"input_ids": torch.tensor([[1, 5, 6]]), "pixel_values": torch.zeros(1, 3, 16, 16)}
-    with pytest.raises(relprop.MethodError, match=r"Qwen2-VL.*one image per call.*relprop.explain"):
-        relprop.explain_generation(model, None, prompt, max_new_tokens=2)
-    assert calls == []
-
-
-@pytest.mark.parametrize("family", ["idefics3", "llava_next"])
-def test_tiled_families_are_refused_before_generating(family):
-    """Idefics3 and LLaVA-NeXT are explained by relprop.explain one image per call; explain_generation
-    (a batch of teacher-forced copies) refuses them before the model runs."""
-    model = getattr(V, family)()
-    calls = []
-    model.register_forward_pre_hook(lambda m, a: calls.append(1))
-    prompt = V.tiled_batch(batch=1) if family == "idefics3" else V.anyres_batch()
-    with pytest.raises(relprop.MethodError, match=r"one image per call.*relprop.explain"):
-        relprop.explain_generation(model, None, prompt, max_new_tokens=2)
-    assert calls == []
-
 
 def test_unknown_family_is_refused_without_wrt():
     model = V.llava()

@@ -3,7 +3,7 @@
 
 For a prompt of text and one image (a processor's output: ``input_ids`` with the image placeholders,
 ``pixel_values``, optionally ``attention_mask`` and ``token_type_ids``), a supported vision-language
-model (:mod:`relprop.api.vision_language`: LLaVA, PaliGemma, Gemma-3) writes tokens y_1 … y_G greedily.
+model (:mod:`relprop.api.vision_language`) writes tokens y_1 … y_G greedily.
 Explaining y_t is explaining the logit of y_t at the last position of prompt + y_1 … y_{t-1}, with the
 image (teacher forcing, as for text). Each step gives the relevance of every prompt token and earlier
 generated token (a row of ``matrix``) and of every patch of the image (a row of ``patches``; with the
@@ -20,17 +20,22 @@ size (its graph does not take every batch), so the last chunk is filled up to th
 copies of its last step (their rows are dropped): every chunk reuses one capture. Greedy generation
 feeds the whole prompt (pixels included) at every step, without a cache; the generated tokens continue
 the prompt's ``attention_mask`` with ones and its ``token_type_ids`` as the family's ``generate`` does
-(PaliGemma: 1, the causal suffix; others: the last prompt value).
+(PaliGemma: 1, the causal suffix; others: the last prompt value; Qwen's ``mm_token_type_ids``: 0, text).
+
+This module explains LLaVA, PaliGemma and Gemma-3 (:data:`GENERATION`), whose captured graph takes a
+batch of copies. The families explained one prompt with its image per call (Qwen2-VL, Qwen2.5-VL,
+Idefics3, SmolVLM, LLaVA-NeXT) are explained one call per generated token by
+:mod:`relprop.api.generated_image_steps`, into the same :class:`ImageGenerationExplanation`.
 """
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, List, Mapping, Optional
+from typing import Any, Dict, List, Mapping, Optional
 
 import torch
 
 from .front_door import explain
-from .vision_language import EXPLAINED, IDS, PIXELS, SUPPORTED, explained_input, model_type, token_layout
+from .vision_language import IDS, PIXELS, SUPPORTED, explained_input, model_type, token_layout
 from ..errors import InputError, MethodError, TargetError
 from ..graph.state import eval_mode
 from ..targets.target_scores import teacher_forced
@@ -41,6 +46,8 @@ PROMPT_KEYS = (IDS, "attention_mask", "token_type_ids", PIXELS)
 #: token_type_ids of a generated token, per family (the value its ``generate`` appends); others repeat
 #: the prompt's last value
 _GENERATED_TYPE = {"paligemma": 1}
+#: Qwen2-VL's and Qwen2.5-VL's per-token modality (0 text, 1 image): a generated token is text
+MM_TYPES = "mm_token_type_ids"
 
 
 def is_image_prompt(model, prompt) -> bool:
@@ -59,8 +66,13 @@ class ImageGenerationExplanation:
     placeholders carry the image tokens' scores). ``patches`` [generated tokens, patches]: row t is the
     image's relevance for the t-th token per patch of the vision tower's grid (row-major, ``grid``),
     ``maps`` [generated tokens, H, W] the pixel maps (methods that read the input relevance; else None).
-    ``image`` the [1, C, H, W] pixels. ``columns``/``rows`` token ids, ``labels``/``row_labels`` their
-    strings (with a tokenizer), ``source_length`` the prompt's length.
+    ``image`` the [1, C, H, W] pixels (the image the maps lie on: Qwen's read back from its rows,
+    Idefics3's tiles and LLaVA-NeXT's crops put back together). ``columns``/``rows`` token ids,
+    ``labels``/``row_labels`` their strings (with a tokenizer), ``source_length`` the prompt's length.
+    ``streams``: the family's other image parts per generated token, as its Explanation's ``streams``
+    (Idefics3, SmolVLM: ``"global_image"`` [G, H, W], a part of ``maps``; LLaVA-NeXT: ``"base_image"``
+    [G, H, W], kept apart from ``maps``, so Σ ``matrix[t]`` + Σ ``patches[t]`` + Σ base image + absorbed
+    = the score; with the rollouts its patches [G, patches]); empty for the others.
     """
 
     matrix: torch.Tensor
@@ -82,6 +94,8 @@ class ImageGenerationExplanation:
     #: the number of rows each chunk's Explanation holds (the rest are filler)
     chunk_rows: List[int] = dataclasses.field(default_factory=list)
     notes: List[str] = dataclasses.field(default_factory=list)
+    #: the family's other image parts per generated token (class docstring)
+    streams: Dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
 
     def step(self, t: int):
         """The one-sample ``relprop.Explanation`` of generated token ``t`` (its copy of the sequence):
@@ -150,22 +164,10 @@ def prompt_inputs(model, prompt: Mapping) -> dict:
     return out
 
 
-#: config.model_type of the families whose generated tokens are explained here: their captured graph
-#: takes a batch of teacher-forced copies (the families explained one image at a time, through a
-#: wrapper or per tile layout, are refused below: a batch of copies would be a batch of images)
+#: config.model_type of the families explained here, a batch of teacher-forced copies per call (the
+#: families explained one image at a time, through a wrapper or per tile layout, are explained one call
+#: per step: relprop.api.generated_image_steps)
 GENERATION = ("llava", "paligemma", "gemma3")
-
-
-def _check_generation_family(model) -> None:
-    """Refuse the families :func:`relprop.explain` explains only one image per call (before the prompt's
-    keys are read: theirs, e.g. LLaVA-NeXT's ``image_sizes``, are not the point)."""
-    kind = model_type(model)
-    if kind in EXPLAINED and kind not in GENERATION:
-        raise MethodError(
-            f"{type(model).__name__} ({EXPLAINED[kind]}): explain_generation with an image is built for "
-            f"{', '.join(SUPPORTED[k] for k in GENERATION)}; {EXPLAINED[kind]} is explained one image per call, and "
-            "explain_generation explains a batch of teacher-forced copies. Explain each generated token with "
-            "relprop.explain(model, inputs, target='next_token') on the prompt followed by the tokens before it.")
 
 
 def _check_family(model, inputs, options) -> None:
@@ -176,7 +178,7 @@ def _check_family(model, inputs, options) -> None:
     explained_input(model, inputs, (), wrt)
 
 
-def _continued(inputs: dict, kind: str, new: torch.Tensor) -> dict:
+def continued(inputs: dict, kind: str, new: torch.Tensor) -> dict:
     """``inputs`` with the token ids ``new`` [1, k] appended (mask and token types continued)."""
     out = dict(inputs)
     out[IDS] = torch.cat([inputs[IDS], new.to(inputs[IDS].dtype)], 1)
@@ -187,6 +189,8 @@ def _continued(inputs: dict, kind: str, new: torch.Tensor) -> dict:
         types = inputs["token_type_ids"]
         value = _GENERATED_TYPE.get(kind, int(types[0, -1]))
         out["token_type_ids"] = torch.cat([types, types.new_full((1, k), value)], 1)
+    if MM_TYPES in inputs:
+        out[MM_TYPES] = torch.cat([inputs[MM_TYPES], inputs[MM_TYPES].new_zeros(1, k)], 1)
     return out
 
 
@@ -201,7 +205,7 @@ def greedy(model, inputs: dict, steps: int, eos: Optional[int]) -> torch.Tensor:
         for _ in range(steps):
             tok = int(model(**seq, use_cache=False).logits[0, -1].argmax())
             out.append(tok)
-            seq = _continued(seq, kind, torch.tensor([[tok]]))
+            seq = continued(seq, kind, torch.tensor([[tok]]))
             if eos is not None and tok == eos:
                 break
     return torch.tensor(out, dtype=torch.long)
@@ -235,23 +239,14 @@ def explain_one(model, tokenizer, prompt: Mapping, max_new_tokens: int, method, 
                 ) -> ImageGenerationExplanation:
     """:func:`relprop.explain_generation` of one vision-language prompt (module docstring).
     ``as_tokens(x, n, name)`` checks ``contrast``; ``tokens_per_call`` sizes the default chunk."""
-    _check_generation_family(model)
+    _check_family(model, prompt, options)  # a refused family's reason first, before its keys are read
     inputs = prompt_inputs(model, prompt)
-    _check_family(model, inputs, options)
     kind = model_type(model)
     ids = inputs[IDS]
-    if target is None:
-        eos = getattr(getattr(model.config, "text_config", model.config), "eos_token_id", None)
-        if eos is None:
-            eos = getattr(model.config, "eos_token_id", None)
-        gen = greedy(model, inputs, max_new_tokens, eos if isinstance(eos, int) else None)
-    else:
-        gen = torch.as_tensor(target, dtype=torch.long).flatten()
-        if gen.numel() == 0:
-            raise TargetError("target= must hold at least one token id to explain")
+    gen = generated(model, inputs, max_new_tokens, target)
     g = gen.numel()
     alt = None if contrast is None else as_tokens(contrast, g, "contrast")
-    full = _continued(inputs, kind, gen[None, :-1])
+    full = continued(inputs, kind, gen[None, :-1])
     positions = torch.arange(g) + ids.shape[1] - 1
     (gh, gw), _, _, _ = token_layout(model.config)
     length = full[IDS].shape[1] + gh * gw + 1  # the sequence and the vision tower's tokens
@@ -269,14 +264,33 @@ def explain_one(model, tokenizer, prompt: Mapping, max_new_tokens: int, method, 
     cols = torch.arange(matrix.shape[1])
     matrix = torch.where(cols[None, :] <= positions[:, None], matrix, torch.zeros((), dtype=matrix.dtype))
     columns = full[IDS][0]
-    labels = row_labels = None
-    convert = getattr(tokenizer, "convert_ids_to_tokens", None) or getattr(getattr(tokenizer, "tokenizer", None),
-                                                                         "convert_ids_to_tokens", None)
-    if convert is not None:
-        labels, row_labels = convert(columns.tolist()), convert(gen.tolist())
+    labels, row_labels = token_labels(tokenizer, columns, gen)
     notes = [f"{SUPPORTED.get(kind, kind)}: {g} generated token(s) explained with the image in {len(exps)} call(s) "
              f"of {size} teacher-forced cop{'y' if size == 1 else 'ies'}"
              + (f" (the last filled up with {size - counts[-1]} copies, dropped)" if counts[-1] < size else "")]
     return ImageGenerationExplanation(matrix, patches, maps, (gh, gw), inputs[PIXELS].detach(), gen, columns,
                                       int(ids.shape[1]), method, preset, labels, row_labels, alt, exps, counts,
                                       notes)
+
+
+def generated(model, inputs: dict, max_new_tokens: int, target) -> torch.Tensor:
+    """The tokens to explain: ``target`` (a fixed continuation) or the greedy continuation of
+    ``inputs`` (:func:`greedy`, stopping after the language model's end-of-sequence token)."""
+    if target is not None:
+        gen = torch.as_tensor(target, dtype=torch.long).flatten()
+        if gen.numel() == 0:
+            raise TargetError("target= must hold at least one token id to explain")
+        return gen
+    eos = getattr(getattr(model.config, "text_config", model.config), "eos_token_id", None)
+    if eos is None:
+        eos = getattr(model.config, "eos_token_id", None)
+    return greedy(model, inputs, max_new_tokens, eos if isinstance(eos, int) else None)
+
+
+def token_labels(tokenizer, columns: torch.Tensor, rows: torch.Tensor):
+    """(column strings, row strings) from a tokenizer or a processor holding one; (None, None) without."""
+    convert = getattr(tokenizer, "convert_ids_to_tokens", None) or getattr(getattr(tokenizer, "tokenizer", None),
+                                                                         "convert_ids_to_tokens", None)
+    if convert is None:
+        return None, None
+    return convert(columns.tolist()), convert(rows.tolist())

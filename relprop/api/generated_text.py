@@ -25,7 +25,7 @@ from typing import Any, List, Mapping, Optional, Sequence, Union
 
 import torch
 
-from . import generated_image_text
+from . import generated_image_steps, generated_image_text
 from .front_door import explain
 from ..errors import InputError, OptionError, TargetError
 from ..graph.capture import CACHE
@@ -202,10 +202,13 @@ def explain_generation(model, tokenizer=None, prompt: Union[str, torch.Tensor, S
     prompt
         a string, a [1, length] tensor of ids or a tokenizer's output (input_ids, an all-ones
         attention_mask, token_type_ids; any other key is refused rather than dropped); a list of them
-        gives a list of results. For a vision-language model (LLaVA, PaliGemma, Gemma-3) a processor's
-        output with one image (``pixel_values`` [1, C, H, W]): each generated token is explained with
-        the image, the result an ``ImageGenerationExplanation`` (``relprop.api.generated_image_text``:
-        ``matrix`` over the prompt and generated tokens, ``patches`` per patch of the image, ``maps``).
+        gives a list of results. For a vision-language model (LLaVA, PaliGemma, Gemma-3, Qwen2-VL,
+        Qwen2.5-VL, Idefics3, SmolVLM, LLaVA-NeXT) a processor's output with one image: each generated
+        token is explained with the image, the result an ``ImageGenerationExplanation``
+        (``relprop.api.generated_image_text``: ``matrix`` over the prompt and generated tokens,
+        ``patches`` per patch of the image, ``maps``; the families explained one prompt with its image
+        per call, Qwen-VL, Idefics3/SmolVLM and LLaVA-NeXT, one ``relprop.explain`` call per step:
+        ``relprop.api.generated_image_steps``).
         For an encoder–decoder it is the source: ids, or one image [1, C, H, W]
         (``VisionEncoderDecoderModel``: columns are the image's patches) or one log-mel feature
         matrix [1, mel bins, frames] (Whisper: columns are the frames, or the encoder's tokens for
@@ -226,7 +229,8 @@ def explain_generation(model, tokenizer=None, prompt: Union[str, torch.Tensor, S
         how many teacher-forced copies of the sequence one call of ``relprop.explain``
         explains (the memory of a call grows with it). None (default): as many as hold about
         ``TOKENS_PER_CALL`` tokens, at least one. The rows do not depend on it (to float
-        rounding of the batched products).
+        rounding of the batched products). Not used by the families explained one call per
+        step (Qwen-VL, Idefics3/SmolVLM, LLaVA-NeXT).
 
     Returns
     -------
@@ -254,6 +258,9 @@ def _explain_one(model, tokenizer, prompt, max_new_tokens, method, preset, targe
     if batch_size is not None and (not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1):
         raise OptionError(f"batch_size must be a positive int (copies of the sequence per call) or None, not "
                           f"{batch_size!r}")
+    if generated_image_steps.is_stepwise(model, prompt):  # Qwen-VL, Idefics3, LLaVA-NeXT: one call per step
+        return generated_image_steps.explain_one(model, tokenizer, prompt, max_new_tokens, method, preset, target,
+                                                 contrast, batch_size, options, _as_tokens)
     if generated_image_text.is_image_prompt(model, prompt):  # a vision-language model's prompt with its image
         return generated_image_text.explain_one(model, tokenizer, prompt, max_new_tokens, method, preset, target,
                                                 contrast, batch_size, options, TOKENS_PER_CALL, _as_tokens)

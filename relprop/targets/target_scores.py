@@ -150,7 +150,7 @@ def teacher_forced(positions: torch.Tensor, tokens: torch.Tensor,
     rows = torch.arange(tokens.numel())
 
     def score(outputs):
-        logits = outputs.logits
+        logits = logits_of(outputs)  # outputs.logits, or the logits themselves (a wrapper's output)
         s = logits[rows, positions, tokens]
         return s if other is None else s - logits[rows, positions, other]
     return score
