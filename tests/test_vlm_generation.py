@@ -150,9 +150,9 @@ def test_refused_family_is_refused_before_generating():
     assert calls == []
 
 
-@pytest.mark.parametrize("family", ["idefics3", "llava_next"])
+@pytest.mark.parametrize("family", ["idefics3", "llava_next", "llava_onevision"])
 def test_tiled_families_are_refused_before_generating(family):
-    """Idefics3 and LLaVA-NeXT are explained by relprop.explain one image per call; explain_generation
+    """Idefics3, LLaVA-NeXT and LLaVA-OneVision are explained by relprop.explain one image per call; explain_generation
     (a batch of teacher-forced copies) refuses them before the model runs."""
     model = getattr(V, family)()
     calls = []
