@@ -124,12 +124,14 @@ def test_lrp_conserves_and_composes_the_crops(onevision, family, height, tokens,
 
 
 def test_explained_score_is_the_models_logit(onevision):
-    """image_sizes as ints and the processor's batch_num_images=[1] dropped: the score relprop explains is
-    the model's own logit on the inputs as the processor gives them, and the explanation is the same."""
+    """image_sizes as ints, the processor's batch_num_images=[1] and a vision_aspect_ratio equal to the
+    config's dropped: the score relprop explains is the model's own logit on the inputs as given, and the
+    explanation is the same as without them."""
     model, batch = onevision("onevision_shrunk"), _batch(32, (2, 5))
+    given = {**batch, "batch_num_images": torch.tensor([1]), "vision_aspect_ratio": "anyres_max_1"}
     with torch.no_grad():
-        logits = model(**batch, batch_num_images=torch.tensor([1]), use_cache=False).logits[0, -1]
-    e = relprop.explain(model, {**batch, "batch_num_images": torch.tensor([1])}, target="next_token", method="lrp")
+        logits = model(**given, use_cache=False).logits[0, -1]
+    e = relprop.explain(model, given, target="next_token", method="lrp")
     assert torch.allclose(e.target_scores, logits.max().reshape(1), atol=1e-5)
     plain = relprop.explain(model, batch, target="next_token", method="lrp")
     assert torch.equal(plain.input_relevance, e.input_relevance)
@@ -220,6 +222,9 @@ def test_layouts_relprop_cannot_place_are_refused(onevision):
             relprop.explain(model, two, target="next_token", method="lrp")
         with pytest.raises(relprop.MethodError, match=r"batch_num_images.*one image"):
             relprop.explain(model, {**batch, "batch_num_images": torch.tensor([2])}, target="next_token",
+                            method="lrp")
+        with pytest.raises(relprop.MethodError, match=r"vision_aspect_ratio='anyres_max_9' in the inputs"):
+            relprop.explain(model, {**batch, "vision_aspect_ratio": "anyres_max_9"}, target="next_token",
                             method="lrp")
         with pytest.raises(relprop.MethodError, match=r"pixel_values_videos"):
             relprop.explain(model, {**batch, "pixel_values_videos": torch.zeros(1, 2, 3, 32, 32)},

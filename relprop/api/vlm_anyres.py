@@ -81,13 +81,16 @@ def _sizes(v: Any, name: str):
 
 def plain_sizes(model: Any, inputs: Any):
     """The inputs with ``image_sizes`` as plain ints (module docstring) and LLaVA-OneVision's
-    ``batch_num_images`` of ``[1]`` dropped (the model's default: one image, cut into tiles), after
+    ``batch_num_images`` of ``[1]`` (the model's default: one image, cut into tiles) and a
+    ``vision_aspect_ratio`` equal to the config's (the model reads the config's) dropped, after
     :func:`layout` checked them; unchanged for another model or inputs without pixels."""
     kind = model_kind(model)
     if kind is None or not isinstance(inputs, Mapping) or not torch.is_tensor(inputs.get(PIXELS)):
         return inputs
     layout(model, inputs)
-    return {**{k: v for k, v in inputs.items() if k != IMAGES_PER_PROMPT}, SIZES: _sizes(inputs[SIZES], ANYRES[kind])}
+    dropped = (IMAGES_PER_PROMPT, ASPECT) if kind == "llava_onevision" else ()
+    return {**{k: v for k, v in inputs.items() if k not in dropped},
+            SIZES: _sizes(inputs[SIZES], ANYRES[kind])}
 
 
 def _check_inputs(name: str, kwargs: Mapping[str, Any], cfg) -> None:
@@ -143,7 +146,8 @@ def layout(model: Any, kwargs: Mapping[str, Any]) -> AnyresLayout:
         raise MethodError(f"{name}: pixel_values of shape {tuple(pv.shape)}; relprop explains one sample at a time "
                           "([1, tiles, channels, H, W]): the vision tower's rows are all samples' tiles, which its "
                           "static capture cannot attribute per sample")
-    _check_inputs(name, kwargs, cfg)
+    if kind == "llava_onevision":
+        _check_inputs(name, kwargs, cfg)
     if kwargs.get(SIZES) is None:
         raise MethodError(f"{name}: no image_sizes, so the tile grid and the unpadding are not known")
     sizes = _sizes(kwargs[SIZES], name)
