@@ -1,6 +1,6 @@
 """explain_generation with an image for the families relprop explains one prompt with its image per call
-(relprop/api/generated_image_steps.py): Qwen2-VL, Idefics3 and LLaVA-NeXT, on the tiny models of
-tests/vlm_models.py.
+(relprop/api/generated_image_steps.py): Qwen2-VL, Idefics3, LLaVA-NeXT and LLaVA-OneVision (shrunk crop
+grid), on the tiny models of tests/vlm_models.py.
 
 * the greedy tokens are the model's own (its ``generate(..., do_sample=False)``), and every step equals a
   plain relprop.explain call on the prompt + the tokens generated so far with the image, the generated
@@ -8,16 +8,17 @@ tests/vlm_models.py.
   global image, LLaVA-NeXT's base image; to 1e-6 of the largest value); the model untouched;
 * LLaVA-NeXT's steps conserve with the base image kept apart from the maps;
 * refusals before any work: a batch of several prompts (a MethodError, as relprop.explain refuses it for
-  these families), keys relprop would drop, a family vision_language.py refuses (LLaVA-OneVision).
+  these families), keys relprop would drop, a family vision_language.py refuses (made so for the test:
+  none is left).
 """
 from __future__ import annotations
 
 import pytest
 import torch
-import transformers
 
 import relprop
 import vlm_models as V
+from relprop.api import vision_language
 from relprop.api.generated_image_text import ImageGenerationExplanation
 from relprop.targets import next_token
 from snapshot import assert_same, snapshot
@@ -27,9 +28,13 @@ PROMPTS = {
     "qwen2_vl": (V.qwen2_vl, lambda: V.qwen_inputs(V.qwen_image(1), seed=1)),
     "idefics3": (V.idefics3, lambda: V.tiled_batch(batch=1, seed=0)),
     "llava_next": (V.llava_next, lambda: V.anyres_batch(seed=0)),
+    # the shrunk crop grid (4x8 -> 2x5 tokens through the bilinear interpolation) and the processor's batch_num_images
+    "llava_onevision": (lambda: V.llava_onevision("anyres_max_1"),
+                        lambda: {**V.anyres_batch(seed=0, crop_tokens=(2, 5)), "batch_num_images": torch.tensor([1])}),
 }
 #: the family's image parts besides the patches, in its Explanation's streams
-OTHER = {"qwen2_vl": (), "idefics3": ("global_image",), "llava_next": ("base_image",)}
+OTHER = {"qwen2_vl": (), "idefics3": ("global_image",), "llava_next": ("base_image",),
+         "llava_onevision": ("base_image",)}
 
 
 def _model_inputs(prompt):
@@ -177,17 +182,11 @@ def test_a_layout_explain_refuses_is_refused_before_generating():
     assert calls == []
 
 
-def test_refused_family_is_refused_before_generating():
-    """LLaVA-OneVision (refused by relprop.explain with its reason) is refused before the model runs."""
-    torch.manual_seed(0)
-    cfg = transformers.LlavaOnevisionConfig(vision_config=transformers.SiglipVisionConfig(**V._VISION),
-                                            text_config=transformers.Qwen2Config(**V._TEXT),
-                                            image_token_index=V.IMAGE_TOKEN, image_grid_pinpoints=[[32, 32]])
-    model = transformers.LlavaOnevisionForConditionalGeneration(cfg).eval()
-    calls = []
-    model.register_forward_pre_hook(lambda m, a: calls.append(1))
-    prompt = {"input_ids": torch.tensor([[1, 5, 6]]), "pixel_values": torch.zeros(1, 2, 3, 32, 32),
-              "image_sizes": torch.tensor([[32, 32]])}
-    with pytest.raises(relprop.MethodError, match=r"LLaVA-OneVision.*interpolat"):
-        relprop.explain_generation(model, None, prompt, max_new_tokens=2)
+def test_refused_family_is_refused_before_generating(monkeypatch):
+    """A family relprop.explain refuses (none is left since LLaVA-OneVision is explained: one is made so with
+    REFUSED) is refused with its reason before the model runs."""
+    monkeypatch.setitem(vision_language.REFUSED, "llava_next", ("LLaVA-NeXT", "made up for this test: no tiles"))
+    model, calls = _watched("llava_next")
+    with pytest.raises(relprop.MethodError, match=r"made up for this test"):
+        relprop.explain_generation(model, None, V.anyres_batch(), max_new_tokens=2)
     assert calls == []

@@ -1,4 +1,5 @@
-"""Tiny random vision-language models (LLaVA, PaliGemma, Gemma-3; tiled: Idefics3, SmolVLM; LLaVA-NeXT), each
+"""Tiny random vision-language models (LLaVA, PaliGemma, Gemma-3; tiled: Idefics3, SmolVLM; LLaVA-NeXT,
+LLaVA-OneVision), each
 built from a config (never downloaded) with a fixed seed, and their inputs built by hand: the prompt's ids with
 one image placeholder per image token the projector makes, and the pixels.
 
@@ -228,12 +229,13 @@ def llava_next():
     return model
 
 
-def anyres_batch(height: int = 32, seed: int = 0, image=None, before: int = 3, after: int = 3):
+def anyres_batch(height: int = 32, seed: int = 0, image=None, before: int = 3, after: int = 3, crop_tokens=None):
     """One sample as LLaVA-NeXT's processor makes it from a ``height`` x 64 image (32 or 16; or ``image``
     [1, 3, height, 64]): the best pinpoint is 32x64 (1x2 crops); the image goes to the centre of a 32x64
     canvas padded with zeros (16 rows high: 8 rows above and below, which the model unpads: the first and
     last patch rows), cut into its two 32x32 crops after the base image (the image resized to 32x32), and
-    the prompt with the image's placeholders: 16 base tokens + one per kept crop patch + a newline per row."""
+    the prompt with the image's placeholders: 16 base tokens + one per kept crop patch + a newline per row
+    (``crop_tokens``: the (rows, columns) of crop tokens instead, for LLaVA-OneVision's shrunk grid)."""
     g = torch.Generator().manual_seed(seed)
     image = torch.randn(1, 3, height, 64, generator=g) if image is None else image
     canvas = torch.zeros(1, 3, 32, 64)
@@ -241,10 +243,34 @@ def anyres_batch(height: int = 32, seed: int = 0, image=None, before: int = 3, a
     canvas[:, :, top:top + height] = image
     base = torch.nn.functional.interpolate(image, size=(32, 32), mode="bilinear", align_corners=False)
     pixel_values = torch.stack([base[0], canvas[0, :, :, :32], canvas[0, :, :, 32:]])[None]
-    kept_rows = 4 if height == 32 else 2
-    n = 16 + kept_rows * (8 + 1)
+    oh, ow = crop_tokens if crop_tokens is not None else (4 if height == 32 else 2, 8)
+    n = 16 + oh * (ow + 1)
     ids = torch.randint(FIRST_ID, 60, (1, 1 + before + n + after), generator=g)
     ids[:, 0] = 1
     ids[:, 1 + before:1 + before + n] = IMAGE_TOKEN
     return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "pixel_values": pixel_values,
             "image_sizes": torch.tensor([[height, 64]])}
+
+
+# ------------------------------------------------------------------ LLaVA-OneVision (any-resolution, shrunk)
+
+#: vision_aspect_ratio of the tiny LLaVA-OneVision models: "anyres_max_9" keeps the 4x8 crop grid of a 32x64
+#: image (9 tiles' worth of patches allowed); "anyres_max_1" shrinks it (ratio sqrt(32/16) > 1.1) to 2x5 tokens
+#: by bilinear interpolation, and keeps the 2x8 grid of a 16x64 image (ratio 1)
+ONEVISION = {"onevision": "anyres_max_9", "onevision_shrunk": "anyres_max_1"}
+
+
+def llava_onevision(vision_aspect_ratio: str = "anyres_max_9"):
+    """LlavaOnevisionForConditionalGeneration: SigLIP vision tower per tile (no class token, "full" features:
+    16 patch tokens per tile) -> 2-layer MLP projector -> unpadding, the grid shrunk by bilinear interpolation
+    when it is over ``vision_aspect_ratio`` -> image_newline -> Qwen2; the pinpoints of LLaVA-NeXT above."""
+    torch.manual_seed(0)
+    cfg = transformers.LlavaOnevisionConfig(vision_config=transformers.SiglipVisionConfig(**_VISION),
+                                            text_config=transformers.Qwen2Config(**_TEXT),
+                                            image_token_index=IMAGE_TOKEN, video_token_index=62,
+                                            image_grid_pinpoints=PINPOINTS,
+                                            vision_aspect_ratio=vision_aspect_ratio)
+    return transformers.LlavaOnevisionForConditionalGeneration(cfg).eval()
+
+
+ONEVISION_FAMILIES = {k: (lambda r=r: llava_onevision(r)) for k, r in ONEVISION.items()}

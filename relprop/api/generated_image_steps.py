@@ -1,6 +1,7 @@
 """Attribution of the text a vision-language model generates about an image, for the families relprop
 explains one prompt with its image per call: Qwen2-VL and Qwen2.5-VL (:mod:`relprop.api.qwen_images`),
-Idefics3 and SmolVLM (:mod:`relprop.api.vlm_tiles`), LLaVA-NeXT (:mod:`relprop.api.vlm_anyres`).
+Idefics3 and SmolVLM (:mod:`relprop.api.vlm_tiles`), LLaVA-NeXT and LLaVA-OneVision
+(:mod:`relprop.api.vlm_anyres`).
 
 The model writes tokens y_1 … y_G greedily from the whole prompt, image included
 (:func:`relprop.api.generated_image_text.greedy`: the pixels fed at every step, no cache; the generated
@@ -29,7 +30,8 @@ import torch
 
 from . import qwen_images, vlm_anyres, vlm_tiles
 from .front_door import explain
-from .generated_image_text import MM_TYPES, ImageGenerationExplanation, continued, generated, token_labels
+from .generated_image_text import (MM_TYPES, ImageGenerationExplanation, check_family, continued, generated,
+                                   token_labels)
 from .vision_language import IDS, PIXELS, model_type
 from ..errors import InputError, MethodError
 from ..targets.target_scores import teacher_forced
@@ -40,7 +42,8 @@ _MASK = "attention_mask"
 #: the keys of each family's prompt carried to every step (the tile grid keys go to relprop.explain only)
 _KEYS = {**{k: (IDS, _MASK, MM_TYPES, PIXELS, "image_grid_thw") for k in qwen_images.QWEN},
          **{k: (IDS, _MASK, PIXELS, "pixel_attention_mask") + vlm_tiles.GRID_KEYS for k in vlm_tiles.TILED},
-         **{k: (IDS, _MASK, PIXELS, vlm_anyres.SIZES) for k in vlm_anyres.ANYRES}}
+         **{k: (IDS, _MASK, PIXELS, vlm_anyres.SIZES) + ((vlm_anyres.IMAGES_PER_PROMPT,) if k == "llava_onevision"
+                                                             else ()) for k in vlm_anyres.ANYRES}}
 
 
 def is_stepwise(model, prompt) -> bool:
@@ -135,6 +138,7 @@ def explain_one(model, tokenizer, prompt: Mapping, max_new_tokens: int, method, 
     """:func:`relprop.explain_generation` of one prompt with its image for a family of :data:`STEPWISE`
     (module docstring): one :func:`relprop.explain` call per generated token. ``as_tokens(x, n, name)``
     checks ``contrast``; ``batch_size`` (copies per call) does not apply: each call is one step."""
+    check_family(model, prompt, options)  # a refused family's reason first, before its keys are read
     inputs, grid_keys, tile_grid = prompt_inputs(model, prompt)
     kind = model_type(model)
     ids = inputs[IDS]

@@ -35,7 +35,7 @@ from typing import Any, Dict, List, Mapping, Optional
 import torch
 
 from .front_door import explain
-from .vision_language import IDS, PIXELS, SUPPORTED, explained_input, model_type, token_layout
+from .vision_language import EXPLAINED, IDS, PIXELS, explained_input, model_type, token_layout
 from ..errors import InputError, MethodError, TargetError
 from ..graph.state import eval_mode
 from ..targets.target_scores import teacher_forced
@@ -170,11 +170,11 @@ def prompt_inputs(model, prompt: Mapping) -> dict:
 GENERATION = ("llava", "paligemma", "gemma3")
 
 
-def _check_family(model, inputs, options) -> None:
+def check_family(model, inputs, options) -> None:
     """Refuse before generating what :func:`relprop.explain` would refuse for this family."""
     wrt = options.get("wrt")
-    if wrt is None and model_type(model) in SUPPORTED:
-        wrt = PIXELS  # the supported families: the methods choose the input later
+    if wrt is None and model_type(model) in EXPLAINED:
+        wrt = PIXELS  # the explained families: the methods choose the input later
     explained_input(model, inputs, (), wrt)
 
 
@@ -239,7 +239,7 @@ def explain_one(model, tokenizer, prompt: Mapping, max_new_tokens: int, method, 
                 ) -> ImageGenerationExplanation:
     """:func:`relprop.explain_generation` of one vision-language prompt (module docstring).
     ``as_tokens(x, n, name)`` checks ``contrast``; ``tokens_per_call`` sizes the default chunk."""
-    _check_family(model, prompt, options)  # a refused family's reason first, before its keys are read
+    check_family(model, prompt, options)  # a refused family's reason first, before its keys are read
     inputs = prompt_inputs(model, prompt)
     kind = model_type(model)
     ids = inputs[IDS]
@@ -265,7 +265,7 @@ def explain_one(model, tokenizer, prompt: Mapping, max_new_tokens: int, method, 
     matrix = torch.where(cols[None, :] <= positions[:, None], matrix, torch.zeros((), dtype=matrix.dtype))
     columns = full[IDS][0]
     labels, row_labels = token_labels(tokenizer, columns, gen)
-    notes = [f"{SUPPORTED.get(kind, kind)}: {g} generated token(s) explained with the image in {len(exps)} call(s) "
+    notes = [f"{EXPLAINED.get(kind, kind)}: {g} generated token(s) explained with the image in {len(exps)} call(s) "
              f"of {size} teacher-forced cop{'y' if size == 1 else 'ies'}"
              + (f" (the last filled up with {size - counts[-1]} copies, dropped)" if counts[-1] < size else "")]
     return ImageGenerationExplanation(matrix, patches, maps, (gh, gw), inputs[PIXELS].detach(), gen, columns,

@@ -1,5 +1,5 @@
 """Vision-language models (LLaVA, PaliGemma, Gemma-3, Qwen2-VL, Qwen2.5-VL; tiled: Idefics3, SmolVLM;
-any-resolution: LLaVA-NeXT): which input is explained, and the families refused.
+any-resolution: LLaVA-NeXT, LLaVA-OneVision): which input is explained, and the families refused.
 
 A vision-language model (VLM) runs its image through a vision tower and a projector and writes the
 resulting image tokens into the placeholder positions of the prompt (``masked_scatter``); its language
@@ -21,10 +21,11 @@ Qwen2-VL and Qwen2.5-VL give their image as flattened rows of 2x2-merged patches
 through :class:`relprop.api.qwen_images.QwenImage` (the model called on the image read back from the
 rows, one prompt with one image per call), and their image tokens are 2x2 blocks of the patch grid.
 Idefics3 and SmolVLM, which cut the image into tiles, are placed back on the image by
-:mod:`relprop.api.vlm_tiles`; LLaVA-NeXT's any-resolution crops by :mod:`relprop.api.vlm_anyres`. Families
-whose image tokens relprop cannot yet place back on the image (LLaVA-OneVision's interpolated tiles) are
-refused with a :class:`relprop.MethodError` that names the family and what is missing, never explained
-with a wrong map.
+:mod:`relprop.api.vlm_tiles`; LLaVA-NeXT's and LLaVA-OneVision's any-resolution crops by
+:mod:`relprop.api.vlm_anyres`. Families whose image tokens relprop cannot place back on the image
+(``REFUSED``) are refused with a :class:`relprop.MethodError` that names the family and what is missing,
+and a family relprop does not know is refused unless ``wrt=`` says which input to explain: never
+explained with a wrong map.
 """
 from __future__ import annotations
 
@@ -40,14 +41,12 @@ from .vlm_tiles import TILED
 
 #: config.model_type of the families explained (their image tokens merged with masked_scatter)
 SUPPORTED = {"llava": "LLaVA", "paligemma": "PaliGemma", "gemma3": "Gemma-3", **QWEN}
-#: every family placed on the image: these, the tiled ones (vlm_tiles) and LLaVA-NeXT (vlm_anyres)
+#: every family placed on the image: these, the tiled ones (vlm_tiles), LLaVA-NeXT and -OneVision (vlm_anyres)
 EXPLAINED = {**SUPPORTED, **TILED, **ANYRES}
 
-#: config.model_type of the families refused -> (name, what is missing)
-REFUSED = {
-    "llava_onevision": ("LLaVA-OneVision", "its any-resolution tiles, which it may shrink by interpolating their "
-                        "features (vision_aspect_ratio), are not mapped back to their place in the image"),
-}
+#: config.model_type of the families refused -> (name, what is missing); none at present (a family relprop
+#: does not know is refused below unless wrt= says which input to explain)
+REFUSED: dict = {}
 
 PIXELS, IDS = "pixel_values", "input_ids"
 
