@@ -1,0 +1,202 @@
+"""A batch of prompts for the vision-language families relprop explains one sample per call (Qwen2-VL,
+LLaVA-NeXT; relprop/api/vlm_batches.py), tiny random configs (tests/vlm_models.py):
+
+* batch invariance: a batch of two prompts of different lengths (padded on the left or the right)
+  explains each sample exactly as that sample's own processor output explained alone: scores, maps,
+  masks, streams, targets, conservation and notes, the per-token fields laid on the batch's padded
+  positions with 0 (mask False) at the padding; pixels (``lrp``) and the language model's tokens
+  (``rollout``);
+* refusals before any work: images of different grids (per-pixel maps that cannot be stacked), a
+  callable target, a mask that is not one run of ones; and a cut sample whose logits are not its row of
+  the batch's (checked before explaining);
+* the model untouched.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import relprop
+import vlm_models as V
+from relprop.api import vlm_batches
+from relprop.targets import next_token
+from snapshot import assert_same, snapshot
+
+
+def _padded(samples, side: str, image_keys):
+    """The batch of ``samples`` (each the processor's output for one prompt), prompts padded with 0 on ``side``."""
+    length = max(s["input_ids"].shape[1] for s in samples)
+    out = {}
+    for k in ("input_ids", "attention_mask", "mm_token_type_ids"):
+        if k not in samples[0]:
+            continue
+        rows = []
+        for s in samples:
+            pad = torch.zeros(1, length - s[k].shape[1], dtype=s[k].dtype)
+            rows.append(torch.cat([s[k], pad] if side == "right" else [pad, s[k]], 1))
+        out[k] = torch.cat(rows)
+    for k in image_keys:
+        out[k] = torch.cat([s[k] for s in samples])
+    return out
+
+
+def _qwen_samples():
+    return [V.qwen_inputs(V.qwen_image(0), before=3, after=3, seed=0),
+            V.qwen_inputs(V.qwen_image(1), before=1, after=1, seed=1)]
+
+
+def _next_samples():
+    """Two images of different sizes (32x64 and 16x64: the same 1x2 crop grid, different unpadding and token
+    counts) with prompts of different lengths."""
+    return [V.anyres_batch(32, seed=0, before=3, after=3), V.anyres_batch(16, seed=1, before=1, after=2)]
+
+
+CASES = {"qwen2_vl": (V.qwen2_vl, _qwen_samples, ("pixel_values", "image_grid_thw")),
+         "llava_next": (V.llava_next, _next_samples, ("pixel_values", "image_sizes"))}
+
+
+@pytest.fixture(scope="module")
+def models():
+    """The models, each explained once on one sample: the first call of the one-sample path leaves
+    transformers' output-capturing hooks on LLaVA-NeXT's vision tower (the model's own first-call set-up,
+    not this module's subject), so the snapshots below start after it."""
+    out = {}
+    for k, (make, samples, _) in CASES.items():
+        out[k] = make()
+        relprop.explain(out[k], samples()[1], target="next_token", method="lrp")
+    return out
+
+
+def _same_on_positions(batch_value, alone, keep, token_axes):
+    """``batch_value`` (one sample, batch axis 1) equals ``alone`` at ``keep`` of each token axis and is 0 elsewhere."""
+    if alone is None:
+        assert batch_value is None
+        return
+    x = batch_value
+    for d in token_axes:
+        rest = torch.ones(x.shape[d], dtype=torch.bool)
+        rest[keep] = False
+        assert not bool(x.index_select(d, torch.nonzero(rest).reshape(-1)).any()), "padding must be 0"
+        x = x.index_select(d, keep)
+    assert torch.equal(x, alone)
+
+
+def _check_sample(e, i, one, keep, tokens_mode):
+    """Sample i of the batch's Explanation ``e`` against ``one``, its sample explained alone."""
+    both = e[i]
+    for name in ("scores", "mask", "input_relevance", "matrix", "query"):
+        a, b = getattr(both, name), getattr(one, name)
+        if a is None:
+            assert b is None
+            continue
+        _same_on_positions(a, b, keep, [d for d in range(1, a.dim()) if tokens_mode])
+    for name in ("map", "target", "target_scores"):
+        a, b = getattr(both, name), getattr(one, name)
+        assert (a is None and b is None) or torch.equal(a, b)
+    assert both.streams.keys() == one.streams.keys()
+    for k, v in one.streams.items():
+        _same_on_positions(both.streams[k], v, keep, [1] if k == "input_ids" else [])
+    _same_on_positions(both.image_tokens, one.image_tokens, keep, [1])
+    if one.conservation is not None:
+        for f in ("injected", "input", "absorbed"):
+            assert torch.equal(getattr(both.conservation, f), getattr(one.conservation, f))
+    assert both.grid == one.grid and both.modality == one.modality
+    assert set(one.notes) <= set(e.notes)
+    assert any("explained sample by sample" in n for n in e.notes)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", list(CASES))
+@pytest.mark.parametrize("side", ["right", "left"])
+def test_a_batch_explains_each_sample_as_alone(models, family, side):
+    model = models[family]
+    samples = CASES[family][1]()
+    batch = _padded(samples, side, CASES[family][2])
+    assert batch["input_ids"].shape[1] > min(s["input_ids"].shape[1] for s in samples)  # padding in the batch
+    before = snapshot(model)
+    for method, tokens_mode in (("lrp", False), ("rollout", True)):
+        e = relprop.explain(model, batch, target="next_token", method=method)
+        assert len(e) == 2 and e.scores.shape[0] == 2
+        if tokens_mode:
+            assert e.scores.shape[1] == batch["input_ids"].shape[1]
+            assert torch.equal(e.mask[batch["attention_mask"] == 0], torch.zeros_like(e.mask[batch["attention_mask"]
+                                                                                                == 0]))
+        for i, sample in enumerate(samples):
+            one = relprop.explain(model, sample, target="next_token", method=method)
+            keep = torch.nonzero(batch["attention_mask"][i]).reshape(-1)
+            _check_sample(e, i, one, keep, tokens_mode)
+    assert_same(before, snapshot(model))
+
+
+@pytest.mark.slow
+def test_per_sample_targets_and_a_list_of_methods(models):
+    """target= one per sample is cut per sample; a list of methods gives one batch Explanation per method."""
+    model = models["qwen2_vl"]
+    samples = _qwen_samples()
+    batch = _padded(samples, "right", CASES["qwen2_vl"][2])
+    exps = relprop.explain(model, batch, target=next_token(token=[5, 7]), method=["lrp", "input_x_gradient"])
+    assert [x.method for x in exps] == ["lrp", "input_x_gradient"]
+    for i, (sample, token) in enumerate(zip(samples, (5, 7))):
+        one = relprop.explain(model, sample, target=next_token(token=token), method="lrp")
+        assert torch.equal(exps[0].scores[i], one.scores[0])
+        assert torch.equal(exps[0].target_scores[i:i + 1], one.target_scores)
+
+
+def _watched(model):
+    calls = []
+    handle = model.register_forward_pre_hook(lambda m, a: calls.append(1))
+    return calls, handle
+
+
+@pytest.mark.parametrize("family", list(CASES))
+def test_images_of_different_grids_are_refused_before_any_work(models, family):
+    model = models[family]
+    samples = CASES[family][1]()
+    if family == "qwen2_vl":  # a 32x32 image: a 4x4 grid against the other's 4x6
+        samples[1] = V.qwen_inputs(V.qwen_image(1)[:, :, :32], before=1, after=1, seed=1)
+        says = r"Qwen2-VL.*different grids.*\[\[1, 4, 6\], \[1, 4, 4\]\].*its own relprop.explain call"
+    else:  # a 64x32 image is cut into 2x1 crops, the other into 1x2
+        samples[1]["image_sizes"] = torch.tensor([[64, 32]])
+        says = r"LLaVA-NeXT.*different crop grids.*its own relprop.explain call"
+    batch = _padded(samples, "right", CASES[family][2])
+    before = snapshot(model)
+    calls, handle = _watched(model)
+    try:
+        with pytest.raises(relprop.MethodError, match=says):
+            relprop.explain(model, batch, target="next_token", method="lrp")
+    finally:
+        handle.remove()
+    assert calls == []
+    assert_same(before, snapshot(model))
+
+
+def test_what_cannot_be_cut_per_sample_is_refused(models):
+    model = models["qwen2_vl"]
+    batch = _padded(_qwen_samples(), "right", CASES["qwen2_vl"][2])
+    with pytest.raises(relprop.MethodError, match=r"callable target= reads the batch's outputs"):
+        relprop.explain(model, batch, target=lambda out: out.logits[:, -1, 5], method="lrp")
+    holed = dict(batch, attention_mask=batch["attention_mask"].clone())
+    holed["attention_mask"][0, 2] = 0
+    with pytest.raises(relprop.MethodError, match=r"attention_mask of sample 0 is not one run of ones"):
+        relprop.explain(model, holed, target="next_token", method="lrp")
+    with pytest.raises(relprop.MethodError, match=r"not \['position_ids'\]"):
+        relprop.explain(model, dict(batch, position_ids=torch.zeros(3, 2, 15, dtype=torch.long)), method="lrp")
+
+
+def test_a_cut_that_the_batch_does_not_compute_is_refused(models):
+    """The check before explaining: a sample whose inputs are not its row of the batch (here one id changed)
+    computes other logits than the batch's row, and relprop refuses; the model is left as it was."""
+    model = models["qwen2_vl"]
+    batch = _padded(_qwen_samples(), "right", CASES["qwen2_vl"][2])
+    samples, length = vlm_batches.split(model, batch, None, None)
+    assert length == batch["input_ids"].shape[1] and [len(s.keep) for s in samples] == [15, 11]
+    before = snapshot(model)
+    deltas = model.model.rope_deltas
+    wrong = samples[1].inputs["input_ids"].clone()
+    wrong[0, 1] = 5 if int(wrong[0, 1]) != 5 else 6
+    samples[1].inputs["input_ids"] = wrong
+    with pytest.raises(relprop.MethodError, match=r"sample 1 cut out of the batch does not compute what the batch"):
+        vlm_batches.check_rows(model, batch, samples)
+    assert_same(before, snapshot(model))
+    assert model.model.rope_deltas is deltas  # the forward's cache of Qwen's rope deltas put back
+    assert not hasattr(model, "_output_capturing_hooks_installed")  # transformers' first-call hooks taken off
