@@ -1,14 +1,14 @@
 """A batch of prompts for the vision-language families relprop explains one sample per call (Qwen2-VL,
-LLaVA-NeXT; relprop/api/vlm_batches.py), tiny random configs (tests/vlm_models.py):
+Qwen2.5-VL, LLaVA-NeXT, LLaVA-OneVision; relprop/api/vlm_batches.py), tiny random configs (tests/vlm_models.py):
 
 * batch invariance: a batch of two prompts of different lengths (padded on the left or the right)
   explains each sample exactly as that sample's own processor output explained alone: scores, maps,
   masks, streams, targets, conservation and notes, the per-token fields laid on the batch's padded
   positions with 0 (mask False) at the padding; pixels (``lrp``) and the language model's tokens
   (``rollout``);
-* refusals before any work: images of different grids (per-pixel maps that cannot be stacked), a
-  callable target, a mask that is not one run of ones; and a cut sample whose logits are not its row of
-  the batch's (checked before explaining);
+* refusals before any work (Qwen2-VL, LLaVA-NeXT): images of different grids (per-pixel maps that cannot
+  be stacked), a callable target, a mask that is not one run of ones; and a cut sample whose logits are
+  not its row of the batch's (checked before explaining);
 * the model untouched.
 """
 from __future__ import annotations
@@ -51,20 +51,19 @@ def _next_samples():
     return [V.anyres_batch(32, seed=0, before=3, after=3), V.anyres_batch(16, seed=1, before=1, after=2)]
 
 
-CASES = {"qwen2_vl": (V.qwen2_vl, _qwen_samples, ("pixel_values", "image_grid_thw")),
-         "llava_next": (V.llava_next, _next_samples, ("pixel_values", "image_sizes"))}
+QWEN_KEYS, ANYRES_KEYS = ("pixel_values", "image_grid_thw"), ("pixel_values", "image_sizes")
+CASES = {"qwen2_vl": (V.qwen2_vl, _qwen_samples, QWEN_KEYS), "llava_next": (V.llava_next, _next_samples, ANYRES_KEYS),
+         "qwen2_5_vl": (V.qwen2_5_vl, _qwen_samples, QWEN_KEYS),
+         "llava_onevision": (V.ONEVISION_FAMILIES["onevision"], _next_samples, ANYRES_KEYS)}
+#: the families of the refusal tests (before any work: one of each kind)
+REFUSING = ["qwen2_vl", "llava_next"]
 
 
 @pytest.fixture(scope="module")
 def models():
-    """The models, each explained once on one sample: the first call of the one-sample path leaves
-    transformers' output-capturing hooks on LLaVA-NeXT's vision tower (the model's own first-call set-up,
-    not this module's subject), so the snapshots below start after it."""
-    out = {}
-    for k, (make, samples, _) in CASES.items():
-        out[k] = make()
-        relprop.explain(out[k], samples()[1], target="next_token", method="lrp")
-    return out
+    """``models(family)``, built once and called once on its first sample (transformers' first-call hooks,
+    tests/vlm_models.model_cache), so that the snapshots below see only what explain() changes."""
+    return V.model_cache({k: c[0] for k, c in CASES.items()}, lambda k: CASES[k][1]()[0])
 
 
 def _same_on_positions(batch_value, alone, keep, token_axes):
@@ -109,7 +108,7 @@ def _check_sample(e, i, one, keep, tokens_mode):
 @pytest.mark.parametrize("family", list(CASES))
 @pytest.mark.parametrize("side", ["right", "left"])
 def test_a_batch_explains_each_sample_as_alone(models, family, side):
-    model = models[family]
+    model = models(family)
     samples = CASES[family][1]()
     batch = _padded(samples, side, CASES[family][2])
     assert batch["input_ids"].shape[1] > min(s["input_ids"].shape[1] for s in samples)  # padding in the batch
@@ -131,7 +130,7 @@ def test_a_batch_explains_each_sample_as_alone(models, family, side):
 @pytest.mark.slow
 def test_per_sample_targets_and_a_list_of_methods(models):
     """target= one per sample is cut per sample; a list of methods gives one batch Explanation per method."""
-    model = models["qwen2_vl"]
+    model = models("qwen2_vl")
     samples = _qwen_samples()
     batch = _padded(samples, "right", CASES["qwen2_vl"][2])
     exps = relprop.explain(model, batch, target=next_token(token=[5, 7]), method=["lrp", "input_x_gradient"])
@@ -148,9 +147,9 @@ def _watched(model):
     return calls, handle
 
 
-@pytest.mark.parametrize("family", list(CASES))
+@pytest.mark.parametrize("family", REFUSING)
 def test_images_of_different_grids_are_refused_before_any_work(models, family):
-    model = models[family]
+    model = models(family)
     samples = CASES[family][1]()
     if family == "qwen2_vl":  # a 32x32 image: a 4x4 grid against the other's 4x6
         samples[1] = V.qwen_inputs(V.qwen_image(1)[:, :, :32], before=1, after=1, seed=1)
@@ -171,7 +170,7 @@ def test_images_of_different_grids_are_refused_before_any_work(models, family):
 
 
 def test_what_cannot_be_cut_per_sample_is_refused(models):
-    model = models["qwen2_vl"]
+    model = models("qwen2_vl")
     batch = _padded(_qwen_samples(), "right", CASES["qwen2_vl"][2])
     with pytest.raises(relprop.MethodError, match=r"callable target= reads the batch's outputs"):
         relprop.explain(model, batch, target=lambda out: out.logits[:, -1, 5], method="lrp")
@@ -183,10 +182,11 @@ def test_what_cannot_be_cut_per_sample_is_refused(models):
         relprop.explain(model, dict(batch, position_ids=torch.zeros(3, 2, 15, dtype=torch.long)), method="lrp")
 
 
-def test_a_cut_that_the_batch_does_not_compute_is_refused(models):
+def test_a_cut_that_the_batch_does_not_compute_is_refused():
     """The check before explaining: a sample whose inputs are not its row of the batch (here one id changed)
-    computes other logits than the batch's row, and relprop refuses; the model is left as it was."""
-    model = models["qwen2_vl"]
+    computes other logits than the batch's row, and relprop refuses; the model is left as it was (a model never
+    called before: transformers' first-call hooks taken off again)."""
+    model = V.qwen2_vl()
     batch = _padded(_qwen_samples(), "right", CASES["qwen2_vl"][2])
     samples, length = vlm_batches.split(model, batch, None, None)
     assert length == batch["input_ids"].shape[1] and [len(s.keep) for s in samples] == [15, 11]

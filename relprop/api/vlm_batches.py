@@ -44,6 +44,9 @@ _PER_TOKEN = (IDS, MASK, TYPES)
 _KNOWN = {**{k: {IDS, MASK, TYPES, PIXELS, THW} for k in QWEN},
           **{k: {IDS, MASK, PIXELS, SIZES} for k in ANYRES},
           "llava_onevision": {IDS, MASK, PIXELS, SIZES, "batch_num_images", "vision_aspect_ratio"}}
+#: the any-resolution families' modelling modules (their get_anyres_image_grid_shape, image_size_to_num_patches)
+_MODELLING = {"llava_next": "transformers.models.llava_next.modeling_llava_next",
+              "llava_onevision": "transformers.models.llava_onevision.modeling_llava_onevision"}
 #: relative tolerance of the check of a cut sample against its row of the batch (float32 logits)
 RTOL = 1e-4
 
@@ -111,7 +114,7 @@ def _image_parts(model, inputs: Mapping, n: int) -> List[dict]:
     if sizes is None or pixels.dim() != 5 or pixels.shape[0] != n or len(sizes) != n:
         raise _refuse(model, f"pixel_values {tuple(pixels.shape)} and image_sizes must give one image per prompt for "
                       f"the {n} prompts")
-    family = importlib.import_module(f"transformers.models.{k}.modeling_{k}")
+    family = importlib.import_module(_MODELLING[k])
     cfg = model.config
     tile = int(cfg.vision_config.image_size)
     size_rows = [[int(x) for x in r] for r in (sizes.tolist() if torch.is_tensor(sizes) else sizes)]
