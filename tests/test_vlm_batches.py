@@ -100,8 +100,28 @@ def _check_sample(e, i, one, keep, tokens_mode):
         for f in ("injected", "input", "absorbed"):
             assert torch.equal(getattr(both.conservation, f), getattr(one.conservation, f))
     assert both.grid == one.grid and both.modality == one.modality
+    assert len(e.blocks) == len(one.blocks)
     assert set(one.notes) <= set(e.notes)
     assert any("explained sample by sample" in n for n in e.notes)
+
+
+def _check_blocks(e, ones, keeps, length):
+    """Each block record of the batch: a field with one row per sample holds sample i's at row i (its token
+    axes laid on the batch's positions, 0 at the padding); a field with several rows per sample (LLaVA-NeXT's
+    vision tower: a row per tile) holds the samples' rows one after the other."""
+    padded = any(len(k) != length for k in keeps)
+    for j, block in enumerate(e.blocks):
+        for name in ("attention", "gradient", "relevance", "hidden", "value"):
+            got, alone = getattr(block, name), [getattr(o.blocks[j], name) for o in ones]
+            if alone[0] is None:
+                assert got is None
+            elif alone[0].shape[0] != 1:
+                assert torch.equal(got, torch.cat(alone))
+            else:
+                for i, (a, keep) in enumerate(zip(alone, keeps)):
+                    axes = [d for d in range(1, a.dim()) if padded and a.shape[d] == len(keep)
+                            and got.shape[d] == length]
+                    _same_on_positions(got[i:i + 1], a, keep, axes)
 
 
 @pytest.mark.slow
@@ -120,10 +140,12 @@ def test_a_batch_explains_each_sample_as_alone(models, family, side):
             assert e.scores.shape[1] == batch["input_ids"].shape[1]
             assert torch.equal(e.mask[batch["attention_mask"] == 0], torch.zeros_like(e.mask[batch["attention_mask"]
                                                                                                 == 0]))
+        ones, keeps = [], []
         for i, sample in enumerate(samples):
-            one = relprop.explain(model, sample, target="next_token", method=method)
-            keep = torch.nonzero(batch["attention_mask"][i]).reshape(-1)
-            _check_sample(e, i, one, keep, tokens_mode)
+            ones.append(relprop.explain(model, sample, target="next_token", method=method))
+            keeps.append(torch.nonzero(batch["attention_mask"][i]).reshape(-1))
+            _check_sample(e, i, ones[-1], keeps[-1], tokens_mode)
+        _check_blocks(e, ones, keeps, batch["input_ids"].shape[1])
     assert_same(before, snapshot(model))
 
 

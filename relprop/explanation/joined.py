@@ -9,7 +9,9 @@ tensor, the samples' values concatenated along the batch axis, each token axis (
 the sample's ``t_i`` for every sample) widened to ``T`` with the sample's values at ``keep_i`` and 0 at
 its padding, as a padded batch of text has (``mask`` False there). Tensors on the image (maps, patch
 scores, pixels) have no token axis and are concatenated as they are; samples whose image tensors
-differ in shape cannot be stacked and are refused.
+differ in shape cannot be stacked and are refused. A tensor with several rows per sample (LLaVA-NeXT's
+vision-tower records and outputs, one row per tile) holds the samples' rows one sample after the other,
+as the batch's own vision tower lays them out (``exp[i]`` then leaves it whole).
 """
 from __future__ import annotations
 
@@ -66,13 +68,26 @@ def _tensors(xs: List[torch.Tensor], keeps, length: int, tokens: bool, what: str
     return torch.cat(placed)
 
 
+def _rows(xs: List[torch.Tensor], what: str) -> torch.Tensor:
+    """Tensors whose first axis holds several rows per sample (a vision tower's tiles) concatenated along
+    it, sample after sample, as the batch's own vision tower lays them out."""
+    if any(x.shape[1:] != xs[0].shape[1:] for x in xs):
+        raise Unstackable(f"{what}: the samples give shapes {[tuple(x.shape) for x in xs]}, which cannot be stacked "
+                          "into one batch")
+    return torch.cat(xs)
+
+
 def _join(values: List[Any], keeps, length: int, tokens: bool, what: str) -> Any:
     """The samples' ``values`` of one field joined, recursively through lists, tuples, dicts and
     dataclasses (block records, conservation), as :func:`relprop.explanation.data_export.select` walks them."""
     first = values[0]
     if torch.is_tensor(first):
-        if first.dim() == 0 or first.shape[0] != 1:
-            return first  # not per sample
+        if all(v is first for v in values):
+            return first  # one tensor for all: the model's, not the samples'
+        if first.dim() == 0:
+            return torch.stack(values)
+        if first.shape[0] != 1:  # rows of several per sample (LLaVA-NeXT's vision tower: the tiles)
+            return _rows(values, what)
         return _tensors(values, keeps, length, tokens, what)
     if first is None or type(first) is NotKept or isinstance(first, (str, int, float, bool)):
         return first
