@@ -151,16 +151,27 @@ def test_a_batch_explains_each_sample_as_alone(models, family, side):
 
 @pytest.mark.slow
 def test_per_sample_targets_and_a_list_of_methods(models):
-    """target= one per sample is cut per sample; a list of methods gives one batch Explanation per method."""
+    """target= (a next token, a contrast) and special_tokens_mask= one per sample are cut per sample; a list of
+    methods gives one batch Explanation per method."""
     model = models("qwen2_vl")
     samples = _qwen_samples()
     batch = _padded(samples, "right", CASES["qwen2_vl"][2])
     exps = relprop.explain(model, batch, target=next_token(token=[5, 7]), method=["lrp", "input_x_gradient"])
     assert [x.method for x in exps] == ["lrp", "input_x_gradient"]
+    special = torch.zeros_like(batch["input_ids"], dtype=torch.bool)
+    special[:, 0] = True  # BOS; cut per sample like input_ids
+    versus = relprop.contrast(next_token(token=[5, 7]), next_token(token=9))
+    contrasted = relprop.explain(model, batch, target=versus, method="lrp", special_tokens_mask=special)
     for i, (sample, token) in enumerate(zip(samples, (5, 7))):
         one = relprop.explain(model, sample, target=next_token(token=token), method="lrp")
         assert torch.equal(exps[0].scores[i], one.scores[0])
         assert torch.equal(exps[0].target_scores[i:i + 1], one.target_scores)
+        versus = relprop.contrast(next_token(token=token), next_token(token=9))
+        one = relprop.explain(model, sample, target=versus, method="lrp",
+                              special_tokens_mask=special[i:i + 1, :sample["input_ids"].shape[1]])
+        assert torch.equal(contrasted.target_scores[i:i + 1], one.target_scores)
+        keep = torch.arange(sample["input_ids"].shape[1])
+        _same_on_positions(contrasted.streams["input_ids"][i:i + 1], one.streams["input_ids"], keep, [1])
 
 
 def _watched(model):
