@@ -43,7 +43,9 @@ def explain(model: torch.nn.Module, inputs: Any, target: Any = None, method: Any
         HuggingFace text/image classification or zero-shot ``pipeline`` (docs/inputs-and-targets.md).
     inputs
         what the model's forward takes (a tensor, a tuple, a dict such as a tokenizer's output), or
-        raw inputs: strings, PIL images or image paths (``relprop.api.raw_inputs``).
+        raw inputs: strings, PIL images or image paths (``relprop.api.raw_inputs``). The processor's
+        outputs for several prompts of Qwen2-VL, Qwen2.5-VL, LLaVA-NeXT or LLaVA-OneVision are explained
+        sample by sample and joined into one batch Explanation (``relprop.api.vlm_batches``).
     target
         None (the predicted class; a language model's next token), a class index or one per sample,
         a label name, ``relprop.contrast``, or a callable ``target(outputs) -> [batch]``.
