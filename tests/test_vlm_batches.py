@@ -19,6 +19,7 @@ import torch
 import relprop
 import vlm_models as V
 from relprop.api import vlm_batches
+from relprop.explanation import joined
 from relprop.targets import next_token
 from snapshot import assert_same, snapshot
 
@@ -96,6 +97,13 @@ def _check_sample(e, i, one, keep, tokens_mode):
     for k, v in one.streams.items():
         _same_on_positions(both.streams[k], v, keep, [1] if k == "input_ids" else [])
     _same_on_positions(both.image_tokens, one.image_tokens, keep, [1])
+    for name in ("prompt_tokens", "tokens"):  # token strings: on the batch's positions, "" at the padding
+        a, b = getattr(both, name), getattr(one, name)
+        if b is None:
+            assert a is None
+            continue
+        assert [a[0][j] for j in keep.tolist()] == b[0]
+        assert all(s == "" for j, s in enumerate(a[0]) if j not in set(keep.tolist()))
     if one.conservation is not None:
         for f in ("injected", "input", "absorbed"):
             assert torch.equal(getattr(both.conservation, f), getattr(one.conservation, f))
@@ -233,3 +241,44 @@ def test_a_cut_that_the_batch_does_not_compute_is_refused():
     assert_same(before, snapshot(model))
     assert model.model.rope_deltas is deltas  # the forward's cache of Qwen's rope deltas put back
     assert not hasattr(model, "_output_capturing_hooks_installed")  # transformers' first-call hooks taken off
+
+
+# ------------------------------------------------------------------ the join itself (no model: fast)
+
+def _exp(t: int, modality: str = "text", image=(4, 4), seed: int = 0):
+    """A one-sample Explanation over ``t`` tokens (text), or over an image of ``image`` pixels (vision),
+    with a streams entry of the prompt's tokens and token strings."""
+    g = torch.Generator().manual_seed(seed)
+    scores = torch.randn(1, t if modality == "text" else image[0] * image[1], generator=g)
+    return relprop.Explanation(
+        method="lrp", scores=scores, map=None if modality == "text" else torch.randn(1, *image, generator=g),
+        mask=torch.ones_like(scores, dtype=torch.bool), matrix=None, blocks=[], target=torch.tensor([seed]),
+        target_scores=torch.randn(1, generator=g), conservation=None, input_relevance=None,
+        logits=torch.randn(1, t, 5, generator=g), preset="lrp", modality=modality,
+        streams={"input_ids": torch.randn(1, t, generator=g)}, tokens=[[f"w{seed}{j}" for j in range(t)]],
+        notes=[f"sample {seed}"])
+
+
+def test_join_lays_token_fields_on_the_padded_positions():
+    """joined.join (the inverse of exp[i]): 2 samples of 3 and 5 tokens on a batch of 6 positions, the
+    first left-padded, the second right-padded; token fields at their positions, 0 / False / "" elsewhere."""
+    ones, keeps = [_exp(3, seed=0), _exp(5, seed=1)], [torch.tensor([3, 4, 5]), torch.arange(5)]
+    e = joined.join(ones, keeps, 6, "joined")
+    assert e.scores.shape == (2, 6) and e.logits.shape == (2, 6, 5) and e.notes == ["sample 0", "sample 1", "joined"]
+    for i, (one, keep) in enumerate(zip(ones, keeps)):
+        for name in ("scores", "mask", "logits"):
+            _same_on_positions(getattr(e, name)[i:i + 1], getattr(one, name), keep, [1])
+        _same_on_positions(e.streams["input_ids"][i:i + 1], one.streams["input_ids"], keep, [1])
+        assert [e.tokens[i][j] for j in keep.tolist()] == one.tokens[0]
+        assert e[i].target.tolist() == [i]
+    assert e.tokens[0][:3] == ["", "", ""] and e.tokens[1][5] == ""
+
+
+def test_join_stacks_images_and_refuses_images_of_different_shapes():
+    ones, keeps = [_exp(3, "vision", seed=0), _exp(5, "vision", seed=1)], [torch.arange(3), torch.arange(5)]
+    e = joined.join(ones, keeps, 5, "joined")
+    assert torch.equal(e.map, torch.cat([o.map for o in ones])) and torch.equal(e.scores, torch.cat([o.scores
+                                                                                                     for o in ones]))
+    _same_on_positions(e.streams["input_ids"][:1], ones[0].streams["input_ids"], keeps[0], [1])
+    with pytest.raises(relprop.MethodError, match=r"scores: the samples give shapes \[\(1, 16\), \(1, 24\)\]"):
+        joined.join([_exp(3, "vision", seed=0), _exp(3, "vision", (4, 6), seed=1)], [torch.arange(3)] * 2, 3, "")
