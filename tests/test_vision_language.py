@@ -442,8 +442,9 @@ def test_capture_binds_each_leaf_of_a_plain_input():
 
 def test_llava_next_layout_that_cannot_be_verified_is_refused(next_model):
     batch = V.anyres_batch(32)
-    two = {k: torch.cat([v, v]) for k, v in batch.items()}
-    with pytest.raises(relprop.MethodError, match=r"LLaVA-NeXT.*one sample at a time"):
+    two = {**batch, "input_ids": torch.cat([batch["input_ids"]] * 2),  # two prompts, one image
+           "attention_mask": torch.cat([batch["attention_mask"]] * 2)}
+    with pytest.raises(relprop.MethodError, match=r"LLaVA-NeXT.*batch of prompts.*one image per prompt"):
         relprop.explain(next_model, two, target="next_token", method="lrp")
     with pytest.raises(relprop.MethodError, match=r"2x2 tiles.*5 tiles.*holds 3"):
         relprop.explain(next_model, {**batch, "image_sizes": torch.tensor([[64, 64]])}, target="next_token",

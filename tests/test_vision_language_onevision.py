@@ -217,8 +217,9 @@ def test_layouts_relprop_cannot_place_are_refused(onevision):
     calls = []
     handle = model.register_forward_pre_hook(lambda m, a: calls.append(1))
     try:
-        two = {k: torch.cat([v, v]) for k, v in batch.items()}
-        with pytest.raises(relprop.MethodError, match=r"LLaVA-OneVision.*one sample at a time"):
+        two = {**batch, "input_ids": torch.cat([batch["input_ids"]] * 2),  # two prompts, one image (a batch of
+               "attention_mask": torch.cat([batch["attention_mask"]] * 2)}  # prompts: sample by sample)
+        with pytest.raises(relprop.MethodError, match=r"LLaVA-OneVision.*batch of prompts.*one image per prompt"):
             relprop.explain(model, two, target="next_token", method="lrp")
         with pytest.raises(relprop.MethodError, match=r"batch_num_images.*one image"):
             relprop.explain(model, {**batch, "batch_num_images": torch.tensor([2])}, target="next_token",

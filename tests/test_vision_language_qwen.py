@@ -9,7 +9,7 @@
 * the patch map is the image's: a patch whose pixels are 0 gets no relevance, and only that one;
 * rollout-style methods on the language model's blocks, each image token placed on its 2x2 patches,
   against a loop;
-* what relprop does not explain (a batch of prompts, a video, unequal time copies, a patch order the
+* what relprop does not explain (a batch without one image per prompt, a video, unequal time copies, a patch order the
   model disagrees with) is refused.
 """
 from __future__ import annotations
@@ -103,9 +103,10 @@ def test_the_explained_module_is_named_as_the_users_model():
 def test_batches_videos_and_unequal_frames_are_refused():
     model = V.qwen2_vl()
     one = V.qwen_inputs(V.qwen_image())
+    # a batch of prompts is explained sample by sample (tests/test_vlm_batches.py), one image per prompt
     two = dict(one, input_ids=one["input_ids"].repeat(2, 1), attention_mask=one["attention_mask"].repeat(2, 1),
-               pixel_values=one["pixel_values"].repeat(2, 1), image_grid_thw=one["image_grid_thw"].repeat(2, 1))
-    with pytest.raises(relprop.MethodError, match=r"Qwen2-VL.*batch of 2 prompts.*one prompt"):
+               mm_token_type_ids=one["mm_token_type_ids"].repeat(2, 1))
+    with pytest.raises(relprop.MethodError, match=r"Qwen2-VL.*batch of prompts.*one image per prompt"):
         relprop.explain(model, two, target="next_token", method="lrp")
     frames = one["pixel_values"].clone().reshape(GH * GW, 3, 2, P * P)
     frames[:, :, 1] += 1  # the second frame differs: a video's rows, not an image's

@@ -7,9 +7,9 @@ grid), on the tiny models of tests/vlm_models.py.
   token the target (per prompt token, per patch, per pixel, and the family's other image parts: Idefics3's
   global image, LLaVA-NeXT's base image; to 1e-6 of the largest value); the model untouched;
 * LLaVA-NeXT's steps conserve with the base image kept apart from the maps;
-* refusals before any work: a batch of several prompts (a MethodError, as relprop.explain refuses it for
-  these families), keys relprop would drop, a family vision_language.py refuses (made so for the test:
-  none is left).
+* refusals before any work: a batch of several prompts (a MethodError: explain_generation takes one prompt;
+  relprop.explain explains such a batch sample by sample, tests/test_vlm_batches.py), keys relprop would
+  drop, a family vision_language.py refuses (made so for the test: none is left).
 """
 from __future__ import annotations
 

@@ -14,7 +14,7 @@ from typing import Any, Dict, Optional, Sequence
 import torch
 
 from . import options as opt
-from . import raw_inputs
+from . import raw_inputs, vlm_batches
 from ..errors import MethodError, OptionError
 from ..graph import progress_line
 from ..rules.stabilize import DEFAULT_EPS
@@ -43,7 +43,9 @@ def explain(model: torch.nn.Module, inputs: Any, target: Any = None, method: Any
         HuggingFace text/image classification or zero-shot ``pipeline`` (docs/inputs-and-targets.md).
     inputs
         what the model's forward takes (a tensor, a tuple, a dict such as a tokenizer's output), or
-        raw inputs: strings, PIL images or image paths (``relprop.api.raw_inputs``).
+        raw inputs: strings, PIL images or image paths (``relprop.api.raw_inputs``). The processor's
+        outputs for several prompts of Qwen2-VL, Qwen2.5-VL, LLaVA-NeXT or LLaVA-OneVision are explained
+        sample by sample and joined into one batch Explanation (``relprop.api.vlm_batches``).
     target
         None (the predicted class; a language model's next token), a class index or one per sample,
         a label name, ``relprop.contrast``, or a callable ``target(outputs) -> [batch]``.
@@ -121,6 +123,16 @@ def explain(model: torch.nn.Module, inputs: Any, target: Any = None, method: Any
         preset = opt.check_preset(preset)
         per_method = opt.method_options(infos, options, many)
         jobs = opt.check_jobs([(i, per_method[i.name]) for i in infos], preset)
+        if vlm_batches.is_batch(model, inputs):  # Qwen-VL, LLaVA-NeXT/-OneVision: sample by sample (vlm_batches)
+            with reported(model, jobs):
+                samples, length = vlm_batches.split(model, inputs, target, special_tokens_mask)
+            rest = dict(eps=eps, unsupported=unsupported, tokenizer=tokenizer, fast_path=fast_path, memory=memory,
+                        wrt=wrt, image_processor=image_processor, keep_blocks=keep_blocks, precision=precision,
+                        records_budget=records_budget, progress=progress, **options)
+            runs = [explain(model, s.inputs, s.target, method, preset, special_tokens_mask=s.special_tokens_mask,
+                            **rest) for s in samples]
+            with reported(model, jobs):
+                return vlm_batches.joined(runs, samples, length, many, model)
         call = check_call(model, inputs, target, jobs, many, preset, tokenizer=tokenizer,
                           special_tokens_mask=special_tokens_mask, wrt=wrt, eps=eps, unsupported=unsupported,
                           memory=memory, fast_path=fast_path, keep_blocks=keep_blocks, precision=precision,

@@ -19,7 +19,9 @@ with two relevance sources (:func:`relprop.graph.streams.merges`):
 
 Qwen2-VL and Qwen2.5-VL give their image as flattened rows of 2x2-merged patches: they are explained
 through :class:`relprop.api.qwen_images.QwenImage` (the model called on the image read back from the
-rows, one prompt with one image per call), and their image tokens are 2x2 blocks of the patch grid.
+rows, one prompt with one image per explained call), and their image tokens are 2x2 blocks of the patch grid.
+A batch of several prompts of these families (and of LLaVA-NeXT / -OneVision) is explained sample by sample
+(:mod:`relprop.api.vlm_batches`).
 Idefics3 and SmolVLM, which cut the image into tiles, are placed back on the image by
 :mod:`relprop.api.vlm_tiles`; LLaVA-NeXT's and LLaVA-OneVision's any-resolution crops by
 :mod:`relprop.api.vlm_anyres`. Families whose image tokens relprop cannot place back on the image

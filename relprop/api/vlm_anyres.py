@@ -37,8 +37,9 @@ from the values of a tensor, and as ints each image size is its own capture.
   patches it interpolates, by their bilinear weights), a base-image token's to its patch of the base
   image (``exp.streams["base_image"]``, ``[batch, gh·gw]``); the ``image_newline`` tokens hold no patch.
 
-Refused with a :class:`relprop.MethodError`: a batch of more than one sample (the vision tower's rows
-are all samples' tiles, which a static capture cannot attribute per sample: explain one at a time),
+A batch of several prompts is explained sample by sample (the vision tower's rows are all samples'
+tiles, which a static capture cannot attribute per sample: :mod:`relprop.api.vlm_batches`). Refused with
+a :class:`relprop.MethodError`: pixel_values of more than one sample reaching this one-sample path,
 several images in a prompt (``batch_num_images``), a video (``pixel_values_videos``), no
 ``image_sizes``, a number of tiles other than the pinpoint grid's, vision features other than each
 tile's patches (a class token kept, or a patch dropped), a packing unlike relprop's picture, and a
