@@ -104,10 +104,7 @@ def test_lrp_conserves_and_composes_the_crops(onevision, family, height, tokens,
     assert_same(before, snapshot(model))
     assert e.modality == "vision" and e.grid == (4, 8) and e.map.shape == (1, 32, 64)
     pixels = e.input_relevance.sum(2)  # [1, 3 tiles, 32, 32]: the base image, then the two crops
-    want = torch.zeros(1, 32, 64)
-    for y in range(32):
-        for x in range(64):
-            want[0, y, x] = pixels[0, 1 + x // 32, y, x % 32]
+    want = V.crops_by_loop(pixels)
     assert torch.equal(e.map, want)
     assert torch.equal(e.streams["base_image"], pixels[:, 0])
     total, prompt = e.input_relevance.sum(), e.streams["input_ids"].sum()

@@ -252,6 +252,16 @@ def anyres_batch(height: int = 32, seed: int = 0, image=None, before: int = 3, a
             "image_sizes": torch.tensor([[height, 64]])}
 
 
+def crops_by_loop(pixels: torch.Tensor) -> torch.Tensor:
+    """The map [1, 32, 64] of an anyres_batch's two 32x32 crops side by side, pixel by pixel from per-tile
+    relevance ``pixels`` [1, 3 tiles (base image, then the crops), 32, 32]: the reference of the composed map."""
+    want = torch.zeros(1, 32, 64)
+    for y in range(32):
+        for x in range(64):
+            want[0, y, x] = pixels[0, 1 + x // 32, y, x % 32]
+    return want
+
+
 # ------------------------------------------------------------------ LLaVA-OneVision (any-resolution, shrunk)
 
 #: vision_aspect_ratio of the tiny LLaVA-OneVision models: "anyres_max_9" keeps the 4x8 crop grid of a 32x64
