@@ -26,12 +26,12 @@ def _explain(model, batch, method, preset, rows, monkeypatch):
     return relprop.explain(model, batch, method=method, keep_blocks=False, **kw)
 
 
-def _close(a, b, what):
+def _close(a, b, what, tol=1e-5):
     if a is None or b is None:
         assert a is None and b is None, what
         return
     scale = b.abs().max().clamp_min(1e-30)
-    assert float((a - b).abs().max() / scale) <= 1e-5, what
+    assert float((a - b).abs().max() / scale) <= tol, what
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
@@ -48,21 +48,26 @@ def test_every_block_of_the_zoo_models_has_a_row_local_core(name):
 @pytest.mark.parametrize("name", sorted(CASES))
 @pytest.mark.parametrize("method,preset", RUNS)
 def test_row_chunked_walk_equals_the_whole_cores(name, method, preset, monkeypatch):
+    """In float64, so that the comparison shows the same sums and not float32 rounding: chunks change
+    the order of the sums over the keys and the rows, and chefer2021's relevance of a random tiny
+    model cancels enough that float32 rounding reaches 3e-5 of its largest score on some CPUs (AVX-512),
+    where float64 agrees to 4e-14."""
     model, batch = CASES[name]()
+    model = model.double()
     whole = _explain(model, batch, method, preset, None, monkeypatch)
     for rows in (1, 3, 10 ** 6):
         got = _explain(model, batch, method, preset, rows, monkeypatch)
         what = f"{name} {method} {preset} rows={rows}"
         assert got.kept_blocks is False and whole.kept_blocks is False
-        _close(got.scores, whole.scores, what + " scores")
-        _close(got.heads, whole.heads, what + " heads")
-        _close(got.input_relevance, whole.input_relevance, what + " input relevance")
+        _close(got.scores, whole.scores, what + " scores", 1e-9)
+        _close(got.heads, whole.heads, what + " heads", 1e-9)
+        _close(got.input_relevance, whole.input_relevance, what + " input relevance", 1e-9)
         if whole.conservation is not None:
             for field in ("injected", "input", "absorbed"):
-                _close(getattr(got.conservation, field), getattr(whole.conservation, field), f"{what} {field}")
+                _close(getattr(got.conservation, field), getattr(whole.conservation, field), f"{what} {field}", 1e-9)
             assert set(got.conservation.absorbed_by) == set(whole.conservation.absorbed_by), what
             for label, v in whole.conservation.absorbed_by.items():
-                _close(got.conservation.absorbed_by[label], v, f"{what} absorbed by {label}")
+                _close(got.conservation.absorbed_by[label], v, f"{what} absorbed by {label}", 1e-9)
 
 
 @pytest.mark.parametrize("name,method,options", [

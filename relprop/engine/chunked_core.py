@@ -17,6 +17,7 @@ import torch
 import torch.fx
 
 from ..graph.attention_core import AttentionCore, evaluate_rows
+from ..graph.key_bounds import key_bounds
 
 
 #: query rows per chunk of the row-chunked walk in a folded run (None: off, the cores are evaluated
@@ -30,6 +31,24 @@ def row_chunks(queries: int, chunk: int) -> List[tuple]:
     return [(lo, min(lo + chunk, queries)) for lo in range(0, queries, max(1, chunk))]
 
 
+def chunk_plan(core: AttentionCore, value: Callable[[torch.fx.Node], torch.Tensor], queries: int,
+               chunk: int) -> List[tuple]:
+    """(lo, hi, (kept keys, all keys)) of each chunk of ``chunk`` query rows: the keys each chunk
+    attends to (:func:`relprop.graph.key_bounds.key_bounds`; on a causal decoder the keys before
+    ``hi``), so that it is evaluated on those only."""
+    chunks = row_chunks(queries, chunk)
+    keys = value(core.nodes[0].args[1]).shape[-1]
+    return [(lo, hi, (kept, keys)) for (lo, hi), kept in zip(chunks, key_bounds(core, value, chunks))]
+
+
+def pad_keys(t: Optional[torch.Tensor], keys: tuple) -> Optional[torch.Tensor]:
+    """``t`` (a chunk's A, dA or R_A on its first ``keys[0]`` keys) with zeros on the keys the chunk
+    does not attend to, up to all ``keys[1]`` keys (what the whole-width computation gives there)."""
+    if t is None or t.shape[-1] == keys[1]:
+        return t
+    return torch.nn.functional.pad(t, (0, keys[1] - t.shape[-1]))
+
+
 def core_forward(core: AttentionCore, value: Callable[[torch.fx.Node], torch.Tensor], chunk: int,
                  compute: Optional[torch.dtype] = None) -> torch.Tensor:
     """A·V of ``core`` without autograd, ``chunk`` query rows at a time (``value(n)``: the whole value
@@ -37,7 +56,8 @@ def core_forward(core: AttentionCore, value: Callable[[torch.fx.Node], torch.Ten
     result equals the forward of :func:`core_in_row_chunks` bit for bit (the same chunks)."""
     queries = value(core.rows[0]).shape[-2]  # (the captured size may be another: sizes are dynamic)
     with torch.no_grad():
-        outs = [evaluate_rows(core, value, lo, hi, compute)[core.nodes[-1]] for lo, hi in row_chunks(queries, chunk)]
+        outs = [evaluate_rows(core, value, lo, hi, compute, keys=keys)[core.nodes[-1]]
+                for lo, hi, keys in chunk_plan(core, value, queries, chunk)]
         return outs[0] if len(outs) == 1 else torch.cat(outs, -2)
 
 
@@ -60,13 +80,16 @@ class _CoreInRowChunks(torch.autograd.Function):
         wants = [ctx.needs_input_grad[7 + i] for i in range(len(nodes))]
         grads: List[Optional[torch.Tensor]] = [None] * len(nodes)
         row_grads: Dict[int, List[torch.Tensor]] = {i: [] for i, n in enumerate(nodes) if wants[i] and n in split}
-        for lo, hi in row_chunks(ctx.queries, ctx.chunk):
+        env = dict(zip(nodes, tensors))
+        for lo, hi, keys in chunk_plan(core, env.__getitem__, ctx.queries, ctx.chunk):
             with torch.enable_grad():
                 leaves = {}
                 for n, t in zip(nodes, tensors):
                     v = t[..., lo:hi, :] if n in split else t
                     leaves[n] = v.detach().requires_grad_(True) if t.is_floating_point() else v
-                vals = evaluate_rows(core, leaves.__getitem__, lo, hi, ctx.compute, sliced=True, fns=ctx.fns)
+                # (the keys are cut inside: the gradient of a whole operand keeps all its keys)
+                vals = evaluate_rows(core, leaves.__getitem__, lo, hi, ctx.compute, sliced=True, fns=ctx.fns,
+                                     keys=keys)
                 out = vals[core.nodes[-1]]
                 idx = [i for i in range(len(nodes)) if wants[i]]
                 also = [vals[ctx.rows_hook[0]]] if ctx.rows_hook is not None else []
@@ -77,7 +100,7 @@ class _CoreInRowChunks(torch.autograd.Function):
                     attention, gs = also[0].detach(), gs[:-1]
                 del vals, also
             if ctx.rows_hook is not None:
-                ctx.rows_hook[1](lo, hi, ctx.queries, attention, da)
+                ctx.rows_hook[1](lo, hi, ctx.queries, pad_keys(attention, keys), pad_keys(da, keys))
                 del attention, da
             for i, g in zip(idx, gs):
                 if g is None:

@@ -26,11 +26,11 @@ import torch.fx
 import torch.utils._pytree as pytree
 
 from ..errors import UnsupportedOperation
-from ..graph.attention_core import AttentionCore, evaluate_rows, find_core
+from ..graph.attention_core import AttentionCore, evaluate_rows, find_core, first_keys
 from ..graph.nodes import is_live, module_path, module_type
 from ..rules.context import RuleContext
 from ..rules.stabilize import fit_to_shape, promote
-from .chunked_core import row_chunks
+from .chunked_core import chunk_plan, pad_keys
 from .ledger import STABILIZER
 
 
@@ -46,12 +46,14 @@ def plan_cores(analysis) -> Dict[torch.fx.Node, tuple]:
 
 
 def chunk_values(core: AttentionCore, attention, value: Callable, lo: int, hi: int, compute=None,
-                 dout: Optional[torch.Tensor] = None):
+                 dout: Optional[torch.Tensor] = None, keys: Optional[tuple] = None):
     """(values of the core's nodes on rows ``lo:hi``, dA on those rows or None): ``value(n)`` gives
     each outside operand whole; with ``dout`` (the gradient at the core's output), ∂y/∂A on the
-    rows by autograd through the chunk (the product and the nodes between A and it)."""
+    rows by autograd through the chunk (the product and the nodes between A and it). ``keys`` =
+    (kept, all): the values on the chunk's first ``kept`` keys only
+    (:func:`relprop.engine.chunked_core.chunk_plan`)."""
     with torch.enable_grad() if dout is not None else torch.no_grad():
-        out = evaluate_rows(core, value, lo, hi, compute, leaf=attention if dout is not None else None)
+        out = evaluate_rows(core, value, lo, hi, compute, leaf=attention if dout is not None else None, keys=keys)
         grad = None
         if dout is not None:
             res = out[core.nodes[-1]]
@@ -100,12 +102,13 @@ def walk_core(walker, product, r, core: AttentionCore, block, dout, chunk: int, 
     (module docstring), the shares of the outside operands delivered to them, each chunk's
     (A_c, dA_c, R_A,c) handed to ``hooks.reached_rows`` and the block closed by ``hooks.rows_done``."""
     queries = walker.values.value(core.rows[0]).shape[-2]
-    chunks = row_chunks(queries, chunk)
+    chunks = chunk_plan(core, walker.values.value, queries, chunk)
     sums = _Sums()
     if r is not None and len(chunks) > 1:  # first chunk: does a rule sum per sample?
         _walk_chunks(walker, r, core, block, dout, chunks[:1], sums, None, counting=True)
         if len(sums.nodes) > 1:  # sums of shares that depend on other sums: walk the rows at once
-            chunks, sums = [(0, queries)], _Sums()
+            keys = chunks[0][2][1]
+            chunks, sums = [(0, queries, (keys, keys))], _Sums()
         elif sums.nodes:  # the sums over the other chunks, then the walk with the whole sums
             _walk_chunks(walker, r, core, block, dout, chunks[1:], sums, None, counting=True)
             sums.replay = True
@@ -123,12 +126,12 @@ def _walk_chunks(walker, r, core, block, dout, chunks, sums, hooks, counting: bo
     product = core.nodes[-1]
     # counting: no dA (only the folds read it), and once the summing rules are known, no rule below them
     last_sum = min((core.nodes.index(n) for n in sums.nodes), default=None) if counting else None
-    for lo, hi in chunks:
+    for lo, hi, keys in chunks:
         vals, grad = chunk_values(core, block.attention, values.value, lo, hi, values.compute,
-                                  None if counting else dout)
+                                  None if counting else dout, keys)
         R: Dict[torch.fx.Node, torch.Tensor] = {} if r is None else {product: r[..., lo:hi, :]}
         sums.calls = 0
-        value = _reader(vals, values.value, rows_of, lo, hi)
+        value = _reader(core, vals, values.value, rows_of, lo, hi, keys)
 
         for i in range(len(core.nodes) - 1, -1, -1):
             node = core.nodes[i]
@@ -136,7 +139,8 @@ def _walk_chunks(walker, r, core, block, dout, chunks, sums, hooks, counting: bo
                 break
             rn = R.pop(node, None)
             if node is block.attention and not counting and hooks is not None:
-                hooks.reached_rows(block, lo, hi, chunks[-1][1], vals[node], grad, rn)
+                hooks.reached_rows(block, lo, hi, chunks[-1][1], pad_keys(vals[node], keys), pad_keys(grad, keys),
+                                   pad_keys(rn, keys))
             if rn is None:
                 continue
             shares, spec = _rule(walker, node, rn, value, sums, counting)
@@ -150,7 +154,11 @@ def _walk_chunks(walker, r, core, block, dout, chunks, sums, hooks, counting: bo
                     share = fit_to_shape(promote(share), value(arg).shape)
                     if arg in interior:
                         R[arg] = R[arg] + share if arg in R else share
-                    elif arg in rows_of:
+                        continue
+                    whole = values.value(arg)
+                    share = all_keys(share, whole.shape[:-2] + (hi - lo,) + whole.shape[-1:]
+                                     if arg in rows_of else whole.shape)
+                    if arg in rows_of:
                         row_shares.setdefault(arg, []).append(share)
                     else:
                         whole_shares[arg] = whole_shares[arg] + share if arg in whole_shares else share
@@ -167,15 +175,29 @@ def _walk_chunks(walker, r, core, block, dout, chunks, sums, hooks, counting: bo
         walker.deliver(arg, share, product)
 
 
-def _reader(vals, whole, rows_of, lo: int, hi: int) -> Callable:
+def _reader(core, vals, whole, rows_of, lo: int, hi: int, keys: tuple) -> Callable:
     """The value of a node on the chunk: a core node's from ``vals``, an outside operand's from
-    ``whole`` (its rows ``lo:hi`` where it is split)."""
+    ``whole`` (its rows ``lo:hi`` where it is split, its first ``keys[0]`` keys where it has a
+    keys' axis), as :func:`relprop.graph.attention_core.evaluate_rows` read it."""
     def value(n):
         if n in vals:
             return vals[n]
         v = whole(n)
-        return v[..., lo:hi, :] if n in rows_of else v
+        return first_keys(core, n, v[..., lo:hi, :] if n in rows_of else v, keys[1], keys[0])
     return value
+
+
+def all_keys(share: torch.Tensor, shape) -> torch.Tensor:
+    """The share of an outside operand computed on the chunk's first keys, with zeros on the others
+    up to ``shape`` (the operand's shape on the chunk's rows; the whole-width walk gives 0 on those
+    keys: A is 0 there). The keys' axis is the one axis where the two shapes differ."""
+    if tuple(share.shape) == tuple(shape):
+        return share
+    differ = [d for d in range(share.dim()) if share.shape[d] != shape[d]]
+    assert len(differ) == 1 and share.dim() == len(shape), (share.shape, shape)
+    pad = [0, 0] * (share.dim() - differ[0])
+    pad[-1] = shape[differ[0]] - share.shape[differ[0]]
+    return torch.nn.functional.pad(share, pad)
 
 
 def _rule(walker, node, r, value, sums, counting: bool):

@@ -19,7 +19,7 @@ from typing import List
 import torch
 
 from ..errors import RelpropError
-from .chunked_core import row_chunks
+from .chunked_core import chunk_plan, pad_keys
 from .chunked_walk import chunk_values
 from .memory import crossing, segments
 from .records import block_record, record, unfolder
@@ -132,9 +132,9 @@ class BlockFolder:
         core = self.cores[product][0]
         dout = self.grad.pop(product, None)
         queries = self.env[core.rows[0]].shape[-2]
-        for lo, hi in row_chunks(queries, self.rows):
-            vals, grad = chunk_values(core, b.attention, self.env.__getitem__, lo, hi, self.compute, dout)
-            self.reached_rows(b, lo, hi, queries, vals[b.attention], grad, None)
+        for lo, hi, keys in chunk_plan(core, self.env.__getitem__, queries, self.rows):
+            vals, grad = chunk_values(core, b.attention, self.env.__getitem__, lo, hi, self.compute, dout, keys)
+            self.reached_rows(b, lo, hi, queries, pad_keys(vals[b.attention], keys), pad_keys(grad, keys), None)
             del vals, grad
         self.rows_done(b)
 

@@ -132,17 +132,46 @@ def find_core(block, live) -> Tuple[Optional[AttentionCore], str]:
                          queries), ""
 
 
+def key_axis(core: AttentionCore, node: torch.fx.Node, v, keys: int) -> Optional[int]:
+    """The axis of operand ``node`` (value ``v``) of ``core`` that runs over the ``keys`` keys, or None
+    where it has none (Q; an operand that broadcasts over the keys): -2 for V (the product's second operand), -1 for
+    Kᵀ (the scores product's second operand) and for an element-wise operand (a mask, a bias) whose
+    last axis has the keys' size."""
+    if not torch.is_tensor(v) or v.dim() < 2 or node is core.nodes[0].args[0]:  # (Q: no keys' axis)
+        return None
+    if node is core.nodes[-1].args[1]:
+        return -2
+    if node is core.nodes[0].args[1] or (v.shape[-1] == keys and keys > 1):
+        return -1
+    return None
+
+
+def first_keys(core: AttentionCore, node: torch.fx.Node, v, keys: int, kept: int):
+    """``v``, an operand of ``core`` read with the keys' axis, cut to its first ``kept`` of ``keys``
+    keys (:func:`key_axis`); unchanged where it has no keys' axis or ``kept`` is all of them."""
+    if kept >= keys:
+        return v
+    axis = key_axis(core, node, v, keys)
+    if axis is None:
+        return v
+    return v[..., :kept] if axis == -1 else v[..., :kept, :]
+
+
 def evaluate_rows(core: AttentionCore, value: Callable[[torch.fx.Node], Any], lo: int, hi: int,
                   compute: Optional[torch.dtype] = None, sliced: bool = False,
-                  leaf: Optional[torch.fx.Node] = None, fns: Optional[Dict[torch.fx.Node, Callable]] = None
-                  ) -> Dict[torch.fx.Node, Any]:
+                  leaf: Optional[torch.fx.Node] = None, fns: Optional[Dict[torch.fx.Node, Callable]] = None,
+                  keys: Optional[tuple] = None) -> Dict[torch.fx.Node, Any]:
     """The values of the core's nodes on query rows ``lo:hi``, from ``value(n)``, the whole value of
     each operand outside the core (rows of those in ``core.rows`` are taken here; ``sliced``: value
     gives those rows already). Row i of each value equals row ``lo + i`` of the node's whole value
     (the core is row-local), to the rounding of the products computed on fewer rows. ``leaf``: a core
     node whose value is detached and made to require grad, so that gradients can be taken with
     respect to it (under ``torch.enable_grad``). ``fns``: replacements of some nodes' ops (the
-    modified-gradient functions of :mod:`relprop.engine.fast_path`), as :func:`evaluate` takes them."""
+    modified-gradient functions of :mod:`relprop.engine.fast_path`), as :func:`evaluate` takes them.
+    ``keys`` = (kept, all): the chunk's rows attend to none of the keys after the first ``kept`` of
+    ``all`` (:func:`relprop.graph.key_bounds.key_bounds`), and the core is evaluated on those
+    first keys only (:func:`first_keys`): every value then has ``kept`` keys, and equals the first
+    ``kept`` keys of the whole one (the others' attention is exactly 0)."""
     split = set() if sliced else set(core.rows)
     out: Dict[torch.fx.Node, Any] = {}
 
@@ -150,7 +179,8 @@ def evaluate_rows(core: AttentionCore, value: Callable[[torch.fx.Node], Any], lo
         if n in out:
             return out[n]
         v = value(n)
-        return v[..., lo:hi, :] if n in split else v
+        v = v[..., lo:hi, :] if n in split else v
+        return first_keys(core, n, v, keys[1], keys[0]) if keys is not None else v
 
     for node in core.nodes:
         v = evaluate(node, val, fns.get(node) if fns else None, compute=compute)

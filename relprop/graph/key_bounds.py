@@ -1,0 +1,79 @@
+"""How many keys each chunk of query rows attends to: the causal (or padding) bound of a row-local
+attention core, from its additive mask.
+
+A causal decoder's query row i attends to keys 0..i only: the mask adds a large negative number
+(``torch.finfo(dtype).min``, or -inf) to every later key's score, and the softmax gives those keys
+exactly 0 (CVPR 2021 Eq. 1: A = softmax(Q·Kᵀ/√d + M)). A chunk of query rows lo..hi-1 then reads
+no key at or after hi: its scores, softmax, A·V, gradients and relevance on those keys are 0
+(every rule of the core gives a zero share where A is 0, and ∂A/∂scores is 0 there). The
+row-chunked walk evaluates each chunk on its first keys only (:func:`key_bounds`,
+:func:`relprop.graph.attention_core.evaluate_rows`), which halves its work on a causal model, and
+puts the zeros back where a whole-width tensor is needed.
+
+The bound is read from the mask's values, never assumed: a key is *closed* for a row where the mask
+is ≤ :data:`CLOSED` (so exp underflows to exactly 0 next to any open key), *open* where it is
+≥ :data:`OPEN`. A chunk keeps every key up to its last open one. All keys are kept (nothing is
+cut) where the core has no single additive mask before its softmax, where a mask value lies between
+the two thresholds, or where a row of the chunk has no open key (its softmax would not be 0 on the
+closed keys: a fully masked row is uniform, or zero under the safe softmax).
+"""
+from __future__ import annotations
+
+from typing import Callable, List, Optional
+
+import torch
+import torch.fx
+
+from .attention_core import AttentionCore
+
+aten = torch.ops.aten
+
+#: a mask value at or below this closes its key: exp(s + m - max) is exactly 0 next to an open key
+CLOSED = -1e30
+#: a mask value at or above this opens its key (a bias, 0 for a visible key)
+OPEN = -1e15
+_SOFTMAX = {aten.softmax.int, aten._softmax.default, aten._safe_softmax.default}
+
+
+def additive_mask(core: AttentionCore) -> Optional[torch.fx.Node]:
+    """The operand M of the core's one additive mask (``scores + M`` before the softmax), or None
+    where the core has no softmax, several, another operand from outside before the softmax, or an
+    operand after it other than V and a factor (a product keeps A's zeros; a sum would not)."""
+    inside = set(core.nodes)
+    softmax = [n for n in core.nodes if n.target in _SOFTMAX]
+    if len(softmax) != 1:
+        return None
+    cut = core.nodes.index(softmax[0])
+    masks = []
+    for i, node in enumerate(core.nodes):
+        outside = [a for a in node.all_input_nodes if a not in inside]
+        if not outside or node is core.nodes[0] or node is core.nodes[-1] and outside == [node.args[1]]:
+            continue
+        if i < cut and node.target == aten.add.Tensor and len(outside) == 1:
+            masks.append(outside[0])
+        elif i < cut or node.target != aten.mul.Tensor:
+            return None
+    return masks[0] if len(masks) == 1 else None
+
+
+def key_bounds(core: AttentionCore, value: Callable[[torch.fx.Node], torch.Tensor], chunks: List[tuple]) -> List[int]:
+    """For each chunk (lo, hi) of query rows, how many of the first keys it attends to (all of them
+    where nothing can be cut, module docstring). ``value(n)``: the whole value of an operand."""
+    keys = value(core.nodes[0].args[1]).shape[-1]
+    node = additive_mask(core)
+    mask = value(node) if node is not None else None
+    if not (torch.is_tensor(mask) and mask.is_floating_point() and mask.dim() >= 2 and mask.shape[-1] == keys
+            and keys > 1):
+        return [keys] * len(chunks)
+    split = mask.shape[-2] > 1
+    out = []
+    with torch.no_grad():
+        for lo, hi in chunks:
+            m = mask[..., lo:hi, :] if split else mask
+            opened = m >= OPEN
+            if not bool((opened | (m <= CLOSED)).all()) or not bool(opened.any(-1).all()):
+                out.append(keys)
+                continue
+            cols = opened.reshape(-1, keys).any(0)
+            out.append(int(cols.nonzero().max()) + 1)
+    return out
