@@ -100,7 +100,7 @@ class _CoreInRowChunks(torch.autograd.Function):
                     attention, gs = also[0].detach(), gs[:-1]
                 del vals, also
             if ctx.rows_hook is not None:
-                ctx.rows_hook[1](lo, hi, ctx.queries, pad_keys(attention, keys), pad_keys(da, keys))
+                ctx.rows_hook[1](lo, hi, ctx.queries, attention, da, keys[1])
                 del attention, da
             for i, g in zip(idx, gs):
                 if g is None:

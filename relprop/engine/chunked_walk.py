@@ -30,7 +30,7 @@ from ..graph.attention_core import AttentionCore, evaluate_rows, find_core, firs
 from ..graph.nodes import is_live, module_path, module_type
 from ..rules.context import RuleContext
 from ..rules.stabilize import fit_to_shape, promote
-from .chunked_core import chunk_plan, pad_keys
+from .chunked_core import chunk_plan
 from .ledger import STABILIZER
 
 
@@ -139,8 +139,7 @@ def _walk_chunks(walker, r, core, block, dout, chunks, sums, hooks, counting: bo
                 break
             rn = R.pop(node, None)
             if node is block.attention and not counting and hooks is not None:
-                hooks.reached_rows(block, lo, hi, chunks[-1][1], pad_keys(vals[node], keys), pad_keys(grad, keys),
-                                   pad_keys(rn, keys))
+                hooks.reached_rows(block, lo, hi, chunks[-1][1], vals[node], grad, rn, keys[1])
             if rn is None:
                 continue
             shares, spec = _rule(walker, node, rn, value, sums, counting)

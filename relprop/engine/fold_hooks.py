@@ -69,24 +69,27 @@ class BlockFolder:
         self.pending = None
         self.handed: set = set()  # the blocks the backward passes handed over (rows_hook)
 
-    def reached_rows(self, b, lo: int, hi: int, queries: int, attention, gradient, relevance) -> None:
+    def reached_rows(self, b, lo: int, hi: int, queries: int, attention, gradient, relevance, keys: int) -> None:
         """The row-chunked walk reached rows ``lo:hi`` of block ``b``'s attention map (of ``queries``
-        rows) with their A, dA and R_A (None: no relevance reaches it): hand them to the folds that
-        take chunks (``fold.start_rows``); gather them whole for the others (:meth:`rows_done`)."""
+        rows and ``keys`` keys) with their A, dA and R_A (None: no relevance reaches it), on the
+        chunk's first keys (the others are 0: :func:`relprop.engine.chunked_core.chunk_plan`): hand
+        them to the folds that take chunks (``fold.start_rows``, which take them so); gather them
+        whole, with their zeros, for the others (:meth:`rows_done`)."""
         unfold = unfolder(b.folded_heads, self.batch)
         part = types.SimpleNamespace(attention=unfold(record(attention)), gradient=unfold(record(gradient)),
                                      relevance=unfold(record(relevance)))
         if lo == 0:
-            shape = part.attention.shape[:-2] + (queries, part.attention.shape[-1])
+            shape = part.attention.shape[:-2] + (queries, keys)
             meta = types.SimpleNamespace(index=b.index, name=b.name, layer=b.layer, device=part.attention.device,
                                          attention=torch.empty(shape, device="meta"))
             chunked = [f for f in self.folds if getattr(f, "start_rows", None) is not None and f.start_rows(meta)]
-            self.pending = (chunked, [f for f in self.folds if f not in chunked], [], part.attention.shape[-1])
+            self.pending = (chunked, [f for f in self.folds if f not in chunked], [], keys)
         chunked, whole, parts, _ = self.pending
         for fold in chunked:
             fold.fold_rows(part, lo)
         if whole:
-            parts.append((attention, gradient, relevance))
+            parts.append(tuple(pad_keys(t, (t.shape[-1], keys)) if t is not None else None
+                               for t in (attention, gradient, relevance)))
 
     def rows_done(self, b) -> None:
         """Every chunk of block ``b`` was handed over (:meth:`reached_rows`): close the chunked folds,
@@ -119,8 +122,8 @@ class BlockFolder:
         which hands the chunks to the folds as that backward computes them; :meth:`after_segment`
         then has nothing left to compute for the block (else, when no gradient reached the core,
         it recomputes the chunks, :meth:`_rows_without_walk`)."""
-        def hand(lo, hi, queries, attention, gradient):
-            self.reached_rows(b, lo, hi, queries, attention, gradient, None)
+        def hand(lo, hi, queries, attention, gradient, keys):
+            self.reached_rows(b, lo, hi, queries, attention, gradient, None, keys)
             if hi == queries:
                 self.rows_done(b)
                 self.handed.add(b.index)
@@ -134,7 +137,7 @@ class BlockFolder:
         queries = self.env[core.rows[0]].shape[-2]
         for lo, hi, keys in chunk_plan(core, self.env.__getitem__, queries, self.rows):
             vals, grad = chunk_values(core, b.attention, self.env.__getitem__, lo, hi, self.compute, dout, keys)
-            self.reached_rows(b, lo, hi, queries, pad_keys(vals[b.attention], keys), pad_keys(grad, keys), None)
+            self.reached_rows(b, lo, hi, queries, vals[b.attention], grad, None, keys[1])
             del vals, grad
         self.rows_done(b)
 

@@ -23,18 +23,25 @@ from .query import support_of
 
 
 def causal_rows(a: torch.Tensor, real: torch.Tensor, lo: int) -> bool:
-    """:func:`relprop.methods.query.causal_block` on query rows ``lo`` … of a map (``a``: those rows)."""
+    """:func:`relprop.methods.query.causal_block` on query rows ``lo`` … of a map (``a``: those rows,
+    on the first keys of the N tokens: the keys after its width are 0, the row-chunked walk's chunks
+    of :func:`relprop.engine.chunked_core.chunk_plan`)."""
     n = real.shape[-1]
-    if a.shape[-1] != n:
+    if a.shape[-1] > n:
         return False
-    rows = a.shape[-2]
+    rows, width = a.shape[-2], a.shape[-1]
     cut = lo + 1  # (keys 0 … lo are above no row of the chunk's diagonal: only the keys after them are read)
-    if cut >= n:
+    if cut >= width:
         return True
-    upper = torch.arange(cut, n, device=a.device)[None, :] > torch.arange(lo, lo + rows, device=a.device)[:, None]
+    upper = torch.arange(cut, width, device=a.device)[None, :] > torch.arange(lo, lo + rows, device=a.device)[:, None]
     r = real[:, lo:lo + rows]
     r = r[:, None, :, None] if a.dim() == 4 else r[:, :, None]
     return not bool(((a[..., cut:] != 0) & upper & r).any())
+
+
+def all_keys(t: torch.Tensor, n: int) -> torch.Tensor:
+    """``t`` (rows of a map on its first keys) with zeros on the keys after them, up to ``n``."""
+    return t if t.shape[-1] == n else torch.nn.functional.pad(t, (0, n - t.shape[-1]))
 
 
 class FirstBlockRows:
@@ -57,12 +64,14 @@ class FirstBlockRows:
         self.causal = True
 
     def add(self, part, lo: int) -> None:
-        """Take query rows ``lo`` … (``part``: their A, dA, R_A)."""
+        """Take query rows ``lo`` … (``part``: their A, dA, R_A, on the first keys of the N tokens, the
+        others 0; kept here with those zeros)."""
         maps, agg = self.head_maps(part), self.agg
         if agg.positive and agg.head_fusion != "gradient" and not shares_memory(
                 maps, part.attention, part.gradient, part.relevance):
             maps, agg = maps.clamp_(min=0), dataclasses.replace(agg, positive=False)
-        self.fused.append(fuse_heads(maps, part.gradient, agg))
+        n = self.real.shape[-1]
+        self.fused.append(all_keys(fuse_heads(maps, part.gradient, agg), n))
         read = support_of(part.gradient)
         self.reads.append(read)
         if self.causal:
@@ -77,7 +86,7 @@ class FirstBlockRows:
             sel = part.gradient[:, :, keep] * sel
         if agg.positive:
             sel = sel.clamp(min=0)
-        self.head_parts.append(sel)
+        self.head_parts.append(all_keys(sel, n))
 
     def read(self) -> torch.Tensor:
         """[batch, N] bool: the rows the gradient reaches (:func:`relprop.methods.query.support_of`)."""

@@ -200,9 +200,10 @@ class RowFold:
 
     def _rows_add(self, state: dict, rec, offset: int) -> None:
         """Add the terms of query rows ``offset`` … of the block to ``state``: ``rec`` holds A, dA,
-        R_A on those rows (a whole record with ``offset`` 0, or a chunk of the row-chunked walk)."""
+        R_A on those rows (a whole record with ``offset`` 0, or a chunk of the row-chunked walk, on the
+        first keys of the block's N: the keys after its width are 0 there, and so are their terms)."""
         a = rec.attention
-        n = a.shape[-2]
+        n, total = a.shape[-2], self.row.shape[-1]
         per_row = max(1, a.numel() // n) * a.element_size()
         step = max(1, FOLD_CHUNK_BYTES // per_row)
         for start in range(0, n, step):
@@ -214,7 +215,10 @@ class RowFold:
             if agg.positive and agg.head_fusion != "gradient" and not shares_memory(
                     maps, part.attention, part.gradient, part.relevance):
                 maps, agg = maps.clamp_(min=0), dataclasses.replace(agg, positive=False)
-            fused = fuse_heads(maps, part.gradient, agg)  # [batch, rows of the chunk, N]
+            fused = fuse_heads(maps, part.gradient, agg)  # [batch, rows of the chunk, its first keys]
+            width = max(fused.shape[-1], hi)  # (the identity's column of each row included)
+            if width > fused.shape[-1]:
+                fused = torch.nn.functional.pad(fused, (0, width - fused.shape[-1]))
             rows = torch.arange(hi - lo, device=fused.device)
             eye = torch.zeros(fused.shape[-2:], dtype=fused.dtype, device=fused.device)
             eye[rows, rows + lo] = 1
@@ -222,11 +226,11 @@ class RowFold:
             if self.agg.normalize_rows:
                 sums = chunk.sum(-1, keepdim=True)
                 chunk, fused = chunk / sums, fused / sums  # Ā_b's rows and their map part N_b
-            term = torch.matmul(self.row[..., lo:hi], chunk)  # [batch, k, rows] · [batch, rows, N]
-            state["out"] = term if state["out"] is None else state["out"].add_(term)
+            term = torch.matmul(self.row[..., lo:hi], chunk)  # [batch, k, rows] · [batch, rows, width]
+            _add_first(state, "out", term, total)
             if self.agg.identity == "exclude":  # relprop.methods.identity.fold_step, chunk by chunk
                 term = torch.matmul(self.excluded[..., lo:hi], chunk) + torch.matmul(self.path[..., lo:hi], fused)
-                state["excluded"] = term if state["excluded"] is None else state["excluded"].add_(term)
+                _add_first(state, "excluded", term, total)
                 if self.agg.normalize_rows:
                     state["path"][..., lo:hi] = self.path[..., lo:hi] / sums[:, None, :, 0]
 
@@ -342,3 +346,12 @@ class RowFold:
             row = merge_rows(row, excluded, w)
         return {"tokens": row, "query": w, "heads": heads, "flat_cause": flat_cause(self.agg.identity, w),
                 "matrix": NotKept("the aggregated matrix (exp.matrix)", self.name)}
+
+
+def _add_first(state: dict, key: str, term: torch.Tensor, total: int) -> None:
+    """``state[key]`` += ``term`` on its first keys (``term``: [batch, k, width ≤ total]); a new
+    [batch, k, total] sum the first time."""
+    if state[key] is None:
+        state[key] = term if term.shape[-1] == total else torch.nn.functional.pad(term, (0, total - term.shape[-1]))
+    else:
+        state[key][..., :term.shape[-1]].add_(term)
