@@ -33,7 +33,10 @@ def _left_padded(lengths=(9, 8, 9)):
     return {"input_ids": ids, "attention_mask": mask}
 
 
-def _causal_mask(n, closed=torch.finfo(torch.float32).min):
+FLOAT32_MIN = torch.finfo(torch.float32).min
+
+
+def _causal_mask(n, closed=FLOAT32_MIN):
     m = torch.zeros(1, 1, n, n)
     return m.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), closed)
 

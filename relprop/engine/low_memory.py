@@ -17,6 +17,7 @@ import torch.fx
 from ..graph.aliasing import shares_memory
 from ..graph.attention_core import CHECKS
 from ..graph.dispatch import saving_by_name
+from ..graph.key_bounds import reading_once
 from ..graph.nodes import evaluate
 from ..graph.tokens import token_positions
 from . import chunked_core
@@ -28,6 +29,7 @@ from .trace import Pass
 from .walk import Walker
 
 
+@reading_once()  # (each mask's key bounds read once per run)
 def run_low(request: Request, out_nodes: List[torch.fx.Node], wrt: List[torch.fx.Node], remat,
             folder: Optional[Any] = None) -> Pass:
     """``memory="low"``: gradient checkpointing at the attention blocks, for the walk as well.

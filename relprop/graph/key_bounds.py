@@ -19,6 +19,8 @@ closed keys: a fully masked row is uniform, or zero under the safe softmax).
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 from typing import Callable, List, Optional
 
 import torch
@@ -56,6 +58,22 @@ def additive_mask(core: AttentionCore) -> Optional[torch.fx.Node]:
     return masks[0] if len(masks) == 1 else None
 
 
+#: the bounds read in the current run: {(mask node, chunks): bounds} (:func:`reading_once`)
+_RUN: contextvars.ContextVar = contextvars.ContextVar("relprop_key_bounds", default=None)
+
+
+@contextlib.contextmanager
+def reading_once():
+    """Within this context (one engine run) each mask node's bounds are read once: the blocks of a
+    model share their mask, and the forward pass, the backward pass and the walk read it again. A
+    node's value is the same throughout a run (recomputed segments compute it alike)."""
+    token = _RUN.set({})
+    try:
+        yield
+    finally:
+        _RUN.reset(token)
+
+
 def key_bounds(core: AttentionCore, value: Callable[[torch.fx.Node], torch.Tensor], chunks: List[tuple]) -> List[int]:
     """For each chunk (lo, hi) of query rows, how many of the first keys it attends to (all of them
     where nothing can be cut, module docstring). ``value(n)``: the whole value of an operand."""
@@ -65,6 +83,18 @@ def key_bounds(core: AttentionCore, value: Callable[[torch.fx.Node], torch.Tenso
     if not (torch.is_tensor(mask) and mask.is_floating_point() and mask.dim() >= 2 and mask.shape[-1] == keys
             and keys > 1):
         return [keys] * len(chunks)
+    run, key = _RUN.get(), (node, keys, tuple(chunks))
+    if run is not None and key in run:
+        return list(run[key])
+    out = _read(mask, keys, chunks)
+    if run is not None:
+        run[key] = out
+    return list(out)
+
+
+def _read(mask: torch.Tensor, keys: int, chunks: List[tuple]) -> List[int]:
+    """The bounds of :func:`key_bounds`, read from ``mask`` one chunk of rows at a time (no temporary
+    as large as the mask)."""
     split = mask.shape[-2] > 1
     out = []
     with torch.no_grad():
