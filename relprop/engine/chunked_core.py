@@ -24,6 +24,13 @@ from ..graph.key_bounds import key_bounds
 #: whole, as before). On by default: a folded run is the long-input path, where the whole cores'
 #: heads x tokens^2 tensors are the peak; the chunked walk gives the same numbers to float rounding.
 ROW_CHUNK: Optional[int] = 256
+#: the most bytes a chunk's heads × rows × keys tensor may take: where the keys are many, a chunk has
+#: fewer rows than :data:`ROW_CHUNK` (at least :data:`MIN_ROWS`). The recomputation of a chunk holds
+#: about four such tensors (scores, softmax, their gradients) on top of what forward+backward holds:
+#: 32 MiB is 128 rows of 8 heads × 8192 keys (256 rows gave 1.15× the peak of a fused
+#: forward+backward pass there, 64 rows 1.04×).
+CHUNK_BYTES = 32 * 2 ** 20
+MIN_ROWS = 16
 
 
 def row_chunks(queries: int, chunk: int) -> List[tuple]:
@@ -31,13 +38,24 @@ def row_chunks(queries: int, chunk: int) -> List[tuple]:
     return [(lo, min(lo + chunk, queries)) for lo in range(0, queries, max(1, chunk))]
 
 
+def chunk_rows(chunk: int, lead: int, keys: int, itemsize: int = 4) -> int:
+    """Rows per chunk: ``chunk`` (:data:`ROW_CHUNK`), fewer where a chunk's ``lead`` (batch × heads)
+    × rows × ``keys`` tensor would exceed :data:`CHUNK_BYTES`, but at least :data:`MIN_ROWS`."""
+    return min(chunk, max(MIN_ROWS, CHUNK_BYTES // max(1, lead * keys * itemsize)))
+
+
 def chunk_plan(core: AttentionCore, value: Callable[[torch.fx.Node], torch.Tensor], queries: int,
                chunk: int) -> List[tuple]:
-    """(lo, hi, (kept keys, all keys)) of each chunk of ``chunk`` query rows: the keys each chunk
-    attends to (:func:`relprop.graph.key_bounds.key_bounds`; on a causal decoder the keys before
-    ``hi``), so that it is evaluated on those only."""
-    chunks = row_chunks(queries, chunk)
+    """(lo, hi, (kept keys, all keys)) of each chunk of query rows: ``chunk`` rows or fewer
+    (:func:`chunk_rows`), and the keys each chunk attends to
+    (:func:`relprop.graph.key_bounds.key_bounds`; on a causal decoder the keys before ``hi``), so
+    that it is evaluated on those only. The forward pass, the backward pass and the walk of a core
+    get the same chunks."""
+    q = value(core.nodes[0].args[0])
     keys = value(core.nodes[0].args[1]).shape[-1]
+    lead = max(1, q.numel() // max(1, q.shape[-1] * q.shape[-2])) if torch.is_tensor(q) and q.dim() >= 2 else 1
+    itemsize = max(4, q.element_size()) if torch.is_tensor(q) else 4
+    chunks = row_chunks(queries, chunk_rows(chunk, lead, keys, itemsize))
     return [(lo, hi, (kept, keys)) for (lo, hi), kept in zip(chunks, key_bounds(core, value, chunks))]
 
 
