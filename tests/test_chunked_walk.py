@@ -2,12 +2,17 @@
 a folded run whose attention cores are evaluated, differentiated and walked in chunks of query rows
 gives the numbers of the folded run with whole cores (scores, head rows, the ledger, the input
 relevance) for chunks of 1 row, 3 rows and all rows, on LLaMA, GPT-2 and BERT (padded batches, so
-chefer2021's Lemma-2 normalization of the mask's sum sees non-zero masks)."""
+chefer2021's Lemma-2 normalization of the mask's sum sees non-zero masks). chefer2021's normalization
+is deferred: one pass over the chunks, its per-sample factors applied once every chunk is walked
+(relprop.engine.deferred_shares), or the counting path where the walk cannot defer."""
 import pytest
+import torch
 
 import models
 import relprop
+import zoo
 from relprop.engine import chunked_core
+from relprop.engine import chunked_walk, deferred_shares
 from relprop.engine.chunked_walk import plan_cores
 from relprop.graph.capture import CACHE
 from relprop.graph.inputs import bind_inputs
@@ -108,3 +113,125 @@ def test_causal_rows_of_chunks_agree_with_the_whole_map():
         for chunk in (1, 2, 3, n):
             got = all(causal_rows(a[..., lo:lo + chunk, :], real, lo) for lo in range(0, n, chunk))
             assert got == causal_block(a, real), chunk
+
+
+def _chunk_calls(monkeypatch):
+    """The chunks that chunked_walk recomputes, as (lo, hi, with dA: False in a counting pass)."""
+    calls = []
+    recompute = chunked_walk.chunk_values
+
+    def counted(core, attention, value, lo, hi, compute=None, dout=None, keys=None):
+        calls.append((lo, hi, dout is not None))
+        return recompute(core, attention, value, lo, hi, compute, dout, keys)
+
+    monkeypatch.setattr(chunked_walk, "chunk_values", counted)
+    return calls
+
+
+def _factors(monkeypatch):
+    """The per-sample factors each deferral gives."""
+    seen = []
+    factors = deferred_shares.Deferral.factors
+
+    def spy(self):
+        g = factors(self)
+        if g is not None:
+            seen.append([t.clone() for t in g])
+        return g
+
+    monkeypatch.setattr(deferred_shares.Deferral, "factors", spy)
+    return seen
+
+
+def _same_walk(got, whole, what):
+    """Scores, head rows, input relevance and every figure of the ledger agree."""
+    _close(got.scores, whole.scores, what + " scores")
+    _close(got.heads, whole.heads, what + " heads")
+    _close(got.input_relevance, whole.input_relevance, what + " input relevance")
+    c, w = got.conservation, whole.conservation
+    for field in ("injected", "input", "absorbed"):
+        _close(getattr(c, field), getattr(w, field), f"{what} {field}")
+    assert set(c.absorbed_by) == set(w.absorbed_by), what
+    for label, v in w.absorbed_by.items():
+        _close(c.absorbed_by[label], v, f"{what} absorbed by {label}")
+    assert [b.name for b in c.blocks] == [b.name for b in w.blocks], what
+    for b, wb in zip(c.blocks, w.blocks):
+        for field in ("relevance_in", "relevance_out", "absorbed"):
+            _close(getattr(b, field), getattr(wb, field), f"{what} block {b.name} {field}")
+
+
+def test_chefer2021_normalization_is_deferred_one_pass_over_the_chunks(monkeypatch):
+    """transformer_attribution under chefer2021: each chunk of each core is recomputed once, with dA
+    (no counting pass), and the counting path is not taken."""
+    model, batch = CASES["hf_llama_eager"]()
+    calls = _chunk_calls(monkeypatch)
+    seen = _factors(monkeypatch)
+
+    def counted(*args, **kw):
+        raise AssertionError("the counting path ran")
+
+    monkeypatch.setattr(chunked_walk, "_walk_counted", counted)
+    _explain(model, batch, "transformer_attribution", "chefer2021", 3, monkeypatch)
+    queries = batch["input_ids"].shape[1]
+    cores = len(model.model.layers)
+    assert calls == [(lo, min(lo + 3, queries), True) for lo in range(0, queries, 3)] * cores
+    assert len(seen) == cores  # one deferred normalization (the mask's sum) per core
+
+
+def _two_samples(name):
+    """A model and a batch of two samples: texts of different lengths (padded; LLaMA is causal), or
+    two images for BEiT, whose relative position bias is the finite constant of the scores' sum."""
+    if name == "hf_beit":
+        return zoo.hf_beit().eval(), torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(0))
+    model, _ = CASES[name]()
+    return model, (models.text_batch if name == "hf_bert_eager" else models.decoder_batch)(lengths=(8, 5), seed=1)
+
+
+@pytest.mark.parametrize("name", ["hf_bert_eager", "hf_llama_eager", "hf_beit"])
+def test_deferred_factors_per_sample_equal_the_whole_walk(name, monkeypatch):
+    """Two samples, chunks of 1 and 3 rows: one pass over the chunks gives the whole walk's scores,
+    head rows, input relevance and ledger (injected, input, absorbed by label and per block).
+    (With an additive mask of 0 and a large negative number the mask's share is 0 and the factor of
+    the scores' share Σ R / Σ R_u, near 1; BEiT's bias gives factors of either sign.)"""
+    model, batch = _two_samples(name)
+    whole = _explain(model, batch, "transformer_attribution", "chefer2021", None, monkeypatch)
+    for rows in (1, 3):
+        calls = _chunk_calls(monkeypatch)
+        seen = _factors(monkeypatch)
+        got = _explain(model, batch, "transformer_attribution", "chefer2021", rows, monkeypatch)
+        assert calls and all(with_da for _, _, with_da in calls), "a counting pass ran"
+        assert len(seen) == len(got.conservation.blocks) and all(g.shape == (2,) for gs in seen for g in gs)
+        if name == "hf_beit":
+            assert any((gu[0] - gu[1]).abs() > 0.1 for gu, _ in seen), "the samples' factors are alike"
+        _same_walk(got, whole, f"{name} rows={rows}")
+
+
+def test_counting_path_where_the_walk_cannot_defer(monkeypatch):
+    """Where the walk refuses to defer on the first chunk (forced here once its rules ran), the chunk's
+    work is dropped and the counting path gives the whole walk's numbers."""
+    model, batch = CASES["hf_bert_eager"]()
+    whole = _explain(model, batch, "transformer_attribution", "chefer2021", None, monkeypatch)
+    done = deferred_shares.Deferral.chunk_done
+
+    def refuse(self):
+        done(self)
+        if self.node is not None:
+            self.cannot("refused by the test")
+
+    monkeypatch.setattr(deferred_shares.Deferral, "chunk_done", refuse)
+    calls = _chunk_calls(monkeypatch)
+    got = _explain(model, batch, "transformer_attribution", "chefer2021", 3, monkeypatch)
+    assert any(not with_da for _, _, with_da in calls), "no counting pass ran"
+    _same_walk(got, whole, "counting path")
+
+
+def test_two_normalizing_sums_take_the_counting_path(monkeypatch):
+    """MPNet adds a relative position bias, then the mask, to the scores: two normalizing sums, the
+    second one's relevance scaled by the first one's factors; the walk counts the sums first."""
+    model = zoo.hf_mpnet().eval()
+    batch = models.text_batch(lengths=(8, 5), seed=1, pad_id=1, first_id=zoo.FIRST_ID)
+    whole = _explain(model, batch, "transformer_attribution", "chefer2021", None, monkeypatch)
+    calls = _chunk_calls(monkeypatch)
+    got = _explain(model, batch, "transformer_attribution", "chefer2021", 3, monkeypatch)
+    assert any(not with_da for _, _, with_da in calls), "no counting pass ran"
+    _same_walk(got, whole, "hf_mpnet")

@@ -8,13 +8,17 @@ heads × queries × keys tensor and gives the gradient at the core's output, dO.
 one step at the core's output instead of one per core node (:func:`walk_core`): for each chunk of
 query rows it recomputes the chunk's values, A_c and dA_c = ∂y/∂A_c (from dO_c, by autograd through the
 chunk), runs each core node's rule of the preset on the chunk (CVPR 2021 Eq. 1–3 are row-local, so a
-chunk's rows are those of the whole tensors), books what the rules absorb per chunk, hands
-(A_c, dA_c, R_A,c) to the folds, and gathers R_Q by rows and R_Kᵀ, R_V as sums over the chunks.
+chunk's rows are those of the whole tensors), hands (A_c, dA_c, R_A,c) to the folds, and gathers
+what the rules absorb, R_Q by rows and R_Kᵀ, R_V as sums over the chunks, handed on after the last.
 
-A rule that sums its tensors per sample (chefer2021's Lemma-2 normalization of the mask's sum,
-:func:`relprop.rules.residual.normalize_shares`) reads the whole tensors' sums: the chunks are walked
-once to add up each such sum (:class:`_Sums`, nothing delivered), then again with the sums known.
-Same numbers as the whole walk up to the order of float sums.
+A rule that normalizes its shares per sample (chefer2021's Lemma-2 normalization of the mask's sum,
+CVPR 2021 Eq. 6 and after Eq. 9: :func:`relprop.rules.residual.normalize_shares`) needs sums over
+the whole tensors. The walk defers its factors (:mod:`relprop.engine.deferred_shares`): one pass
+adds up the sums while the unscaled shares go down the core's linear rules, and what they give is
+scaled per sample once every chunk is walked. Where it cannot prove that sound, on the first chunk,
+it takes the counting path: the chunks are walked once to add up each such sum (:class:`_Sums`,
+nothing handed on), then again with the sums known. Same numbers as the whole walk up to the order
+of float sums.
 """
 from __future__ import annotations
 
@@ -31,6 +35,7 @@ from ..graph.nodes import is_live, module_path, module_type
 from ..rules.context import RuleContext
 from ..rules.stabilize import fit_to_shape, promote
 from .chunked_core import chunk_plan
+from .deferred_shares import CannotDefer, CoreShares, Deferral
 from .ledger import STABILIZER
 
 
@@ -89,11 +94,31 @@ class _Sums:
 
 @dataclasses.dataclass
 class _ChunkContext(RuleContext):
+    """A rule's context on one chunk: sums per sample are those of :class:`_Sums` (the counting path)
+    or deferred (``deferral``; ``tag``: that of the relevance the rule is given)."""
+
     sums: Optional[_Sums] = None
+    deferral: Optional[Deferral] = None
+    tag: Optional[int] = None
+    deferred: Optional[tuple] = None  # the shares whose factors the rule deferred
 
     def sample_sum(self, t: torch.Tensor) -> torch.Tensor:
         """The per-sample sum over the whole tensor whose rows ``t`` is (see :class:`_Sums`)."""
+        if self.deferral is not None:
+            self.deferral.cannot(f"the rule of {self.node.name} sums per sample")
         return self.sums.take(self.node, super().sample_sum(t))
+
+    def share_factors(self, shares, relevance, factors):
+        """Deferred where the walk defers (:mod:`relprop.engine.deferred_shares`): the chunk's sums
+        are added up, the shares come back unscaled (None)."""
+        if self.deferral is None:
+            return super().share_factors(shares, relevance, factors)
+        if self.tag is not None:
+            self.deferral.cannot(f"the rule of {self.node.name} normalizes relevance scaled later")
+        whole = RuleContext.sample_sum
+        self.deferral.add(self.node, [whole(self, s) for s in shares], whole(self, relevance), factors)
+        self.deferred = tuple(shares)
+        return None
 
 
 def walk_core(walker, product, r, core: AttentionCore, block, dout, chunk: int, hooks=None) -> None:
@@ -103,75 +128,96 @@ def walk_core(walker, product, r, core: AttentionCore, block, dout, chunk: int, 
     (A_c, dA_c, R_A,c) handed to ``hooks.reached_rows`` and the block closed by ``hooks.rows_done``."""
     queries = walker.values.value(core.rows[0]).shape[-2]
     chunks = chunk_plan(core, walker.values.value, queries, chunk)
-    sums = _Sums()
-    if r is not None and len(chunks) > 1:  # first chunk: does a rule sum per sample?
-        _walk_chunks(walker, r, core, block, dout, chunks[:1], sums, None, counting=True)
-        if len(sums.nodes) > 1:  # sums of shares that depend on other sums: walk the rows at once
-            keys = chunks[0][2][1]
-            chunks, sums = [(0, queries, (keys, keys))], _Sums()
-        elif sums.nodes:  # the sums over the other chunks, then the walk with the whole sums
-            _walk_chunks(walker, r, core, block, dout, chunks[1:], sums, None, counting=True)
-            sums.replay = True
-    _walk_chunks(walker, r, core, block, dout, chunks, sums, hooks, counting=False)
+    if r is not None and len(chunks) > 1:
+        try:  # one pass, normalizations deferred
+            _walk_chunks(walker, r, core, block, dout, chunks, _Sums(), hooks, False, Deferral())
+        except CannotDefer:  # (on the first chunk: nothing was handed on)
+            _walk_counted(walker, r, core, block, dout, chunks, hooks)
+    else:  # (one chunk: its sums are the whole sums)
+        _walk_chunks(walker, r, core, block, dout, chunks, _Sums(), hooks, counting=False)
     if hooks is not None:
         hooks.rows_done(block)
 
 
-def _walk_chunks(walker, r, core, block, dout, chunks, sums, hooks, counting: bool) -> None:
+def _walk_counted(walker, r, core, block, dout, chunks, hooks) -> None:
+    """The counting path: the sums per sample added up over the chunks first, then the walk."""
+    queries = chunks[-1][1]
+    sums = _Sums()
+    _walk_chunks(walker, r, core, block, dout, chunks[:1], sums, None, counting=True)  # a rule sums per sample?
+    if len(sums.nodes) > 1:  # sums of shares that depend on other sums: walk the rows at once
+        keys = chunks[0][2][1]
+        chunks, sums = [(0, queries, (keys, keys))], _Sums()
+    elif sums.nodes:  # the sums over the other chunks, then the walk with the whole sums
+        _walk_chunks(walker, r, core, block, dout, chunks[1:], sums, None, counting=True)
+        sums.replay = True
+    _walk_chunks(walker, r, core, block, dout, chunks, sums, hooks, counting=False)
+
+
+def _walk_chunks(walker, r, core, block, dout, chunks, sums, hooks, counting: bool,
+                 deferral: Optional[Deferral] = None) -> None:
     a, values = walker.a, walker.values
     interior = set(core.nodes)
     rows_of = set(core.rows)
-    row_shares: Dict[torch.fx.Node, List[torch.Tensor]] = {}
-    whole_shares: Dict[torch.fx.Node, torch.Tensor] = {}
+    out = CoreShares(walker, deferral)
     product = core.nodes[-1]
     # counting: no dA (only the folds read it), and once the summing rules are known, no rule below them
     last_sum = min((core.nodes.index(n) for n in sums.nodes), default=None) if counting else None
-    for lo, hi, keys in chunks:
+    for k, (lo, hi, keys) in enumerate(chunks):
         vals, grad = chunk_values(core, block.attention, values.value, lo, hi, values.compute,
                                   None if counting else dout, keys)
         R: Dict[torch.fx.Node, torch.Tensor] = {} if r is None else {product: r[..., lo:hi, :]}
+        tags: Dict[torch.fx.Node, int] = {}  # a deferred factor's tag of R where it has one
         sums.calls = 0
+        if deferral is not None:
+            deferral.chunk(first=k == 0)
         value = _reader(core, vals, values.value, rows_of, lo, hi, keys)
-
+        reached = None
         for i in range(len(core.nodes) - 1, -1, -1):
             node = core.nodes[i]
             if last_sum is not None and i < last_sum:
                 break
-            rn = R.pop(node, None)
-            if node is block.attention and not counting and hooks is not None:
-                hooks.reached_rows(block, lo, hi, chunks[-1][1], vals[node], grad, rn, keys[1])
+            rn, tag = R.pop(node, None), tags.pop(node, None)
+            if node is block.attention:
+                if tag is not None:
+                    deferral.cannot("the attention map, which the folds read, gets relevance scaled later")
+                reached = rn
             if rn is None:
                 continue
-            shares, spec = _rule(walker, node, rn, value, sums, counting)
+            shares, spec, deferred = _rule(walker, node, rn, value, sums, counting, out, deferral, tag)
             held = spec.constant_positions
             arg_nodes = node.args if spec.operands is None else spec.operands
-            for i, arg in enumerate(arg_nodes):
-                share = shares[i] if i < len(shares) else None
+            for j, arg in enumerate(arg_nodes):
+                share = shares[j] if j < len(shares) else None
                 if share is None or counting and arg not in interior:
                     continue
-                if isinstance(arg, torch.fx.Node) and arg in a.live and i not in held:
+                st = tag if deferred is None else deferral.tag_of(share, deferred)
+                if isinstance(arg, torch.fx.Node) and arg in a.live and j not in held:
                     share = fit_to_shape(promote(share), value(arg).shape)
                     if arg in interior:
+                        if arg in R and tags.get(arg) != st:
+                            deferral.cannot(f"relevance scaled by different factors meets at {arg.name}")
                         R[arg] = R[arg] + share if arg in R else share
+                        if st is not None:
+                            tags[arg] = st
                         continue
                     whole = values.value(arg)
                     share = all_keys(share, whole.shape[:-2] + (hi - lo,) + whole.shape[-1:]
                                      if arg in rows_of else whole.shape)
                     if arg in rows_of:
-                        row_shares.setdefault(arg, []).append(share)
+                        out.row(arg, st, share)
                     else:
-                        whole_shares[arg] = whole_shares[arg] + share if arg in whole_shares else share
+                        out.add_whole(arg, st, share)
                 elif torch.is_tensor(share) and not counting:
-                    label = walker.held_label(arg, node) if i in held else walker.constant_label(arg, node)
-                    walker.ledger.absorb(label, promote(share), node, walker.bdim.get(arg)
-                                         if isinstance(arg, torch.fx.Node) else None, vals[node])
-        del vals, grad, R, value
-    if counting:
-        return
-    for arg, parts in row_shares.items():
-        walker.deliver(arg, torch.cat(parts, -2), product)
-    for arg, share in whole_shares.items():
-        walker.deliver(arg, share, product)
+                    label = walker.held_label(arg, node) if j in held else walker.constant_label(arg, node)
+                    out.absorb(label, promote(share), node, walker.bdim.get(arg)
+                               if isinstance(arg, torch.fx.Node) else None, vals[node], st)
+        if deferral is not None:
+            deferral.chunk_done()
+        if hooks is not None and not counting:  # (once the chunk's walk is done: nothing was deferred wrongly)
+            hooks.reached_rows(block, lo, hi, chunks[-1][1], vals[block.attention], grad, reached, keys[1])
+        del vals, grad, R, value, reached
+    if not counting:
+        out.hand_on(product)
 
 
 def _reader(core, vals, whole, rows_of, lo: int, hi: int, keys: tuple) -> Callable:
@@ -199,9 +245,10 @@ def all_keys(share: torch.Tensor, shape) -> torch.Tensor:
     return torch.nn.functional.pad(share, pad)
 
 
-def _rule(walker, node, r, value, sums, counting: bool):
+def _rule(walker, node, r, value, sums, counting: bool, out: CoreShares, deferral=None, tag=None):
     """Run the preset's rule of core node ``node`` on the chunk (values from ``value``) with
-    relevance ``r``; book what its stabilizer keeps. Returns (shares, spec)."""
+    relevance ``r`` (of tag ``tag``); keep what its stabilizer keeps in ``out``. Returns (shares,
+    spec, the shares whose factors the rule deferred or None)."""
     a = walker.a
     spec = walker.rule_of(node)
     if spec is None:
@@ -212,7 +259,8 @@ def _rule(walker, node, r, value, sums, counting: bool):
     out_val = value(node)
     ctx = _ChunkContext(node=node, args=tuple(args), kwargs=kw, out=pytree.tree_map(promote, out_val), live=live,
                         batch_dim=walker.bdim.get(node), batch_size=walker.batch, eps=walker.eps,
-                        preset=walker.preset, options=walker.options, out_writable=False, sums=sums)
+                        preset=walker.preset, options=walker.options, out_writable=False, sums=sums,
+                        deferral=deferral, tag=tag)
     shares = spec.fn(ctx, r)
     if shares is None:
         raise UnsupportedOperation(node.target, module_path(node), module_type(node), walker.preset.name,
@@ -222,5 +270,5 @@ def _rule(walker, node, r, value, sums, counting: bool):
         kept = lost(node, ctx.args, ctx.out, r, walker.eps)
         if kept is not None:
             label, share = kept if isinstance(kept, tuple) else (STABILIZER, kept)
-            walker.ledger.absorb(label, share, node, None, out_val)
-    return shares, spec
+            out.absorb(label, share, node, None, out_val, tag)
+    return shares, spec, ctx.deferred

@@ -10,7 +10,7 @@ share under its label and per attention block, and the relevance entering and le
 from __future__ import annotations
 
 import operator
-from typing import Dict, Optional
+from typing import Dict, Optional, Tuple
 
 import torch
 
@@ -65,19 +65,28 @@ class Ledger:
         """Book ``rel``, a share that node ``consumer`` (with forward value ``out_val``) does not pass
         on, as absorbed under ``label``, per sample (its batch axis read off the consumer's output or,
         failing that, off the argument's ``arg_bdim``) and in every block the consumer belongs to."""
+        self.book(label, self.share(rel, consumer, arg_bdim, out_val)[0], consumer)
+
+    def share(self, rel: torch.Tensor, consumer, arg_bdim: Optional[int], out_val) -> Tuple[torch.Tensor, bool]:
+        """(the per-sample sum [batch] of ``rel`` as :meth:`absorb` books it, whether it is split by
+        sample: False for a constant with no per-sample structure, shared equally by the samples)."""
         batch = self.batch
         ob = self.bdim.get(consumer)
         if isinstance(out_val, (list, tuple)) and out_val and torch.is_tensor(out_val[0]):
             # (y, statistics...) of a normalization: shares of constants are shaped like y
             out_val, ob = out_val[0], _element_batch_dim(consumer, self.bdim)
         if torch.is_tensor(out_val) and ob is not None and rel.dim() == out_val.dim() and rel.shape[ob] % batch == 0:
-            s = sample_sum(rel, ob, batch)
-        elif arg_bdim is not None and rel.dim() > arg_bdim and rel.shape[arg_bdim] == batch:
-            s = sample_sum(rel, arg_bdim, batch)
-        elif rel.dim() > 0 and rel.shape[0] == batch:
-            s = sample_sum(rel, 0, batch)
-        else:  # a constant with no per-sample structure: only possible for batch 1
-            s = rel.sum().reshape(1).expand(batch) / batch
+            return sample_sum(rel, ob, batch), True
+        if arg_bdim is not None and rel.dim() > arg_bdim and rel.shape[arg_bdim] == batch:
+            return sample_sum(rel, arg_bdim, batch), True
+        if rel.dim() > 0 and rel.shape[0] == batch:
+            return sample_sum(rel, 0, batch), True
+        # a constant with no per-sample structure: only possible for batch 1
+        return rel.sum().reshape(1).expand(batch) / batch, batch == 1
+
+    def book(self, label: str, s: torch.Tensor, consumer) -> None:
+        """Book the per-sample sum ``s`` [batch] of a share absorbed by node ``consumer`` under
+        ``label`` and in every block the consumer belongs to."""
         self.absorbed_by[label] = self.absorbed_by.get(label, 0) + s
         paths = module_paths(consumer)
         for layer in self.layers:

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Optional, Sequence, Union
+from typing import Any, Callable, List, Optional, Sequence, Union
 
 import torch
 import torch.fx
@@ -83,7 +83,9 @@ class RuleContext:
         """Sum of ``t`` (shaped like ``out``) over everything but the batch: shape [batch].
 
         No statistic ever crosses the batch dimension, so that a batch explains exactly like its
-        samples one by one.
+        samples one by one. A rule whose shares are not linear in the relevance it is given takes
+        such statistics here or through :meth:`share_factors`, so that a walk that sees the tensors
+        by parts (:mod:`relprop.engine.chunked_walk`) knows it.
         """
         if self.batch_dim is None:
             raise RelpropError(f"node {self.node.name} has no batch dimension; cannot sum per sample")
@@ -94,13 +96,35 @@ class RuleContext:
     def per_sample(self, v: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
         """Reshape a [batch] vector so it broadcasts along ``batch_dim`` of ``like`` (repeated
         k times per sample where that dimension holds k·batch groups, batch-major)."""
-        shape = [1] * like.dim()
-        n = like.shape[self.batch_dim]
-        if n != v.shape[0] and n % v.shape[0] == 0:
-            v = v.repeat_interleave(n // v.shape[0])
-        shape[self.batch_dim] = v.shape[0]
-        return v.reshape(shape)
+        return per_sample(v, like, self.batch_dim)
+
+    def share_factors(self, shares: Sequence[torch.Tensor], relevance: torch.Tensor,
+                      factors: Callable[[List[torch.Tensor], torch.Tensor], Sequence[torch.Tensor]]
+                      ) -> Optional[Sequence[torch.Tensor]]:
+        """The per-sample factors by which a normalizing rule rescales its ``shares`` (tensors shaped
+        like ``out``, each linear in ``relevance``): ``factors(sums, total)`` maps the shares' sums
+        per sample and that of ``relevance`` ([batch] each, :meth:`sample_sum`) to one [batch] factor
+        per share (chefer2021's Lemma-2 normalization, CVPR 2021 after Eq. 9:
+        :func:`relprop.rules.residual.normalize_shares`).
+
+        Here computed at once from the whole tensors. A context that sees only part of them (a chunk
+        of query rows, :mod:`relprop.engine.chunked_walk`) may defer them: it returns None, the rule
+        returns its shares unscaled, and the context scales them, and whatever the linear rules below
+        derive from them, once it has the sums over all the parts.
+        """
+        return factors([self.sample_sum(s) for s in shares], self.sample_sum(relevance))
 
     def live_tensor_args(self) -> Sequence[int]:
         """Positions of positional arguments that are input-dependent tensors."""
         return [i for i, (a, l) in enumerate(zip(self.args, self.live)) if l is True and torch.is_tensor(a)]
+
+
+def per_sample(v: torch.Tensor, like: torch.Tensor, batch_dim: int) -> torch.Tensor:
+    """Reshape a [batch] vector so it broadcasts along axis ``batch_dim`` of ``like`` (repeated k times
+    per sample where that axis holds k·batch groups, batch-major)."""
+    shape = [1] * like.dim()
+    n = like.shape[batch_dim]
+    if n != v.shape[0] and n % v.shape[0] == 0:
+        v = v.repeat_interleave(n // v.shape[0])
+    shape[batch_dim] = v.shape[0]
+    return v.reshape(shape)

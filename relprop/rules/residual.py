@@ -44,14 +44,28 @@ def z_rule_sum(u, v, z, relevance, eps, z_writable: bool = False):
     return ru, torch.nan_to_num_(s.mul_(v), nan=0.0, posinf=0.0, neginf=0.0)
 
 
-def normalize_shares(ctx, ru, rv, relevance, eps, fresh: bool = False):
-    """Rescale two shares per sample so they conserve Σ R (CVPR 2021 after Eq. 9; Lemma 2).
-    ``fresh``: ``ru`` and ``rv`` are the caller's own temporaries and are rescaled in place."""
-    su, sv, total = ctx.sample_sum(ru), ctx.sample_sum(rv), ctx.sample_sum(relevance)
+def lemma2_factors(sums, total: torch.Tensor, eps: float):
+    """The per-sample factors (gu, gv) of :func:`normalize_shares` from the per-sample sums
+    ``sums`` = (Σ R_u, Σ R_v) of the z-rule's shares and ``total`` = Σ R ([batch] each): gu · Σ R_u =
+    |Σ R_u| / (|Σ R_u| + |Σ R_v|) · Σ R, and the same for v (CVPR 2021 after Eq. 9; Lemma 2)."""
+    su, sv = sums
     den = su.abs() + sv.abs()
     fu = safe_divide(su.abs() * total, den, 0.0)
     fv = safe_divide(sv.abs() * total, den, 0.0)
-    gu, gv = ctx.per_sample(safe_divide(fu, su, eps), ru), ctx.per_sample(safe_divide(fv, sv, eps), rv)
+    return safe_divide(fu, su, eps), safe_divide(fv, sv, eps)
+
+
+def normalize_shares(ctx, ru, rv, relevance, eps, fresh: bool = False):
+    """Rescale two shares per sample so they conserve Σ R (CVPR 2021 after Eq. 9; Lemma 2), by the
+    factors :func:`lemma2_factors` gives from the sums over the whole tensors, which the rule's context
+    provides (:meth:`relprop.rules.context.RuleContext.share_factors`). A context that defers them
+    (a chunk of query rows: the sums are over all the chunks) gets ``ru`` and ``rv`` back unscaled and
+    scales them itself. ``fresh``: ``ru`` and ``rv`` are the caller's own temporaries and are
+    rescaled in place."""
+    g = ctx.share_factors((ru, rv), relevance, lambda sums, total: lemma2_factors(sums, total, eps))
+    if g is None:
+        return ru, rv
+    gu, gv = ctx.per_sample(g[0], ru), ctx.per_sample(g[1], rv)
     if fresh:
         return times_fresh(ru, gu), times_fresh(rv, gv)
     return ru * gu, rv * gv
