@@ -84,8 +84,8 @@ class RuleContext:
 
         No statistic ever crosses the batch dimension, so that a batch explains exactly like its
         samples one by one. A rule whose shares are not linear in the relevance it is given takes
-        such statistics here or through :meth:`share_factors`, so that a walk that sees the tensors
-        by parts (:mod:`relprop.engine.chunked_walk`) knows it.
+        such statistics here or through ``share_factors``, so that a walk that sees the tensors
+        by parts (``relprop.engine.chunked_walk``) knows it.
         """
         if self.batch_dim is None:
             raise RelpropError(f"node {self.node.name} has no batch dimension; cannot sum per sample")
@@ -103,12 +103,12 @@ class RuleContext:
                       ) -> Optional[Sequence[torch.Tensor]]:
         """The per-sample factors by which a normalizing rule rescales its ``shares`` (tensors shaped
         like ``out``, each linear in ``relevance``): ``factors(sums, total)`` maps the shares' sums
-        per sample and that of ``relevance`` ([batch] each, :meth:`sample_sum`) to one [batch] factor
+        per sample and that of ``relevance`` ([batch] each, ``sample_sum``) to one [batch] factor
         per share (chefer2021's Lemma-2 normalization, CVPR 2021 after Eq. 9:
-        :func:`relprop.rules.residual.normalize_shares`).
+        ``relprop.rules.residual.normalize_shares``).
 
         Here computed at once from the whole tensors. A context that sees only part of them (a chunk
-        of query rows, :mod:`relprop.engine.chunked_walk`) may defer them: it returns None, the rule
+        of query rows, ``relprop.engine.chunked_walk``) may defer them: it returns None, the rule
         returns its shares unscaled, and the context scales them, and whatever the linear rules below
         derive from them, once it has the sums over all the parts.
         """

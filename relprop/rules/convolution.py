@@ -75,9 +75,19 @@ def z_box(x, w, p, relevance, eps, low, high):
     lo = low.expand_as(x)
     hi = high.expand_as(x)
     z = _conv(x, w, p) - _conv(lo, wp, p) - _conv(hi, wn, p)
+    z = _rounding_zeros(z, _conv(x.abs(), w.abs(), p) + _conv(lo.abs(), wp, p) - _conv(hi.abs(), wn, p))
     s = safe_divide(relevance, z, eps)
     return (x * conv_input_adjoint(s, w, x.shape, p) - lo * conv_input_adjoint(s, wp, x.shape, p)
             - hi * conv_input_adjoint(s, wn, x.shape, p))
+
+
+def _rounding_zeros(z: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``z`` with 0 where it is within float rounding of 0: smaller than 16 units in the last place of
+    ``scale``, the sum of its terms' magnitudes. z^B's z = Σ x w − l Σ w⁺ − h Σ w⁻ is exactly 0 for an
+    image at its bounds (a constant image), but its float sum leaves a residue of rounding that depends
+    on the order of the sum (the CPU's vector width), and ε-stabilized relevance divided by that
+    residue is noise; at 0 the share is 0, as :func:`relprop.rules.stabilize.safe_divide` gives."""
+    return z.masked_fill(z.abs() <= 16 * torch.finfo(z.dtype).eps * scale, 0.0)
 
 
 def _z_box_patches(x, w, relevance, eps, low, high):
@@ -92,6 +102,7 @@ def _z_box_patches(x, w, relevance, eps, low, high):
     patches = to_patches(x, k)  # [B, L, C·k·k]
     lo, hi = low.reshape(-1, 1, 1), high.reshape(-1, 1, 1)
     z = patches @ wm.t() - lo * wp.sum(1) - hi * wn.sum(1)  # [B, L, out]
+    z = _rounding_zeros(z, patches.abs() @ wm.abs().t() + lo.abs() * wp.sum(1) - hi.abs() * wn.sum(1))
     s = safe_divide(relevance.flatten(2).transpose(1, 2), z, eps)
     r = patches * (s @ wm) - lo * (s @ wp) - hi * (s @ wn)
     return from_patches(r, x.shape, k)
