@@ -235,3 +235,24 @@ def test_two_normalizing_sums_take_the_counting_path(monkeypatch):
     got = _explain(model, batch, "transformer_attribution", "chefer2021", 3, monkeypatch)
     assert any(not with_da for _, _, with_da in calls), "no counting pass ran"
     _same_walk(got, whole, "hf_mpnet")
+
+
+def test_a_user_rule_below_the_normalization_takes_the_counting_path(monkeypatch):
+    """A rule that is not relprop's own (here Q·Kᵀ's, overridden by a wrapper that is linear, so that
+    the numbers can be compared) may be non-linear in the relevance: relevance whose factors are
+    deferred is not walked through it; the walk counts the sums first."""
+    from relprop.rules import override
+    from relprop.rules.products import matmul
+
+    def my_matmul(ctx, relevance):
+        return matmul(ctx, relevance)
+
+    model, batch = CASES["hf_llama_eager"]()
+    model = model.double()
+    with override({torch.ops.aten.matmul.default: my_matmul}, preset="chefer2021"):
+        whole = _explain(model, batch, "transformer_attribution", "chefer2021", None, monkeypatch)
+        calls = _chunk_calls(monkeypatch)
+        got = _explain(model, batch, "transformer_attribution", "chefer2021", 3, monkeypatch)
+    assert any(not with_da for _, _, with_da in calls), "no counting pass ran"
+    _close(got.scores, whole.scores, "scores", 1e-9)
+    _close(got.input_relevance, whole.input_relevance, "input relevance", 1e-9)

@@ -253,6 +253,8 @@ def _rule(walker, node, r, value, sums, counting: bool, out: CoreShares, deferra
     spec = walker.rule_of(node)
     if spec is None:
         raise UnsupportedOperation(node.target, module_path(node), module_type(node), walker.preset.name)
+    if deferral is not None and tag is not None and not _relprops_own(spec.fn):
+        deferral.cannot(f"the rule of {node.name} is not one of relprop's (whose rules are linear in the relevance)")
     arg_nodes, kw_nodes = (node.args, node.kwargs) if spec.operands is None else (spec.operands, {})
     args, kw = torch.fx.node.map_arg((arg_nodes, kw_nodes), lambda n: promote(value(n)) if n in a.live else value(n))
     live = tuple(is_live(x, a.live) for x in arg_nodes)
@@ -272,3 +274,10 @@ def _rule(walker, node, r, value, sums, counting: bool, out: CoreShares, deferra
             label, share = kept if isinstance(kept, tuple) else (STABILIZER, kept)
             out.absorb(label, share, node, None, out_val, tag)
     return shares, spec, ctx.deferred
+
+
+def _relprops_own(fn) -> bool:
+    """Whether rule ``fn`` is one of relprop's own, known to be linear in the relevance it is given
+    (a rule registered or overridden by a user may not be: relevance scaled later is not walked
+    through it, :mod:`relprop.engine.deferred_shares`)."""
+    return (getattr(fn, "__module__", None) or "").startswith("relprop.")

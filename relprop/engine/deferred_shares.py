@@ -15,7 +15,8 @@ scale it per sample.
 The walk proves as it goes that this holds and raises :class:`CannotDefer` where it cannot: the
 attention map, which the folds read, reached by tagged relevance; relevance of two tags (or a tag
 and none) meeting at one node; a second normalizing rule, or a rule that sums per sample otherwise;
-a tagged share with no per-sample axis. It is said on the first chunk, when nothing was handed on
+a tagged share with no per-sample axis; tagged relevance reaching a rule that is not relprop's own
+(a user's rule may not be linear in the relevance). It is said on the first chunk, when nothing was handed on
 yet (the hooks of a chunk are called once its walk is done), and the walk counts the sums first
 instead (:func:`relprop.engine.chunked_walk.walk_core`).
 """
