@@ -33,6 +33,7 @@ from ..errors import UnsupportedOperation
 from ..graph.attention_core import AttentionCore, evaluate_rows, find_core, first_keys
 from ..graph.nodes import is_live, module_path, module_type
 from ..rules.context import RuleContext
+from ..rules.preset_table import BUILTIN
 from ..rules.stabilize import fit_to_shape, promote
 from .chunked_core import chunk_plan
 from .deferred_shares import CannotDefer, CoreShares, Deferral
@@ -253,7 +254,7 @@ def _rule(walker, node, r, value, sums, counting: bool, out: CoreShares, deferra
     spec = walker.rule_of(node)
     if spec is None:
         raise UnsupportedOperation(node.target, module_path(node), module_type(node), walker.preset.name)
-    if deferral is not None and tag is not None and not _relprops_own(spec.fn):
+    if deferral is not None and tag is not None and not _relprops_own(spec):
         deferral.cannot(f"the rule of {node.name} is not one of relprop's (whose rules are linear in the relevance)")
     arg_nodes, kw_nodes = (node.args, node.kwargs) if spec.operands is None else (spec.operands, {})
     args, kw = torch.fx.node.map_arg((arg_nodes, kw_nodes), lambda n: promote(value(n)) if n in a.live else value(n))
@@ -276,8 +277,8 @@ def _rule(walker, node, r, value, sums, counting: bool, out: CoreShares, deferra
     return shares, spec, ctx.deferred
 
 
-def _relprops_own(fn) -> bool:
-    """Whether rule ``fn`` is one of relprop's own, known to be linear in the relevance it is given
-    (a rule registered or overridden by a user may not be: relevance scaled later is not walked
-    through it, :mod:`relprop.engine.deferred_shares`)."""
-    return (getattr(fn, "__module__", None) or "").startswith("relprop.")
+def _relprops_own(spec) -> bool:
+    """Whether rule ``spec`` is one of relprop's own presets' rules (``BUILTIN``), known to be linear
+    in the relevance it is given (a rule registered or overridden by a user may not be: relevance
+    scaled later is not walked through it, :mod:`relprop.engine.deferred_shares`)."""
+    return any(spec is s for table in BUILTIN.values() for s in table.values())
