@@ -59,14 +59,6 @@ def chunk_plan(core: AttentionCore, value: Callable[[torch.fx.Node], torch.Tenso
     return [(lo, hi, (kept, keys)) for (lo, hi), kept in zip(chunks, key_bounds(core, value, chunks))]
 
 
-def pad_keys(t: Optional[torch.Tensor], keys: tuple) -> Optional[torch.Tensor]:
-    """``t`` (a chunk's A, dA or R_A on its first ``keys[0]`` keys) with zeros on the keys the chunk
-    does not attend to, up to all ``keys[1]`` keys (what the whole-width computation gives there)."""
-    if t is None or t.shape[-1] == keys[1]:
-        return t
-    return torch.nn.functional.pad(t, (0, keys[1] - t.shape[-1]))
-
-
 def core_forward(core: AttentionCore, value: Callable[[torch.fx.Node], torch.Tensor], chunk: int,
                  compute: Optional[torch.dtype] = None) -> torch.Tensor:
     """A·V of ``core`` without autograd, ``chunk`` query rows at a time (``value(n)``: the whole value

@@ -19,7 +19,8 @@ from typing import List
 import torch
 
 from ..errors import RelpropError
-from .chunked_core import chunk_plan, pad_keys
+from ..graph.attention_core import pad_keys
+from .chunked_core import chunk_plan
 from .chunked_walk import chunk_values
 from .memory import crossing, segments
 from .records import block_record, record, unfolder
@@ -88,8 +89,7 @@ class BlockFolder:
         for fold in chunked:
             fold.fold_rows(part, lo)
         if whole:
-            parts.append(tuple(pad_keys(t, (t.shape[-1], keys)) if t is not None else None
-                               for t in (attention, gradient, relevance)))
+            parts.append(tuple(pad_keys(t, keys) for t in (attention, gradient, relevance)))
 
     def rows_done(self, b) -> None:
         """Every chunk of block ``b`` was handed over (:meth:`reached_rows`): close the chunked folds,

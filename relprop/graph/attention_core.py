@@ -157,6 +157,14 @@ def first_keys(core: AttentionCore, node: torch.fx.Node, v, keys: int, kept: int
     return v[..., :kept] if axis == -1 else v[..., :kept, :]
 
 
+def pad_keys(t: Optional[torch.Tensor], keys: int) -> Optional[torch.Tensor]:
+    """``t`` (rows of a map, or of a term of it, on the first keys: :func:`first_keys`) with zeros on
+    the keys after them, up to ``keys`` (what the whole-width computation gives there)."""
+    if t is None or t.shape[-1] == keys:
+        return t
+    return torch.nn.functional.pad(t, (0, keys - t.shape[-1]))
+
+
 def evaluate_rows(core: AttentionCore, value: Callable[[torch.fx.Node], Any], lo: int, hi: int,
                   compute: Optional[torch.dtype] = None, sliced: bool = False,
                   leaf: Optional[torch.fx.Node] = None, fns: Optional[Dict[torch.fx.Node, Callable]] = None,

@@ -18,6 +18,7 @@ from typing import List, Optional
 import torch
 
 from ..graph.aliasing import shares_memory
+from ..graph.attention_core import pad_keys
 from .aggregation import fuse_heads
 from .query import support_of
 
@@ -37,11 +38,6 @@ def causal_rows(a: torch.Tensor, real: torch.Tensor, lo: int) -> bool:
     r = real[:, lo:lo + rows]
     r = r[:, None, :, None] if a.dim() == 4 else r[:, :, None]
     return not bool(((a[..., cut:] != 0) & upper & r).any())
-
-
-def all_keys(t: torch.Tensor, n: int) -> torch.Tensor:
-    """``t`` (rows of a map on its first keys) with zeros on the keys after them, up to ``n``."""
-    return t if t.shape[-1] == n else torch.nn.functional.pad(t, (0, n - t.shape[-1]))
 
 
 class FirstBlockRows:
@@ -71,7 +67,7 @@ class FirstBlockRows:
                 maps, part.attention, part.gradient, part.relevance):
             maps, agg = maps.clamp_(min=0), dataclasses.replace(agg, positive=False)
         n = self.real.shape[-1]
-        self.fused.append(all_keys(fuse_heads(maps, part.gradient, agg), n))
+        self.fused.append(pad_keys(fuse_heads(maps, part.gradient, agg), n))
         read = support_of(part.gradient)
         self.reads.append(read)
         if self.causal:
@@ -86,7 +82,7 @@ class FirstBlockRows:
             sel = part.gradient[:, :, keep] * sel
         if agg.positive:
             sel = sel.clamp(min=0)
-        self.head_parts.append(all_keys(sel, n))
+        self.head_parts.append(pad_keys(sel, n))
 
     def read(self) -> torch.Tensor:
         """[batch, N] bool: the rows the gradient reaches (:func:`relprop.methods.query.support_of`)."""

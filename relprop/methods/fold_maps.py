@@ -37,6 +37,7 @@ import torch
 from ..engine.trace import NotKept
 from ..errors import MethodError
 from ..graph.aliasing import shares_memory
+from ..graph.attention_core import pad_keys
 from .aggregation import Aggregation, block_range, fuse_heads, per_head_maps
 from .apply import no_relevance
 from .query import causal_block, row_zero_only, support_of, weighted_rows, weights_of
@@ -216,9 +217,7 @@ class RowFold:
                     maps, part.attention, part.gradient, part.relevance):
                 maps, agg = maps.clamp_(min=0), dataclasses.replace(agg, positive=False)
             fused = fuse_heads(maps, part.gradient, agg)  # [batch, rows of the chunk, its first keys]
-            width = max(fused.shape[-1], hi)  # (the identity's column of each row included)
-            if width > fused.shape[-1]:
-                fused = torch.nn.functional.pad(fused, (0, width - fused.shape[-1]))
+            fused = pad_keys(fused, max(fused.shape[-1], hi))  # (the identity's column of each row included)
             rows = torch.arange(hi - lo, device=fused.device)
             eye = torch.zeros(fused.shape[-2:], dtype=fused.dtype, device=fused.device)
             eye[rows, rows + lo] = 1
@@ -226,7 +225,7 @@ class RowFold:
             if self.agg.normalize_rows:
                 sums = chunk.sum(-1, keepdim=True)
                 chunk, fused = chunk / sums, fused / sums  # Ā_b's rows and their map part N_b
-            term = torch.matmul(self.row[..., lo:hi], chunk)  # [batch, k, rows] · [batch, rows, width]
+            term = torch.matmul(self.row[..., lo:hi], chunk)  # [batch, k, rows] · [batch, rows, its keys]
             _add_first(state, "out", term, total)
             if self.agg.identity == "exclude":  # relprop.methods.identity.fold_step, chunk by chunk
                 term = torch.matmul(self.excluded[..., lo:hi], chunk) + torch.matmul(self.path[..., lo:hi], fused)
@@ -352,6 +351,6 @@ def _add_first(state: dict, key: str, term: torch.Tensor, total: int) -> None:
     """``state[key]`` += ``term`` on its first keys (``term``: [batch, k, width ≤ total]); a new
     [batch, k, total] sum the first time."""
     if state[key] is None:
-        state[key] = term if term.shape[-1] == total else torch.nn.functional.pad(term, (0, total - term.shape[-1]))
+        state[key] = pad_keys(term, total)
     else:
         state[key][..., :term.shape[-1]].add_(term)
