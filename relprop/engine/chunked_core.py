@@ -17,7 +17,8 @@ import torch
 import torch.fx
 
 from ..graph.attention_core import AttentionCore, evaluate_rows
-from ..graph.key_bounds import key_bounds
+from ..graph.fused_attention import sdpa_form, sdpa_rows
+from ..graph.key_bounds import key_bounds, rows_open
 
 
 #: query rows per chunk of the row-chunked walk in a folded run (None: off, the cores are evaluated
@@ -59,15 +60,30 @@ def chunk_plan(core: AttentionCore, value: Callable[[torch.fx.Node], torch.Tenso
     return [(lo, hi, (kept, keys)) for (lo, hi), kept in zip(chunks, key_bounds(core, value, chunks))]
 
 
+#: evaluate a core recognized as softmax(Q·Kᵀ·s + M)·V by torch's fused attention kernel in the
+#: forward pass without autograd (:mod:`relprop.graph.fused_attention`); False: node by node
+FUSED_FORWARD = True
+
+
 def core_forward(core: AttentionCore, value: Callable[[torch.fx.Node], torch.Tensor], chunk: int,
                  compute: Optional[torch.dtype] = None) -> torch.Tensor:
     """A·V of ``core`` without autograd, ``chunk`` query rows at a time (``value(n)``: the whole value
-    of each operand): the forward pass of a folded run evaluates the row-local cores so, and its
-    result equals the forward of :func:`core_in_row_chunks` bit for bit (the same chunks)."""
+    of each operand): the forward pass of a folded run evaluates the row-local cores so. A chunk
+    of a core of the form softmax(Q·Kᵀ·s + M)·V whose every row has an open key is evaluated by
+    :func:`torch.nn.functional.scaled_dot_product_attention` (:func:`relprop.graph.fused_attention.sdpa_rows`:
+    the same values to float rounding, as the model's own SDPA computes them), the others node by node
+    (then equal to the forward of :func:`core_in_row_chunks` bit for bit: the same chunks)."""
     queries = value(core.rows[0]).shape[-2]  # (the captured size may be another: sizes are dynamic)
+    form = sdpa_form(core) if FUSED_FORWARD and compute is None else None
     with torch.no_grad():
-        outs = [evaluate_rows(core, value, lo, hi, compute, keys=keys)[core.nodes[-1]]
-                for lo, hi, keys in chunk_plan(core, value, queries, chunk)]
+        plan = chunk_plan(core, value, queries, chunk)
+        fused = rows_open(core, value, [(lo, hi) for lo, hi, _ in plan]) if form is not None else [False] * len(plan)
+        outs = []
+        for (lo, hi, keys), fuse in zip(plan, fused):
+            out = sdpa_rows(form, core, value, lo, hi, keys) if fuse else None
+            if out is None:
+                out = evaluate_rows(core, value, lo, hi, compute, keys=keys)[core.nodes[-1]]
+            outs.append(out)
         return outs[0] if len(outs) == 1 else torch.cat(outs, -2)
 
 

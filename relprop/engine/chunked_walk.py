@@ -122,21 +122,31 @@ class _ChunkContext(RuleContext):
         return None
 
 
-def walk_core(walker, product, r, core: AttentionCore, block, dout, chunk: int, hooks=None) -> None:
+def walk_core(walker, product, r, core: AttentionCore, block, dout, chunk: int, hooks=None, source=None,
+              close: bool = True) -> None:
     """The walk's step at ``product``, the output of a row-local ``core`` with relevance ``r``
     (None: none reaches it) and gradient ``dout``: every core node's rule run chunk by chunk
     (module docstring), the shares of the outside operands delivered to them, each chunk's
-    (A_c, dA_c, R_A,c) handed to ``hooks.reached_rows`` and the block closed by ``hooks.rows_done``."""
+    (A_c, dA_c, R_A,c) handed to ``hooks.reached_rows`` and the block closed by ``hooks.rows_done``.
+    ``source``: where the one pass gets each chunk's values and dA (``source(lo, hi, keys)``; a
+    :class:`relprop.engine.chunk_gradients.ChunkGradients`, which computes the segment's gradients
+    with them) instead of :func:`chunk_values`; every chunk is asked of it once (:meth:`rest`
+    computes those a counting path did not ask for). ``close=False``: the caller calls
+    ``hooks.rows_done`` itself (once the segment's gradients are complete)."""
     queries = walker.values.value(core.rows[0]).shape[-2]
     chunks = chunk_plan(core, walker.values.value, queries, chunk)
     if r is not None and len(chunks) > 1:
         try:  # one pass, normalizations deferred
-            _walk_chunks(walker, r, core, block, dout, chunks, _Sums(), hooks, False, Deferral())
+            _walk_chunks(walker, r, core, block, dout, chunks, _Sums(), hooks, False, Deferral(), source)
         except CannotDefer:  # (on the first chunk: nothing was handed on)
+            if source is not None:
+                source.rest(chunks)
             _walk_counted(walker, r, core, block, dout, chunks, hooks)
     else:  # (one chunk: its sums are the whole sums)
-        _walk_chunks(walker, r, core, block, dout, chunks, _Sums(), hooks, counting=False)
-    if hooks is not None:
+        _walk_chunks(walker, r, core, block, dout, chunks, _Sums(), hooks, counting=False, source=source)
+    if source is not None:
+        source.rest(chunks)
+    if hooks is not None and close:
         hooks.rows_done(block)
 
 
@@ -155,18 +165,33 @@ def _walk_counted(walker, r, core, block, dout, chunks, hooks) -> None:
 
 
 def _walk_chunks(walker, r, core, block, dout, chunks, sums, hooks, counting: bool,
-                 deferral: Optional[Deferral] = None) -> None:
+                 deferral: Optional[Deferral] = None, source=None) -> None:
     a, values = walker.a, walker.values
     interior = set(core.nodes)
     rows_of = set(core.rows)
-    out = CoreShares(walker, deferral)
+    out = CoreShares(walker, deferral, chunks[-1][1])
     product = core.nodes[-1]
     # counting: no dA (only the folds read it), and once the summing rules are known, no rule below them
     last_sum = min((core.nodes.index(n) for n in sums.nodes), default=None) if counting else None
+    linear = not counting and r is not None and all(_relprops_own(walker.rule_of(n)) for n in core.nodes
+                                                     if n in a.live)
     for k, (lo, hi, keys) in enumerate(chunks):
-        vals, grad = chunk_values(core, block.attention, values.value, lo, hi, values.compute,
-                                  None if counting else dout, keys)
+        if source is not None and not counting:
+            vals, grad = source(lo, hi, keys)
+        else:
+            vals, grad = chunk_values(core, block.attention, values.value, lo, hi, values.compute,
+                                      None if counting else dout, keys)
         R: Dict[torch.fx.Node, torch.Tensor] = {} if r is None else {product: r[..., lo:hi, :]}
+        if linear and k > 0 and not bool(R[product].any()):
+            # no relevance on these rows (a decoder explained at its last position, in the block next
+            # to the output): every rule is linear in R, so every share is 0 (CoreShares gives the
+            # rows 0) and so is R_A; the folds still get A and dA. (Never the first chunk: its rules
+            # say what is deferred and what the ledger books.)
+            if hooks is not None:
+                hooks.reached_rows(block, lo, hi, chunks[-1][1], vals[block.attention], grad,
+                                   torch.zeros_like(promote(vals[block.attention])), keys[1])
+            del vals, grad, R
+            continue
         tags: Dict[torch.fx.Node, int] = {}  # a deferred factor's tag of R where it has one
         sums.calls = 0
         if deferral is not None:
@@ -205,7 +230,7 @@ def _walk_chunks(walker, r, core, block, dout, chunks, sums, hooks, counting: bo
                     share = all_keys(share, whole.shape[:-2] + (hi - lo,) + whole.shape[-1:]
                                      if arg in rows_of else whole.shape)
                     if arg in rows_of:
-                        out.row(arg, st, share)
+                        out.row(arg, st, share, lo)
                     else:
                         out.add_whole(arg, st, share)
                 elif torch.is_tensor(share) and not counting:

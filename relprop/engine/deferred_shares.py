@@ -101,9 +101,9 @@ class CoreShares:
     """The shares that the walk of one core hands on (operands split by rows, operands read whole,
     shares booked as absorbed), by tag (None: no deferred factor), held until :meth:`hand_on`."""
 
-    def __init__(self, walker, deferral: Optional[Deferral]):
-        self.walker, self.deferral = walker, deferral
-        self.rows: Dict[torch.fx.Node, Dict[Optional[int], List[torch.Tensor]]] = {}
+    def __init__(self, walker, deferral: Optional[Deferral], queries: int):
+        self.walker, self.deferral, self.queries = walker, deferral, queries
+        self.rows: Dict[torch.fx.Node, Dict[Optional[int], List[tuple]]] = {}  # (first row, share) by tag
         self.whole: Dict[torch.fx.Node, Dict[Optional[int], torch.Tensor]] = {}
         self.absorbed: List[tuple] = []  # (label, per-sample sum, consumer, tag), in booking order
 
@@ -115,10 +115,24 @@ class CoreShares:
         if d is None or share.dim() <= d or share.shape[d] % self.walker.batch:
             self.deferral.cannot(f"the share of {arg.name} has no batch axis to scale per sample")
 
-    def row(self, arg, tag: Optional[int], share: torch.Tensor) -> None:
-        """The share of ``arg`` (split by rows) on the chunk's rows."""
+    def row(self, arg, tag: Optional[int], share: torch.Tensor, lo: int) -> None:
+        """The share of ``arg`` (split by rows) on the chunk's rows, from row ``lo`` on (rows of no
+        chunk's share are 0: chunks without relevance are not walked)."""
         self._per_sample_axis(arg, share, tag)
-        self.rows.setdefault(arg, {}).setdefault(tag, []).append(share)
+        self.rows.setdefault(arg, {}).setdefault(tag, []).append((lo, share))
+
+    def _all_rows(self, parts: List[tuple]) -> torch.Tensor:
+        """The shares of a split operand on every row: the chunks' shares in row order, 0 on the
+        rows of chunks that gave none."""
+        end = parts[-1][0] + parts[-1][1].shape[-2]
+        if parts[0][0] == 0 and end == self.queries and all(
+                a[0] + a[1].shape[-2] == b[0] for a, b in zip(parts, parts[1:])):
+            return torch.cat([p for _, p in parts], -2)
+        first = parts[0][1]
+        out = first.new_zeros(first.shape[:-2] + (self.queries,) + first.shape[-1:])
+        for lo, p in parts:
+            out[..., lo:lo + p.shape[-2], :] = p
+        return out
 
     def add_whole(self, arg, tag: Optional[int], share: torch.Tensor) -> None:
         """The chunk's share of ``arg`` (read whole by every chunk)."""
@@ -143,7 +157,7 @@ class CoreShares:
         for label, s, consumer, tag in self.absorbed:
             walker.ledger.book(label, s if tag is None else s * g[tag], consumer)
         for arg, parts in self.rows.items():
-            walker.deliver(arg, self._combined(arg, {t: torch.cat(p, -2) for t, p in parts.items()}, g), product)
+            walker.deliver(arg, self._combined(arg, {t: self._all_rows(p) for t, p in parts.items()}, g), product)
         for arg, parts in self.whole.items():
             walker.deliver(arg, self._combined(arg, parts, g), product)
 

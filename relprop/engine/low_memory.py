@@ -23,10 +23,16 @@ from ..graph.tokens import token_positions
 from . import chunked_core
 from .chunked_walk import plan_cores
 from .forward import forward, output_seed, relevance_seed
+from .fused_segment import segment_walk
 from .memory import crossing, last_uses, read_after_walk, rematerializable, segments
 from .request import Request
 from .trace import Pass
 from .walk import Walker
+
+
+#: walk each segment's row-chunked core with its backward pass, each chunk computed once for both
+#: (:mod:`relprop.engine.fused_segment`); False: the backward pass, then the walk, as two passes
+FUSED = True
 
 
 @reading_once()  # (each mask's key bounds read once per run)
@@ -96,10 +102,12 @@ def run_low(request: Request, out_nodes: List[torch.fx.Node], wrt: List[torch.fx
     hooks = {p: (b.attention, folder.rows_hook(b)) for p, (_, b) in cores.items()} \
         if folder is not None and walker is None else {}
     for seg in reversed(segments(captured)):
-        backward_segment(captured, env, seg, gbuf, grad, grad_nodes, kept, request.compute, cores, known, hooks)
+        fused = segment_walk(seg, cores, walker, request.compute) if FUSED else None
+        backward_segment(captured, env, seg, gbuf, grad, grad_nodes, kept, request.compute, cores, known, hooks,
+                         walk=fused)
         if walker is not None:
             with torch.no_grad():
-                for node in reversed(seg):
+                for node in reversed(seg if fused is None else fused.rest()):
                     walker.visit(node)
         if folder is not None:
             dropped |= folder.after_segment(seg)
@@ -152,7 +160,7 @@ def _rows_exceed_a_chunk(core, tokens) -> bool:
 
 
 def backward_segment(captured, env, seg, gbuf, grad, grad_nodes, kept, compute=None, cores=None, known=None,
-                      hooks=None, plan=None):
+                      hooks=None, plan=None, walk=None):
     """Recompute one segment with autograd from its inputs in ``env``, propagate the gradients in
     ``gbuf`` (at its outgoing values) back to its incoming values (added to ``gbuf``) and to the
     nodes of ``grad_nodes`` it holds (into ``grad``); leave its values, detached, in ``env``.
@@ -163,7 +171,14 @@ def backward_segment(captured, env, seg, gbuf, grad, grad_nodes, kept, compute=N
     same chunks (not computed again); ``hooks`` ({A·V node: rows hook}): the rows hook of
     :func:`relprop.engine.chunked_core.core_in_row_chunks` for that core. ``plan``: a
     :class:`relprop.engine.fast_path.Plan` whose modified-gradient replacements the recomputation
-    uses (the segmented fast path, :mod:`relprop.engine.fast_low`)."""
+    uses (the segmented fast path, :mod:`relprop.engine.fast_low`).
+
+    ``walk`` (a :class:`relprop.engine.fused_segment.SegmentWalk`): its core's output is cut from
+    autograd; the gradients are propagated to that output (and along the other paths) first, the
+    segment's values put in ``env``, then ``walk(senv, grad)`` walks the segment down to the core and
+    the core itself, computing the core's backward pass with the walk's chunks and returning the
+    gradients at the core's operands, which are then propagated to the segment's inputs; then
+    ``walk.done()``."""
     a = captured.analysis
     sources = set(a.sources)
     remat, last = rematerializable(captured), last_uses(captured)  # plans memoized on the graph
@@ -191,18 +206,26 @@ def backward_segment(captured, env, seg, gbuf, grad, grad_nodes, kept, compute=N
         operands |= {m for n in seg if n in plan.functions for m in plan.functions[n][0]}
     fn_nodes = [n for n in fn_nodes if n not in inner]
     inside = set(fn_nodes)
+    cut = walk.product if walk is not None else None
     with torch.enable_grad(), saving_by_name(env):  # offloaded weights: saved by name, not value
         for node in fn_nodes:
             core = seg_cores.get(node)
-            if core is not None:
+            if node is cut:  # A·V as the forward pass computed it, a leaf: the walk differentiates the core
+                for m in core.rows + core.whole:
+                    val(m)  # (each live operand a leaf or a value of the segment, to be differentiated)
+                out = (known or {}).pop(node, None)
+                if out is None:
+                    out = chunked_core.core_forward(core, val, chunked_core.ROW_CHUNK, compute)
+                out = out.detach().requires_grad_(True)
+            elif core is not None:
                 out = chunked_core.core_in_row_chunks(core, {n: val(n) for n in core.rows + core.whole},
                                                      chunked_core.ROW_CHUNK, compute, (known or {}).pop(node, None),
                                                      (hooks or {}).get(node), plan.replacements if plan else None)
             else:
                 out = evaluate(node, val, plan.replacements.get(node) if plan else None, compute=compute)
                 if plan is not None and node in plan.functions:  # a subgraph explained as a whole
-                    operands, call = plan.functions[node]
-                    out = call(*(val(m) for m in operands), out)
+                    args, call = plan.functions[node]
+                    out = call(*(val(m) for m in args), out)
             if node in sources:
                 out = out.detach().requires_grad_(True)
             senv[node] = out
@@ -215,24 +238,46 @@ def backward_segment(captured, env, seg, gbuf, grad, grad_nodes, kept, compute=N
         targets = list(leaves) + [n for n in fn_nodes if (n in grad_nodes or n in seg_cores) and n in senv
                                   and senv[n].requires_grad]
         targets = list(dict.fromkeys(targets))
-        if roots and targets:
-            gs = torch.autograd.grad([senv[n] for n in roots], [senv[n] for n in targets],
-                                     grad_outputs=[gbuf[n] for n in roots], allow_unused=True)
-        else:
-            gs = [None] * len(targets)
-    for n in roots:
-        del gbuf[n]
-    for n, g in zip(targets, gs):
-        if n in inside:
-            grad[n] = g if g is not None else torch.zeros_like(senv[n])
-        elif g is not None:
-            gbuf[n] = gbuf[n] + g if n in gbuf else g
-    del gs
-    for n in (grad_nodes | set(seg_cores)) & inside:
+        _propagate([senv[n] for n in roots], [gbuf[n] for n in roots], targets, senv, inside, gbuf, grad,
+                   retain=cut is not None)
+        for n in roots:
+            del gbuf[n]
+        if cut is not None:
+            for n in fn_nodes:
+                if n in senv:
+                    v = senv[n]
+                    env[n] = v.detach() if torch.is_tensor(v) else v
+            with torch.no_grad():
+                at_operands = walk(senv, grad)
+            back = [n for n in at_operands if torch.is_tensor(senv.get(n)) and senv[n].requires_grad]
+            _propagate([senv[n] for n in back], [at_operands[n] for n in back], [n for n in targets if n is not cut],
+                       senv, inside, gbuf, grad)
+            del at_operands
+    for n in (grad_nodes | set(seg_cores)) & inside - {cut}:  # (the walk took the gradient at the cut)
         if n not in grad:
             grad[n] = torch.zeros_like(senv[n])
-    for n in fn_nodes:
-        if n in senv:
-            v = senv[n]
-            env[n] = v.detach() if torch.is_tensor(v) else v
+    if walk is not None:
+        walk.done()
+    if cut is None:
+        for n in fn_nodes:
+            if n in senv:
+                v = senv[n]
+                env[n] = v.detach() if torch.is_tensor(v) else v
     senv.clear()
+
+
+def _propagate(outs, grads_out, targets, senv, inside, gbuf, grad, retain: bool = False) -> None:
+    """Gradients ``grads_out`` at tensors ``outs`` taken back to the nodes ``targets`` (values in
+    ``senv``): added into ``grad`` for the nodes ``inside`` the segment, into ``gbuf`` for the others
+    (the segment's inputs, whose gradient the segments before it go on with)."""
+    if not (outs and targets):
+        return
+    gs = torch.autograd.grad(outs, [senv[n] for n in targets], grad_outputs=grads_out, allow_unused=True,
+                             retain_graph=retain)
+    for n, g in zip(targets, gs):
+        if g is None:
+            continue
+        if n in inside:
+            grad[n] = grad[n] + g if n in grad else g
+        else:
+            gbuf[n] = gbuf[n] + g if n in gbuf else g

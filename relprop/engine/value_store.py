@@ -35,6 +35,9 @@ class ValueStore:
         outputs = {n for n in output_leaves(captured.graph) if isinstance(n, torch.fx.Node)}
         self.untouchable = self.needed_later | outputs
         self.previous = None
+        #: no rule may compute into a value's buffer (values autograd may still read: a segment
+        #: walked before its backward pass is done, :mod:`relprop.engine.fused_segment`)
+        self.frozen = False
 
     def release_after_walk(self, nodes: Iterable[torch.fx.Node]) -> None:
         """Free the values of ``nodes`` when the walk leaves them, although the block records read
@@ -74,6 +77,8 @@ class ValueStore:
         and none of those values. Its users were visited before it and their values freed (a user
         read after the walk or returned is among the values compared)."""
         v = self.env.get(node)
+        if self.frozen:
+            return False
         if not (torch.is_tensor(v) and v.is_floating_point() and not v.requires_grad and promote(v) is v):
             return False
         if node in self.untouchable:

@@ -128,6 +128,7 @@ class Walker:
         self.positions = PositionRelevance(self.placeholders, batch) if is_positional(request.preset) else None
         self.cores, self.core_grad, self.core_rows = chunked if chunked is not None else ({}, {}, 0)
         self.inside_cores = {n for core, _ in self.cores.values() for n in core.nodes[:-1]}
+        self.walked: set = set()  # the cores' outputs whose cores were walked (:meth:`take_core`)
 
     def held_label(self, arg, consumer) -> str:
         """The ledger's label of a share ``consumer``'s rule holds constant (a selection parameter)."""
@@ -147,10 +148,10 @@ class Walker:
         """Apply the rule of ``node`` to its (complete) relevance and pass the shares to its arguments."""
         a, R, batch, bdim = self.a, self.R, self.batch, self.bdim
         self.values.entering(node)
-        if node in self.inside_cores:  # walked by the step at the core's output
+        if node in self.inside_cores or node in self.walked:  # walked by the step at the core's output
             return
-        if node in self.cores and node not in R:
-            self._core_step(node, None)
+        if node in self.cores:
+            self._core_step(node, self.take_core(node))
             return
         if node not in R:
             if node in self.hooked:  # no relevance reaches it (e.g. attention held constant): say so
@@ -166,9 +167,6 @@ class Walker:
             self.input_parts.append((node, r))
             return
         if node.op != "call_function":
-            return
-        if node in self.cores:
-            self._core_step(node, r)
             return
         if node.target is operator.getitem:
             src, idx = node.args[0], node.args[1]
@@ -223,9 +221,39 @@ class Walker:
             else:
                 self.deliver(arg, share, node)
 
+    def take_core(self, node):
+        """The complete relevance at the output ``node`` of a row-chunked core (None: none reaches it),
+        taken as :meth:`visit` takes a node's (kept, handed to the hooks, passed through the ledger);
+        the core is then walked and a later :meth:`visit` of ``node`` does nothing more."""
+        self.walked.add(node)
+        if node not in self.R:
+            return None
+        r = self.R.pop(node)
+        if node in self.keep:
+            self.rel_at[node] = r
+        if node in self.hooked:
+            self.hooks.reached(node, r)
+        self.ledger.passing(node, r)
+        return r
+
     def _core_step(self, node, r) -> None:
         core, block = self.cores[node]
         walk_core(self, node, r, core, block, self.core_grad.pop(node, None), self.core_rows, self.hooks)
+
+    def walk_core_with(self, node, dout, source) -> None:
+        """Walk the row-chunked core whose output is ``node`` now, before the walk visits it: its
+        chunks (values and dA) come from ``source`` (:class:`relprop.engine.chunk_gradients.ChunkGradients`,
+        the segment's backward pass computing them once for both, :mod:`relprop.engine.fused_segment`)
+        and ``dout`` is the gradient at its output. The hooks close the block at :meth:`core_done`."""
+        core, block = self.cores[node]
+        walk_core(self, node, self.take_core(node), core, block, dout, self.core_rows, self.hooks, source,
+                  close=False)
+
+    def core_done(self, node) -> None:
+        """The segment of the core walked by :meth:`walk_core_with` has its gradients: the hooks
+        close its block (a fold may read the gradients of the block's records)."""
+        if self.hooks is not None:
+            self.hooks.rows_done(self.cores[node][1])
 
     def deliver(self, arg, share, consumer):
         """Add ``share`` to the relevance of ``arg`` (a live node), or book it as absorbed by ``consumer``

@@ -77,12 +77,30 @@ def reading_once():
 def key_bounds(core: AttentionCore, value: Callable[[torch.fx.Node], torch.Tensor], chunks: List[tuple]) -> List[int]:
     """For each chunk (lo, hi) of query rows, how many of the first keys it attends to (all of them
     where nothing can be cut, module docstring). ``value(n)``: the whole value of an operand."""
+    read = _reading(core, value, chunks)
+    return [b for b, _ in read] if read is not None else [value(core.nodes[0].args[1]).shape[-1]] * len(chunks)
+
+
+def rows_open(core: AttentionCore, value: Callable[[torch.fx.Node], torch.Tensor], chunks: List[tuple]) -> List[bool]:
+    """For each chunk (lo, hi) of query rows, whether every row of it has an open key in the core's
+    additive mask (True for every chunk where the core has no mask: its scores are finite; False
+    where the mask cannot be read as :func:`key_bounds` reads it). A fully masked row is where the
+    decomposed safe softmax (0) and a fused attention kernel (uniform weights) differ."""
+    if additive_mask(core) is None:
+        return [True] * len(chunks)
+    read = _reading(core, value, chunks)
+    return [o for _, o in read] if read is not None else [False] * len(chunks)
+
+
+def _reading(core: AttentionCore, value, chunks: List[tuple]) -> Optional[List[tuple]]:
+    """(bound, every row open) of each chunk, read once per run (:func:`reading_once`); None where
+    the core has no additive float mask over its keys."""
     keys = value(core.nodes[0].args[1]).shape[-1]
     node = additive_mask(core)
     mask = value(node) if node is not None else None
     if not (torch.is_tensor(mask) and mask.is_floating_point() and mask.dim() >= 2 and mask.shape[-1] == keys
             and keys > 1):
-        return [keys] * len(chunks)
+        return None
     run, key = _RUN.get(), (node, keys, tuple(chunks))
     if run is not None and key in run:
         return list(run[key])
@@ -92,18 +110,19 @@ def key_bounds(core: AttentionCore, value: Callable[[torch.fx.Node], torch.Tenso
     return list(out)
 
 
-def _read(mask: torch.Tensor, keys: int, chunks: List[tuple]) -> List[int]:
-    """The bounds of :func:`key_bounds`, read from ``mask`` one chunk of rows at a time (no temporary
-    as large as the mask)."""
+def _read(mask: torch.Tensor, keys: int, chunks: List[tuple]) -> List[tuple]:
+    """(bound, every row open) of each chunk (:func:`key_bounds`, :func:`rows_open`), read from
+    ``mask`` one chunk of rows at a time (no temporary as large as the mask)."""
     split = mask.shape[-2] > 1
     out = []
     with torch.no_grad():
         for lo, hi in chunks:
             m = mask[..., lo:hi, :] if split else mask
             opened = m >= OPEN
-            if not bool((opened | (m <= CLOSED)).all()) or not bool(opened.any(-1).all()):
-                out.append(keys)
+            every_row = bool(opened.any(-1).all())
+            if not bool((opened | (m <= CLOSED)).all()) or not every_row:
+                out.append((keys, every_row))
                 continue
             cols = opened.reshape(-1, keys).any(0)
-            out.append(int(cols.nonzero().max()) + 1)
+            out.append((int(cols.nonzero().max()) + 1, True))
     return out

@@ -1,0 +1,103 @@
+"""One chunk of an attention core recomputed once for both passes: the gradients of the segment's
+backward pass and the values and ∂y/∂A that the relevance walk of the chunk reads.
+
+The row-chunked walk (:mod:`relprop.engine.chunked_walk`) recomputes each chunk of query rows of a
+core for its rules (the values, A and dA = ∂y/∂A); the segment's backward pass
+(:mod:`relprop.engine.chunked_core`) recomputed each chunk once more for ∇Q, ∇Kᵀ, ∇V. When the
+relevance at the core's output is known before the segment's gradients are propagated through the
+core (:mod:`relprop.engine.fused_segment`), :class:`ChunkGradients` serves the walk as its source of
+chunks: each chunk is evaluated once with autograd, the gradient at its output (dO, the rows of the
+core's output gradient) is taken back to the operands and to A in one call, and the walk gets the
+values and dA of that same evaluation. CVPR 2021 Eq. 1–3 and the rules are unchanged; only the
+number of times each chunk is computed is.
+
+Where a chunk's rows of dO are all zero (a decoder explained at its last position: in the block next
+to the output, every row but the last), the chunk's gradients are zero: it is evaluated without
+autograd and its dA is zero.
+"""
+from __future__ import annotations
+
+from typing import Dict, List, Optional
+
+import torch
+import torch.fx
+
+from ..graph.attention_core import AttentionCore, evaluate_rows
+
+
+class ChunkGradients:
+    """The chunks of ``core`` evaluated once each, with autograd, for the walk and the backward pass.
+
+    ``operands``: the whole value of each operand from outside the core (``core.rows`` and
+    ``core.whole``), ``needs``: the operands whose gradient the segment's backward pass wants, ``dout``:
+    the gradient at the core's output, ``attention``: the core node whose gradient the walk reads (the
+    block's attention map A). Called as the walk's source of chunks (``source(lo, hi, keys)`` →
+    (values, dA), as :func:`relprop.engine.chunked_walk.chunk_values` gives them); :meth:`rest`
+    computes the gradients of the chunks the walk did not ask for, :meth:`gradients` gives the
+    operands' gradients once every chunk was computed."""
+
+    def __init__(self, core: AttentionCore, attention: torch.fx.Node, operands: Dict[torch.fx.Node, torch.Tensor],
+                 needs: Dict[torch.fx.Node, bool], dout: torch.Tensor, compute: Optional[torch.dtype] = None):
+        self.core, self.attention, self.dout, self.compute = core, attention, dout, compute
+        self.operands = operands
+        self.wanted = [n for n in operands if needs.get(n) and operands[n].is_floating_point()]
+        self.split = set(core.rows)
+        self.row_parts: Dict[torch.fx.Node, Dict[int, torch.Tensor]] = {n: {} for n in self.wanted if n in self.split}
+        self.whole: Dict[torch.fx.Node, torch.Tensor] = {}
+        self.done: set = set()
+
+    def __call__(self, lo: int, hi: int, keys: tuple, counting: bool = False):
+        """(the core's values on rows ``lo:hi``, detached; dA on those rows): the chunk evaluated on its
+        first keys (``keys`` = (kept, all)) and its gradients taken, once. ``counting`` (a counting pass
+        of the walk, which reads no dA): the values only, from an evaluation without autograd."""
+        if counting or lo in self.done:
+            return self._values(lo, hi, keys), None
+        d = self.dout[..., lo:hi, :]
+        self.done.add(lo)
+        if not self.wanted or not bool(d.any()):
+            vals = self._values(lo, hi, keys)
+            for n in self.row_parts:
+                self.row_parts[n][lo] = torch.zeros_like(self.operands[n][..., lo:hi, :])
+            return vals, torch.zeros_like(vals[self.attention])
+        with torch.enable_grad():
+            leaves = {n: self._leaf(n, lo, hi) for n in self.operands}
+            vals = evaluate_rows(self.core, leaves.__getitem__, lo, hi, self.compute, sliced=True, keys=keys)
+            out, a = vals[self.core.nodes[-1]], vals[self.attention]
+            gs = torch.autograd.grad(out, [leaves[n] for n in self.wanted] + [a], d.to(out.dtype), allow_unused=True)
+        for n, g in zip(self.wanted, gs[:-1]):
+            self._add(n, lo, g if g is not None else torch.zeros_like(leaves[n]))
+        da = gs[-1] if gs[-1] is not None else torch.zeros_like(a)
+        return {n: v.detach() if torch.is_tensor(v) else v for n, v in vals.items()}, da
+
+    def _leaf(self, n, lo: int, hi: int):
+        v = self.operands[n]
+        v = v[..., lo:hi, :] if n in self.split else v
+        return v.detach().requires_grad_(True) if n in self.wanted else v
+
+    def _values(self, lo: int, hi: int, keys: tuple) -> dict:
+        with torch.no_grad():
+            return evaluate_rows(self.core, self.operands.__getitem__, lo, hi, self.compute, keys=keys)
+
+    def _add(self, n, lo: int, g: torch.Tensor) -> None:
+        if n in self.row_parts:
+            self.row_parts[n][lo] = g
+        else:
+            self.whole[n] = self.whole[n] + g if n in self.whole else g
+
+    def rest(self, chunks: List[tuple]) -> None:
+        """The gradients of the chunks of ``chunks`` not computed yet (the walk of the core took
+        another path after its first chunk: :func:`relprop.engine.chunked_walk.walk_core`)."""
+        for lo, hi, keys in chunks:
+            if lo not in self.done:
+                self(lo, hi, keys)
+
+    def gradients(self) -> Dict[torch.fx.Node, torch.Tensor]:
+        """{operand: its gradient} for each wanted operand: the rows of the split ones in order, the
+        sum over the chunks for the others (zero where no chunk reached it)."""
+        out = {n: torch.cat([parts[lo] for lo in sorted(parts)], -2) for n, parts in self.row_parts.items()}
+        for n in self.wanted:
+            if n not in out:
+                out[n] = self.whole.get(n, None)
+                if out[n] is None:
+                    out[n] = torch.zeros_like(self.operands[n])
+        return out
