@@ -12,7 +12,7 @@ import models
 import relprop
 import zoo
 from relprop.engine import chunked_core
-from relprop.engine import chunked_walk, deferred_shares
+from relprop.engine import chunk_gradients, chunked_walk, deferred_shares
 from relprop.engine.chunked_walk import plan_cores
 from relprop.graph.capture import CACHE
 from relprop.graph.inputs import bind_inputs
@@ -116,15 +116,22 @@ def test_causal_rows_of_chunks_agree_with_the_whole_map():
 
 
 def _chunk_calls(monkeypatch):
-    """The chunks that chunked_walk recomputes, as (lo, hi, with dA: False in a counting pass)."""
+    """The chunks that chunked_walk recomputes, as (lo, hi, with dA: False in a counting pass): by
+    chunk_values, or by the segment's backward pass walking its core (ChunkGradients)."""
     calls = []
     recompute = chunked_walk.chunk_values
+    from_backward = chunk_gradients.ChunkGradients.__call__
 
     def counted(core, attention, value, lo, hi, compute=None, dout=None, keys=None):
         calls.append((lo, hi, dout is not None))
         return recompute(core, attention, value, lo, hi, compute, dout, keys)
 
+    def counted_backward(self, lo, hi, keys, counting=False):
+        calls.append((lo, hi, not counting))
+        return from_backward(self, lo, hi, keys, counting)
+
     monkeypatch.setattr(chunked_walk, "chunk_values", counted)
+    monkeypatch.setattr(chunk_gradients.ChunkGradients, "__call__", counted_backward)
     return calls
 
 

@@ -10,7 +10,7 @@ import models
 import relprop
 from relprop.engine import chunked_core
 from relprop.engine.chunked_walk import plan_cores
-from relprop.graph import attention_core
+from relprop.graph import attention_core, fused_attention
 from relprop.graph.capture import CACHE
 from relprop.graph.inputs import bind_inputs
 from relprop.graph.key_bounds import CLOSED, additive_mask, key_bounds
@@ -92,17 +92,24 @@ def test_cut_keys_give_the_numbers_of_whole_cores(padding, attn, method, preset,
     kw = {} if preset is None else {"preset": preset}
     cut = []
     evaluate = attention_core.evaluate_rows
+    fused = fused_attention.sdpa_rows
 
     def spy(core, value, lo, hi, *args, keys=None, **kwargs):
         if keys is not None and keys[0] < keys[1]:
             cut.append((lo, hi, keys))
         return evaluate(core, value, lo, hi, *args, keys=keys, **kwargs)
 
+    def spy_fused(form, core, value, lo, hi, keys):
+        if keys[0] < keys[1]:
+            cut.append((lo, hi, keys))
+        return fused(form, core, value, lo, hi, keys)
+
     runs = []
     for rows in (None, 3):
         monkeypatch.setattr(chunked_core, "ROW_CHUNK", rows)
-        for module in ("relprop.engine.chunked_core", "relprop.engine.chunked_walk"):
+        for module in ("relprop.engine.chunked_core", "relprop.engine.chunked_walk", "relprop.engine.chunk_gradients"):
             monkeypatch.setattr(f"{module}.evaluate_rows", spy)
+        monkeypatch.setattr("relprop.engine.chunked_core.sdpa_rows", spy_fused)
         runs.append(relprop.explain(model, batch, method=method, keep_blocks=False, **kw))
     whole, got = runs
     assert cut, "no chunk was evaluated on fewer keys"

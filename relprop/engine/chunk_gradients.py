@@ -22,7 +22,7 @@ from typing import Dict, List, Optional
 import torch
 import torch.fx
 
-from ..graph.attention_core import AttentionCore, evaluate_rows
+from ..graph.attention_core import PRODUCTS, AttentionCore, evaluate_rows, first_keys
 
 
 class ChunkGradients:
@@ -37,14 +37,17 @@ class ChunkGradients:
     operands' gradients once every chunk was computed."""
 
     def __init__(self, core: AttentionCore, attention: torch.fx.Node, operands: Dict[torch.fx.Node, torch.Tensor],
-                 needs: Dict[torch.fx.Node, bool], dout: torch.Tensor, compute: Optional[torch.dtype] = None):
+                 needs: Dict[torch.fx.Node, bool], dout: torch.Tensor, compute: Optional[torch.dtype] = None,
+                 out: Optional[torch.Tensor] = None):
         self.core, self.attention, self.dout, self.compute = core, attention, dout, compute
-        self.operands = operands
+        self.whole_values = operands
         self.wanted = [n for n in operands if needs.get(n) and operands[n].is_floating_point()]
         self.split = set(core.rows)
         self.row_parts: Dict[torch.fx.Node, Dict[int, torch.Tensor]] = {n: {} for n in self.wanted if n in self.split}
         self.whole: Dict[torch.fx.Node, torch.Tensor] = {}
         self.done: set = set()
+        self.out = out if _product_by_hand(core, attention, out, dout, compute) \
+            and operands[core.nodes[-1].args[1]].dtype == dout.dtype else None
 
     def __call__(self, lo: int, hi: int, keys: tuple, counting: bool = False):
         """(the core's values on rows ``lo:hi``, detached; dA on those rows): the chunk evaluated on its
@@ -57,10 +60,12 @@ class ChunkGradients:
         if not self.wanted or not bool(d.any()):
             vals = self._values(lo, hi, keys)
             for n in self.row_parts:
-                self.row_parts[n][lo] = torch.zeros_like(self.operands[n][..., lo:hi, :])
+                self.row_parts[n][lo] = torch.zeros_like(self.whole_values[n][..., lo:hi, :])
             return vals, torch.zeros_like(vals[self.attention])
+        if self.out is not None:
+            return self._by_hand(lo, hi, keys, d)
         with torch.enable_grad():
-            leaves = {n: self._leaf(n, lo, hi) for n in self.operands}
+            leaves = {n: self._leaf(n, lo, hi) for n in self.whole_values}
             vals = evaluate_rows(self.core, leaves.__getitem__, lo, hi, self.compute, sliced=True, keys=keys)
             out, a = vals[self.core.nodes[-1]], vals[self.attention]
             gs = torch.autograd.grad(out, [leaves[n] for n in self.wanted] + [a], d.to(out.dtype), allow_unused=True)
@@ -69,14 +74,47 @@ class ChunkGradients:
         da = gs[-1] if gs[-1] is not None else torch.zeros_like(a)
         return {n: v.detach() if torch.is_tensor(v) else v for n, v in vals.items()}, da
 
-    def _leaf(self, n, lo: int, hi: int):
-        v = self.operands[n]
+    def _by_hand(self, lo: int, hi: int, keys: tuple, d: torch.Tensor):
+        """The chunk with the product's backward written out: the core evaluated with autograd up
+        to A, dA = dO·Vᵀ and ∇V = Aᵀ·dO (on the chunk's first keys), autograd from A on; A·V on
+        the chunk's rows is the core's output (``out``), not computed again."""
+        core, product = self.core, self.core.nodes[-1]
+        vnode = product.args[1]
+        kept, every = keys
+        with torch.enable_grad():
+            leaves = {n: self._leaf(n, lo, hi) for n in self.whole_values}
+            vals = evaluate_rows(core, leaves.__getitem__, lo, hi, self.compute, sliced=True, keys=keys,
+                                 product=False)
+            a = vals[self.attention]
+            v = first_keys(core, vnode, self.whole_values[vnode], every, kept)
+            da = d @ v.transpose(-1, -2)
+            rest = [n for n in self.wanted if n is not vnode]
+            gs = torch.autograd.grad(a, [leaves[n] for n in rest], da, allow_unused=True) if rest else ()
+        for n, g in zip(rest, gs):
+            self._add(n, lo, g if g is not None else torch.zeros_like(leaves[n]))
+        if vnode in self.wanted:
+            dv = a.detach().transpose(-1, -2) @ d
+            whole = self.whole_values[vnode]
+            if dv.shape[-2] != whole.shape[-2]:
+                dv = torch.nn.functional.pad(dv, (0, 0, 0, whole.shape[-2] - dv.shape[-2]))
+            self._add(vnode, lo, dv.sum_to_size(whole.shape))
+        vals = {n: v.detach() if torch.is_tensor(v) else v for n, v in vals.items()}
+        vals[product] = self.out[..., lo:hi, :]
+        return vals, da
+
+    def _leaf(self, n, lo: int, hi: int):  # (the operand's rows of the chunk, a leaf if its gradient is wanted)
+        v = self.whole_values[n]
         v = v[..., lo:hi, :] if n in self.split else v
         return v.detach().requires_grad_(True) if n in self.wanted else v
 
     def _values(self, lo: int, hi: int, keys: tuple) -> dict:
         with torch.no_grad():
-            return evaluate_rows(self.core, self.operands.__getitem__, lo, hi, self.compute, keys=keys)
+            whole = self.whole_values.__getitem__
+            if self.out is None:
+                return evaluate_rows(self.core, whole, lo, hi, self.compute, keys=keys)
+            vals = evaluate_rows(self.core, whole, lo, hi, self.compute, keys=keys, product=False)
+        vals[self.core.nodes[-1]] = self.out[..., lo:hi, :]  # (the core's output, as _by_hand reads it)
+        return vals
 
     def _add(self, n, lo: int, g: torch.Tensor) -> None:
         if n in self.row_parts:
@@ -99,5 +137,20 @@ class ChunkGradients:
             if n not in out:
                 out[n] = self.whole.get(n, None)
                 if out[n] is None:
-                    out[n] = torch.zeros_like(self.operands[n])
+                    out[n] = torch.zeros_like(self.whole_values[n])
         return out
+
+
+def _product_by_hand(core: AttentionCore, attention, out, dout, compute) -> bool:
+    """Whether :meth:`ChunkGradients._by_hand` applies: the core's output ``out`` is known, in
+    ``dout``'s shape and dtype, the product is a matmul of the attention map A with V (an operand
+    from outside the core that no other core node reads), of one dtype, and no half precision is
+    evaluated in float32."""
+    product = core.nodes[-1]
+    if out is None or compute is not None or product.target not in PRODUCTS or len(product.args) != 2 \
+            or product.args[0] is not attention or product.kwargs:
+        return False
+    vnode = product.args[1]
+    if vnode not in core.whole or any(vnode in n.all_input_nodes for n in core.nodes[:-1]):
+        return False
+    return torch.is_tensor(out) and out.shape == dout.shape and out.dtype == dout.dtype

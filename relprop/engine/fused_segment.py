@@ -47,8 +47,7 @@ class SegmentWalk:
         walker, product = self.walker, self.product
         core, block = walker.cores[product]
         values = walker.values
-        values.frozen = True  # (autograd still reads the segment's values in step 4)
-        try:
+        with values.no_overwrites():  # (autograd still reads the segment's values in step 4)
             for node in reversed(self.after):
                 walker.visit(node)
             dout = grad.pop(product, None)
@@ -57,11 +56,10 @@ class SegmentWalk:
             nodes = list(dict.fromkeys(core.rows + core.whole))
             operands = {n: _detached(senv[n] if n in senv else values.value(n)) for n in nodes}
             needs = {n: torch.is_tensor(senv.get(n)) and senv[n].requires_grad for n in nodes}
-            source = ChunkGradients(core, block.attention, operands, needs, dout, self.compute)
+            source = ChunkGradients(core, block.attention, operands, needs, dout, self.compute,
+                                    _detached(senv.get(product)))
             walker.walk_core_with(product, dout, source)
             return source.gradients()
-        finally:
-            values.frozen = False
 
     def done(self) -> None:
         """Step 4 is done: the segment's gradients are complete, the block is closed (its folds may

@@ -9,6 +9,7 @@ values, recomputes, frees, and says whether a rule may compute into a node's out
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Dict, Iterable
 
 import torch
@@ -38,6 +39,16 @@ class ValueStore:
         #: no rule may compute into a value's buffer (values autograd may still read: a segment
         #: walked before its backward pass is done, :mod:`relprop.engine.fused_segment`)
         self.frozen = False
+
+    @contextlib.contextmanager
+    def no_overwrites(self):
+        """Within this context no rule computes into a value's buffer (:meth:`dead_after` is False):
+        autograd may still read the values (:mod:`relprop.engine.fused_segment`)."""
+        before, self.frozen = self.frozen, True
+        try:
+            yield
+        finally:
+            self.frozen = before
 
     def release_after_walk(self, nodes: Iterable[torch.fx.Node]) -> None:
         """Free the values of ``nodes`` when the walk leaves them, although the block records read

@@ -168,7 +168,7 @@ def pad_keys(t: Optional[torch.Tensor], keys: int) -> Optional[torch.Tensor]:
 def evaluate_rows(core: AttentionCore, value: Callable[[torch.fx.Node], Any], lo: int, hi: int,
                   compute: Optional[torch.dtype] = None, sliced: bool = False,
                   leaf: Optional[torch.fx.Node] = None, fns: Optional[Dict[torch.fx.Node, Callable]] = None,
-                  keys: Optional[tuple] = None) -> Dict[torch.fx.Node, Any]:
+                  keys: Optional[tuple] = None, product: bool = True) -> Dict[torch.fx.Node, Any]:
     """The values of the core's nodes on query rows ``lo:hi``, from ``value(n)``, the whole value of
     each operand outside the core (rows of those in ``core.rows`` are taken here; ``sliced``: value
     gives those rows already). Row i of each value equals row ``lo + i`` of the node's whole value
@@ -179,7 +179,8 @@ def evaluate_rows(core: AttentionCore, value: Callable[[torch.fx.Node], Any], lo
     ``keys`` = (kept, all): the chunk's rows attend to none of the keys after the first ``kept`` of
     ``all`` (:func:`relprop.graph.key_bounds.key_bounds`), and the core is evaluated on those
     first keys only (:func:`first_keys`): every value then has ``kept`` keys, and equals the first
-    ``kept`` keys of the whole one (the others' attention is exactly 0)."""
+    ``kept`` keys of the whole one (the others' attention is exactly 0). ``product=False``: every
+    node but the last (the product A·V) is evaluated."""
     split = set() if sliced else set(core.rows)
     out: Dict[torch.fx.Node, Any] = {}
 
@@ -190,7 +191,7 @@ def evaluate_rows(core: AttentionCore, value: Callable[[torch.fx.Node], Any], lo
         v = v[..., lo:hi, :] if n in split else v
         return first_keys(core, n, v, keys[1], keys[0]) if keys is not None else v
 
-    for node in core.nodes:
+    for node in core.nodes if product else core.nodes[:-1]:
         v = evaluate(node, val, fns.get(node) if fns else None, compute=compute)
         out[node] = v.detach().requires_grad_(True) if node is leaf else v
     return out

@@ -33,7 +33,7 @@ import torch
 from ..errors import UnsupportedOperation
 from ..graph.nodes import module_type
 from .rule_registry import rule
-from .stabilize import promote, safe_divide, safe_divide_nonnegative, scratch, times_fresh
+from .stabilize import on_relevant_rows, promote, safe_divide, safe_divide_nonnegative, scratch, times_fresh
 
 aten = torch.ops.aten
 
@@ -165,8 +165,12 @@ def linear(ctx, relevance):
     x, w = promote(ctx.args[0]), ctx.args[1]
     abs_w = weight_abs(w, ctx.options.get("weight_cache"), ctx.node.name)
     xw = _forward_product(ctx, x)
-    rx = alpha1_beta0(x, promote(w).t(), relevance, ctx.eps, xw=xw, abs_wt=abs_w,
-                      xw_scratch=xw is not None and xw is not ctx.out)
+    wt = promote(w).t()
+
+    def rule_on(r, xs, xws):  # (on the positions with relevance only: on_relevant_rows)
+        return alpha1_beta0(xs, wt, r, ctx.eps, xw=xws, abs_wt=abs_w,
+                            xw_scratch=xws is not None and (xws is not ctx.out or xs is not x))
+    rx = on_relevant_rows(rule_on, relevance, x, xw)
     return (rx,) + (None,) * (len(ctx.args) - 1)
 
 
@@ -175,7 +179,8 @@ def linear_lrp_baseline(ctx, relevance):
     """``y = x Wᵀ + b``: the authors' LRP-baseline linear rule, separate denominators for x⁺W⁺ and x⁻W⁻
     (``layers_lrp.Linear``; :func:`lrp_baseline`); bias ignored."""
     require_constant_weight(ctx, 1)
-    rx = lrp_baseline(promote(ctx.args[0]), promote(ctx.args[1]).t(), relevance, ctx.eps)
+    wt = promote(ctx.args[1]).t()
+    rx = on_relevant_rows(lambda r, xs: lrp_baseline(xs, wt, r, ctx.eps), relevance, promote(ctx.args[0]))
     return (rx,) + (None,) * (len(ctx.args) - 1)
 
 

@@ -142,6 +142,36 @@ def on_nonzero_rows(fn, g: torch.Tensor, *others: torch.Tensor) -> torch.Tensor:
     return out.reshape(*g.shape[:-1], part.shape[-1])
 
 
+#: :func:`on_relevant_rows` computes on the rows with relevance only where there are at least this
+#: many rows and at most half of them have any
+RELEVANT_ROWS = 64
+
+
+def on_relevant_rows(fn, relevance: torch.Tensor, *rows) -> torch.Tensor:
+    """``fn(relevance, *rows)`` computed only on the positions (all axes but the last) where
+    ``relevance`` is not all zero, 0 at the others, when there are at least :data:`RELEVANT_ROWS`
+    positions and at most half of them have relevance; else ``fn`` on everything. ``rows``: tensors
+    (or None) with ``relevance``'s positions and their own last axis (a layer's input, its output),
+    ``fn`` maps each position's row to a row (a linear layer's rule) and a zero relevance row to a
+    zero row (a rule linear in the relevance: LRP-αβ's x ⊙ ((R / z) W) is 0 where R is). Equal to
+    ``fn`` on everything up to the sign of zeros and float rounding (products of fewer rows may sum
+    in another order). A decoder explained at its last position has relevance at that position
+    only in its head and its last block's feed-forward layers and projections (CVPR 2021 Eq. 5 on
+    one row instead of thousands)."""
+    n = relevance.shape[-1] if relevance.dim() >= 2 else 0
+    positions = relevance.numel() // n if n else 0
+    if positions < RELEVANT_ROWS or any(t is not None and t.shape[:-1] != relevance.shape[:-1] for t in rows):
+        return fn(relevance, *rows)
+    flat = relevance.reshape(-1, n)
+    keep = (flat != 0).any(-1).nonzero().squeeze(1)  # (NaN counts as relevance)
+    if 2 * keep.numel() > positions:
+        return fn(relevance, *rows)
+    part = fn(flat[keep], *(None if t is None else t.reshape(-1, t.shape[-1])[keep] for t in rows))
+    out = part.new_zeros((positions, part.shape[-1]))
+    out[keep] = part
+    return out.reshape(*relevance.shape[:-1], part.shape[-1])
+
+
 def finite(t: torch.Tensor) -> torch.Tensor:
     """``t`` with NaN and ±inf replaced by 0 (used on products of relevance with masks)."""
     return torch.nan_to_num(t, nan=0.0, posinf=0.0, neginf=0.0)
