@@ -30,6 +30,7 @@ import torch.fx
 import torch.utils._pytree as pytree
 
 from ..errors import UnsupportedOperation
+from ..graph.aliasing import shares_memory
 from ..graph.attention_core import AttentionCore, evaluate_rows, find_core, first_keys
 from ..graph.nodes import is_live, module_path, module_type
 from ..rules.context import RuleContext
@@ -209,7 +210,8 @@ def _walk_chunks(walker, r, core, block, dout, chunks, sums, hooks, counting: bo
                 reached = rn
             if rn is None:
                 continue
-            shares, spec, deferred = _rule(walker, node, rn, value, sums, counting, out, deferral, tag)
+            shares, spec, deferred = _rule(walker, node, rn, value, sums, counting, out, deferral, tag,
+                                           _dead_after(node, core, block, vals, value))
             held = spec.constant_positions
             arg_nodes = node.args if spec.operands is None else spec.operands
             for j, arg in enumerate(arg_nodes):
@@ -271,10 +273,25 @@ def all_keys(share: torch.Tensor, shape) -> torch.Tensor:
     return torch.nn.functional.pad(share, pad)
 
 
-def _rule(walker, node, r, value, sums, counting: bool, out: CoreShares, deferral=None, tag=None):
+def _dead_after(node, core, block, vals, value) -> bool:
+    """Whether the chunk's value of core node ``node`` is dead once its rule has run, so that a rule
+    may compute into its buffer (``RuleContext.out_writable``): the walk of the chunk visits the
+    nodes after it first and reads no node's value after that node's rule, except the attention
+    map's (the folds read it), which ``node`` is not and shares no memory with; nor with its
+    operands (an outside operand's value is a slice of a whole tensor), and autograd records it not.
+    The product's value is the core's output (rows of a whole tensor)."""
+    v = vals.get(node)
+    if node is block.attention or node is core.nodes[-1] or not torch.is_tensor(v) or v.requires_grad:
+        return False
+    return not shares_memory(v, vals.get(block.attention), *(value(a) for a in node.all_input_nodes))
+
+
+def _rule(walker, node, r, value, sums, counting: bool, out: CoreShares, deferral=None, tag=None,
+          dead: bool = False):
     """Run the preset's rule of core node ``node`` on the chunk (values from ``value``) with
-    relevance ``r`` (of tag ``tag``); keep what its stabilizer keeps in ``out``. Returns (shares,
-    spec, the shares whose factors the rule deferred or None)."""
+    relevance ``r`` (of tag ``tag``); keep what its stabilizer keeps in ``out``. ``dead``: the
+    node's value is not read after its rule (:func:`_dead_after`). Returns (shares, spec, the
+    shares whose factors the rule deferred or None)."""
     a = walker.a
     spec = walker.rule_of(node)
     if spec is None:
@@ -287,7 +304,9 @@ def _rule(walker, node, r, value, sums, counting: bool, out: CoreShares, deferra
     out_val = value(node)
     ctx = _ChunkContext(node=node, args=tuple(args), kwargs=kw, out=pytree.tree_map(promote, out_val), live=live,
                         batch_dim=walker.bdim.get(node), batch_size=walker.batch, eps=walker.eps,
-                        preset=walker.preset, options=walker.options, out_writable=False, sums=sums,
+                        preset=walker.preset, options=walker.options, sums=sums,
+                        out_writable=dead and not counting and spec.writes_out
+                        and (spec.gradient_form is None or spec.gradient_form.lost is None),
                         deferral=deferral, tag=tag)
     shares = spec.fn(ctx, r)
     if shares is None:
