@@ -62,7 +62,7 @@ def chunk_plan(core: AttentionCore, value: Callable[[torch.fx.Node], torch.Tenso
 
 #: evaluate a core recognized as softmax(Q·Kᵀ·s + M)·V by torch's fused attention kernel in the
 #: forward pass without autograd (:mod:`relprop.graph.fused_attention`); False: node by node
-FUSED_FORWARD = True
+FUSED_FORWARD = False
 
 
 def core_forward(core: AttentionCore, value: Callable[[torch.fx.Node], torch.Tensor], chunk: int,

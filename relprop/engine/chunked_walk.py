@@ -229,12 +229,10 @@ def _walk_chunks(walker, r, core, block, dout, chunks, sums, hooks, counting: bo
                             tags[arg] = st
                         continue
                     whole = values.value(arg)
-                    share = all_keys(share, whole.shape[:-2] + (hi - lo,) + whole.shape[-1:]
-                                     if arg in rows_of else whole.shape)
                     if arg in rows_of:
-                        out.row(arg, st, share, lo)
-                    else:
-                        out.add_whole(arg, st, share)
+                        out.row(arg, st, all_keys(share, whole.shape[:-2] + (hi - lo,) + whole.shape[-1:]), lo)
+                    else:  # (added into the whole share's first keys: no padded copy)
+                        out.add_whole(arg, st, share, whole.shape)
                 elif torch.is_tensor(share) and not counting:
                     label = walker.held_label(arg, node) if j in held else walker.constant_label(arg, node)
                     out.absorb(label, promote(share), node, walker.bdim.get(arg)
