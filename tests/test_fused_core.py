@@ -13,7 +13,7 @@ import torch
 
 import models
 import relprop
-from relprop.engine import chunk_gradients, chunked_core, chunked_walk, fused_segment, low_memory
+from relprop.engine import chunk_gradients, chunked_core, chunked_walk, deferred_shares, fused_segment, low_memory
 from relprop.engine.chunked_walk import plan_cores
 from relprop.graph.attention_core import evaluate_rows
 from relprop.graph.capture import CACHE
@@ -195,6 +195,52 @@ def test_a_chunk_with_a_fully_masked_row_is_evaluated_node_by_node(name, monkeyp
         assert float(kernel[1, :, 1].abs().max()) > 1e-3  # (what fusing that chunk would have given)
 
 
+class _ScalarBiasAttention(torch.nn.Module):
+    """A self-attention block whose scores get a Python number added before the softmax: the graph
+    holds aten.add.Tensor(scores, 1.0) (a number, not an operand node)."""
+
+    def __init__(self, d=8, heads=2):
+        super().__init__()
+        self.qkv, self.o, self.heads = torch.nn.Linear(d, 3 * d), torch.nn.Linear(d, d), heads
+
+    def forward(self, x):
+        b, n, d = x.shape
+        q, k, v = self.qkv(x).view(b, n, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        a = torch.softmax(q @ k.transpose(-1, -2) * 0.5 + 1.0, -1)
+        return self.o((a @ v).transpose(1, 2).reshape(b, n, d))
+
+
+class _ScalarBiasModel(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb, self.head = torch.nn.Linear(4, 8), torch.nn.Linear(8, 3)
+        self.blocks = torch.nn.ModuleList([_ScalarBiasAttention(), _ScalarBiasAttention()])
+
+    def forward(self, x):
+        x = self.emb(x)
+        for block in self.blocks:
+            x = x + block(x)
+        return self.head(x[:, 0])
+
+
+def test_a_number_added_to_the_scores_is_not_a_mask_operand(monkeypatch):
+    """softmax(Q·Kᵀ·s + 1.0)·V: the number is no operand from outside the core. sdpa_form must not
+    take it for the mask (a form whose mask is 1.0, not a node, sends core_forward's sdpa_rows to
+    value(1.0): KeyError), and a folded run gives the numbers of the node-by-node forward pass."""
+    torch.manual_seed(0)
+    model = _ScalarBiasModel().eval().double()
+    x = torch.randn(2, 9, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    monkeypatch.setattr(chunked_core, "ROW_CHUNK", 3)
+    runs = []
+    for on in (False, True):
+        monkeypatch.setattr(chunked_core, "FUSED_FORWARD", on)
+        runs.append(relprop.explain(model, x, method="transformer_attribution", keep_blocks=False))
+    _same(runs[1], runs[0], "a number added to the scores")
+    for core, _ in plan_cores(CACHE.get(model, bind_inputs(model, x)).analysis).values():
+        form = sdpa_form(core)
+        assert form is None or form.mask is None or isinstance(form.mask, torch.fx.Node), form
+
+
 def test_sdpa_rows_refuses_operands_the_kernel_does_not_take():
     """A mask of another dtype than Q, a boolean mask, half-precision operands: None (node by node)."""
     core = _cores("llama_sdpa")[0]
@@ -363,13 +409,14 @@ def test_chefer2021_linear_rule_on_sparse_relevance_equals_alpha1_beta0(bias, mo
 # ------------------------------------------------------------------ f. chunks without relevance skipped
 
 @pytest.mark.parametrize("fused", [True, False])
-@pytest.mark.parametrize("preset", ["chefer2021", "attnlrp"])
-def test_chunks_without_relevance_are_not_walked(preset, fused, monkeypatch):
+@pytest.mark.parametrize("preset,counting", [("chefer2021", False), ("chefer2021", True), ("attnlrp", False)])
+def test_chunks_without_relevance_are_not_walked(preset, counting, fused, monkeypatch):
     """LLaMA explained at each sample's last position (lengths 12 and 11: rows 11 and 10), ROW_CHUNK=3:
     in the block next to the output only the product's rows 9:12 have relevance, and the rules of the
     core run on chunk 0:3 (the first chunk is always walked) and 9:12 only; the first block's core is
     walked on all four chunks. Scores, head rows, input relevance and ledger equal those of the whole
-    path (keep_blocks=True), float64, to 1e-9, with the fused segment walk and without it."""
+    path (keep_blocks=True), float64, to 1e-9, with the fused segment walk and without it, and on the
+    counting path (chefer2021's normalization not deferred: refused after the first chunk's rules)."""
     model = _model("llama_sdpa")
     batch = models.decoder_batch(lengths=(12, 11))
     whole = relprop.explain(model, batch, method="transformer_attribution", preset=preset, keep_blocks=True)
@@ -385,13 +432,24 @@ def test_chunks_without_relevance_are_not_walked(preset, fused, monkeypatch):
 
     def spy_rule(walker, node, r, *a, **k):
         if node is current[-1].nodes[-1]:
-            walked[current[-1].block].append((bool(r.any()), r.shape[-2]))
+            if not a[2]:  # (not a counting pass)
+                walked[current[-1].block].append((bool(r.any()), r.shape[-2]))
         return rule(walker, node, r, *a, **k)
 
+    if counting:
+        done = deferred_shares.Deferral.chunk_done
+
+        def refuse(self):
+            done(self)
+            if self.node is not None:
+                self.cannot("refused by the test")
+        monkeypatch.setattr(deferred_shares.Deferral, "chunk_done", refuse)
     monkeypatch.setattr(chunked_walk, "_walk_chunks", spy_walk)
     monkeypatch.setattr(chunked_walk, "_rule", spy_rule)
     got = relprop.explain(model, batch, method="transformer_attribution", preset=preset, keep_blocks=False)
     assert got.kept_blocks is False and whole.kept_blocks is True
+    if counting:  # (the refused deferred attempt walks chunk 0:3 first; the counting passes walk every chunk)
+        walked = {b: w[-4:] if b == 0 else w[1:] for b, w in walked.items()}
     assert walked == {1: [(False, 3), (True, 3)], 0: [(True, 3)] * 4}
     _same(got, whole, f"{preset} fused={fused}", 1e-9)
 
