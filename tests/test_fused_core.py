@@ -6,7 +6,6 @@ new path gives the numbers of the path it replaces (float64, so that the compari
 rounding)."""
 import dataclasses
 import functools
-import math
 
 import pytest
 import torch
@@ -28,14 +27,9 @@ from relprop.rules.rule_registry import lookup
 aten = torch.ops.aten
 F64_MIN = torch.finfo(torch.float64).min
 
-BUILDERS = {
-    "llama_sdpa": lambda: models.hf_llama("sdpa"),
-    "llama_eager": lambda: models.hf_llama("eager"),
-    "gpt2_sdpa": lambda: models.hf_gpt2_lm("sdpa"),
-    "gpt2_eager": lambda: models.hf_gpt2_lm("eager"),
-    "bert_eager": lambda: models.hf_bert("eager"),
-    "bert_sdpa": lambda: models.hf_bert("sdpa"),
-}
+BUILDERS = {f"{name}_{attn}": functools.partial(build, attn) for name, build in
+            (("llama", models.hf_llama), ("gpt2", models.hf_gpt2_lm), ("bert", models.hf_bert))
+            for attn in ("sdpa", "eager")}
 
 
 @functools.lru_cache(maxsize=None)
@@ -124,18 +118,14 @@ def _causal(closed=F64_MIN):
 
 
 def _masks(kind):
-    """(mask values, whether the core reads it whole: broadcast over the query rows)."""
-    if kind == "causal_min":
-        return _causal().expand(B, 1, N, N), False
-    if kind == "causal_inf":
-        return _causal(float("-inf")).expand(B, 1, N, N), False
-    if kind == "alibi":  # a finite bias per head: every key open
-        i = torch.arange(N, dtype=torch.float64)
-        return -torch.arange(1, H + 1.0, dtype=torch.float64).view(1, H, 1, 1) * (i.view(N, 1) - i).abs(), False
-    pad = torch.zeros(B, 1, 1, N, dtype=torch.float64)  # padding: [batch, 1, 1, keys]
-    pad[0, ..., 6:] = F64_MIN
-    pad[1, ..., 8:] = F64_MIN
-    return pad, True
+    """The mask's values: causal (finfo.min or -inf), a finite ALiBi-like bias per head (every key
+    open), padding broadcast over the query rows ([batch, 1, 1, keys]: keys 6: and 8: closed)."""
+    i = torch.arange(N, dtype=torch.float64)
+    return {"causal_min": lambda: _causal().expand(B, 1, N, N),
+            "causal_inf": lambda: _causal(float("-inf")).expand(B, 1, N, N),
+            "alibi": lambda: -torch.arange(1.0, H + 1, dtype=torch.float64).view(1, H, 1, 1) * (i.view(N, 1) - i).abs(),
+            "padding": lambda: torch.zeros(B, 1, 1, N, dtype=torch.float64).masked_fill(
+                i >= torch.tensor([6.0, 8.0], dtype=torch.float64).view(B, 1, 1, 1), F64_MIN)}[kind]()
 
 
 def _operands(core, mask, seed=0):
@@ -153,9 +143,9 @@ def test_sdpa_rows_equal_the_node_by_node_chunk(name, kind):
     and s = 1, GPT-2 eager's none and s = 1/√8. The padding mask ([B, 1, 1, keys]) is read whole: the
     core is given with the mask moved from its split operands to its whole ones."""
     core = _cores(name)[0]
-    mask, whole = _masks(kind)
+    mask = _masks(kind)
     form = sdpa_form(core)
-    if whole:
+    if kind == "padding":
         core = dataclasses.replace(core, rows=tuple(n for n in core.rows if n is not form.mask),
                                    whole=core.whole + (form.mask,))
     values = _operands(core, mask).__getitem__
@@ -195,31 +185,23 @@ def test_a_chunk_with_a_fully_masked_row_is_evaluated_node_by_node(name, monkeyp
         assert float(kernel[1, :, 1].abs().max()) > 1e-3  # (what fusing that chunk would have given)
 
 
-class _ScalarBiasAttention(torch.nn.Module):
-    """A self-attention block whose scores get a Python number added before the softmax: the graph
+class _ScalarBias(torch.nn.Module):
+    """Two self-attention blocks whose scores get a Python number added before the softmax: the graph
     holds aten.add.Tensor(scores, 1.0) (a number, not an operand node)."""
 
-    def __init__(self, d=8, heads=2):
+    def __init__(self, d=8):
         super().__init__()
-        self.qkv, self.o, self.heads = torch.nn.Linear(d, 3 * d), torch.nn.Linear(d, d), heads
-
-    def forward(self, x):
-        b, n, d = x.shape
-        q, k, v = self.qkv(x).view(b, n, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
-        a = torch.softmax(q @ k.transpose(-1, -2) * 0.5 + 1.0, -1)
-        return self.o((a @ v).transpose(1, 2).reshape(b, n, d))
-
-
-class _ScalarBiasModel(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.emb, self.head = torch.nn.Linear(4, 8), torch.nn.Linear(8, 3)
-        self.blocks = torch.nn.ModuleList([_ScalarBiasAttention(), _ScalarBiasAttention()])
+        self.emb, self.head = torch.nn.Linear(4, d), torch.nn.Linear(d, 3)
+        self.qkv = torch.nn.ModuleList([torch.nn.Linear(d, 3 * d) for _ in range(2)])
+        self.o = torch.nn.ModuleList([torch.nn.Linear(d, d) for _ in range(2)])
 
     def forward(self, x):
         x = self.emb(x)
-        for block in self.blocks:
-            x = x + block(x)
+        b, n, d = x.shape
+        for qkv, o in zip(self.qkv, self.o):
+            q, k, v = qkv(x).view(b, n, 3, 2, d // 2).permute(2, 0, 3, 1, 4)
+            a = torch.softmax(q @ k.transpose(-1, -2) * 0.5 + 1.0, -1)
+            x = x + o((a @ v).transpose(1, 2).reshape(b, n, d))
         return self.head(x[:, 0])
 
 
@@ -228,7 +210,7 @@ def test_a_number_added_to_the_scores_is_not_a_mask_operand(monkeypatch):
     take it for the mask (a form whose mask is 1.0, not a node, sends core_forward's sdpa_rows to
     value(1.0): KeyError), and a folded run gives the numbers of the node-by-node forward pass."""
     torch.manual_seed(0)
-    model = _ScalarBiasModel().eval().double()
+    model = _ScalarBias().eval().double()
     x = torch.randn(2, 9, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
     monkeypatch.setattr(chunked_core, "ROW_CHUNK", 3)
     runs = []
@@ -371,17 +353,6 @@ def test_on_relevant_rows_equals_fn_on_everything(relevant, positions, sparse):
     assert bool((got.reshape(-1, 5)[others] == 0).all())
 
 
-def test_on_relevant_rows_falls_back_where_rows_do_not_match():
-    """A row tensor whose positions differ from the relevance's: fn on everything; None rows pass."""
-    r = torch.zeros(80, 6, dtype=torch.float64)
-    r[3] = 1.0
-    seen = []
-    x = torch.ones(80, 4, dtype=torch.float64)
-    stabilize.on_relevant_rows(lambda rr, xx, nn: seen.append((rr.shape[0], xx.shape[0], nn)) or rr, r, x, None)
-    stabilize.on_relevant_rows(lambda rr, xx: seen.append((rr.shape[0], xx.shape[0])) or rr, r, x[:40])
-    assert seen == [(1, 1, None), (80, 40)]
-
-
 @pytest.mark.parametrize("bias", [False, True])
 def test_chefer2021_linear_rule_on_sparse_relevance_equals_alpha1_beta0(bias, monkeypatch):
     """chefer2021's aten.linear rule on relevance at 3 of 2×40 positions equals alpha1_beta0 on
@@ -456,6 +427,7 @@ def test_chunks_without_relevance_are_not_walked(preset, counting, fused, monkey
 
 # ------------------------------------------------------------------ g. the product's backward by hand
 
+@pytest.mark.filterwarnings("ignore::UserWarning")
 @pytest.mark.parametrize("name", ["llama_sdpa", "bert_eager"])
 @pytest.mark.parametrize("preset", ["chefer2021", "attnlrp"])
 def test_product_by_hand_equals_autograd(name, preset, monkeypatch):
@@ -491,4 +463,3 @@ def test_product_by_hand_equals_autograd(name, preset, monkeypatch):
         for n in ref:
             _close(got[n], ref[n], f"gradient at {n}", 1e-10)
     _same(*runs, f"{name} {preset}", 1e-10)
-    assert not math.isnan(float(runs[0].scores.sum()))
