@@ -186,23 +186,23 @@ def test_a_chunk_with_a_fully_masked_row_is_evaluated_node_by_node(name, monkeyp
 
 
 class _ScalarBias(torch.nn.Module):
-    """Two self-attention blocks whose scores get a Python number added before the softmax: the graph
-    holds aten.add.Tensor(scores, 1.0) (a number, not an operand node)."""
+    """A residual self-attention block whose scores get a Python number added before the softmax: the
+    graph holds aten.add.Tensor(scores, 1.0) (a number, not an operand node)."""
 
     def __init__(self, d=8):
         super().__init__()
-        self.emb, self.head = torch.nn.Linear(4, d), torch.nn.Linear(d, 3)
-        self.qkv = torch.nn.ModuleList([torch.nn.Linear(d, 3 * d) for _ in range(2)])
-        self.o = torch.nn.ModuleList([torch.nn.Linear(d, d) for _ in range(2)])
+        self.qkv, self.o = torch.nn.Linear(d, 3 * d), torch.nn.Linear(d, d)
 
     def forward(self, x):
-        x = self.emb(x)
         b, n, d = x.shape
-        for qkv, o in zip(self.qkv, self.o):
-            q, k, v = qkv(x).view(b, n, 3, 2, d // 2).permute(2, 0, 3, 1, 4)
-            a = torch.softmax(q @ k.transpose(-1, -2) * 0.5 + 1.0, -1)
-            x = x + o((a @ v).transpose(1, 2).reshape(b, n, d))
-        return self.head(x[:, 0])
+        q, k, v = self.qkv(x).view(b, n, 3, 2, d // 2).permute(2, 0, 3, 1, 4)
+        a = torch.softmax(q @ k.transpose(-1, -2) * 0.5 + 1.0, -1)
+        return x + self.o((a @ v).transpose(1, 2).reshape(b, n, d))
+
+
+class _First(torch.nn.Module):
+    def forward(self, x):
+        return x[:, 0]
 
 
 def test_a_number_added_to_the_scores_is_not_a_mask_operand(monkeypatch):
@@ -210,7 +210,8 @@ def test_a_number_added_to_the_scores_is_not_a_mask_operand(monkeypatch):
     take it for the mask (a form whose mask is 1.0, not a node, sends core_forward's sdpa_rows to
     value(1.0): KeyError), and a folded run gives the numbers of the node-by-node forward pass."""
     torch.manual_seed(0)
-    model = _ScalarBias().eval().double()
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), _ScalarBias(), _ScalarBias(), _First(),
+                                torch.nn.Linear(8, 3)).eval().double()
     x = torch.randn(2, 9, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
     monkeypatch.setattr(chunked_core, "ROW_CHUNK", 3)
     runs = []
