@@ -81,7 +81,8 @@ def _read_form(core: AttentionCore) -> Optional[SdpaForm]:
             scale = scale * args[1] if t in (aten.mul.Scalar, aten.mul.Tensor) else scale / args[1]
             x = node
         elif t is aten.add.Tensor and softmax is None and mask is None and len(args) == 2 and not node.kwargs \
-                and x in args and (args[1] if args[0] is x else args[0]) not in inside:
+                and x in args and isinstance(args[1] if args[0] is x else args[0], torch.fx.Node) \
+                and (args[1] if args[0] is x else args[0]) not in inside:
             mask, x = (args[1] if args[0] is x else args[0]), node
             tested = node
         elif t in _SOFTMAX and softmax is None and args[0] is x and _over_last(node):
