@@ -14,20 +14,18 @@ import torch
 from .linear import constant_matrix_product
 from .normalization import is_statistic
 from .rule_registry import rule
-from .stabilize import promote, safe_divide, safe_divide_into_den, scratch, times_fresh
+from .stabilize import promote, safe_divide, scratch, times_fresh
 
 aten = torch.ops.aten
 
 
-def z_rule_matmul(a: torch.Tensor, b: torch.Tensor, z: torch.Tensor, relevance: torch.Tensor, eps: float,
-                  z_writable: bool = False):
+def z_rule_matmul(a: torch.Tensor, b: torch.Tensor, z: torch.Tensor, relevance: torch.Tensor, eps: float):
     """Z-rule for ``z = a @ b`` (Lemma 1): ``R_a = a ⊙ (S bᵀ)``, ``R_b = b ⊙ (aᵀ S)``, ``S = R / z``.
 
     Each of the two returned shares sums to Σ R (where z ≠ 0). Shares are shaped like the
-    broadcast product, which the interpreter reduces onto the operands. ``z_writable``: ``z`` is
-    dead after this rule and S is computed into its buffer (:func:`relprop.rules.stabilize.safe_divide_into_den`).
+    broadcast product, which the interpreter reduces onto the operands.
     """
-    s = safe_divide_into_den(relevance, z, eps) if z_writable else safe_divide(relevance, z, eps)
+    s = safe_divide(relevance, z, eps)
     ra = times_fresh(s @ b.transpose(-1, -2), a)
     rb = times_fresh(a.transpose(-1, -2) @ s, b)
     return ra, rb
@@ -38,8 +36,7 @@ def _halved(r: torch.Tensor) -> torch.Tensor:
     return r.div_(2) if scratch(r) else r / 2
 
 
-@rule(aten.matmul.default, aten.bmm.default, aten.mm.default, preset=("chefer2021", "lrp"),
-      writes_out=True)  # z_rule_matmul computes S = R / z into z when allowed
+@rule(aten.matmul.default, aten.bmm.default, aten.mm.default, preset=("chefer2021", "lrp"))
 def matmul(ctx, relevance):
     """Attention products (both operands live): z-rule on each operand, then both halved
     (CVPR 2021 Lemma 1 and §3.2; ``cam1 /= 2`` etc. in ``Attention.relprop`` of the authors'
@@ -64,13 +61,12 @@ def matmul(ctx, relevance):
             rb = rb.squeeze(-1)
         return (ra / 2, rb / 2)
     z = promote(ctx.out)
-    writable = ctx.out_writable and z is ctx.out
     if relevance.numel() <= min(a.numel(), b.numel()):
         # halved before, not after: (R/2)/z = (R/z)/2 and the products scale alike, exactly (a power
         # of 2), so the shares are the same numbers, with a pass over the smaller tensor (A·V: R is
         # tokens × d, the share of A tokens × tokens)
-        return z_rule_matmul(promote(a), promote(b), z, relevance * 0.5, ctx.eps, writable)
-    ra, rb = z_rule_matmul(promote(a), promote(b), z, relevance, ctx.eps, writable)
+        return z_rule_matmul(promote(a), promote(b), z, relevance * 0.5, ctx.eps)
+    ra, rb = z_rule_matmul(promote(a), promote(b), z, relevance, ctx.eps)
     return (_halved(ra), _halved(rb))
 
 

@@ -85,19 +85,6 @@ def _stabilized_quotient(num: torch.Tensor, den: torch.Tensor, eps: float) -> to
     return torch.nan_to_num_(out, nan=0.0, posinf=0.0, neginf=0.0)
 
 
-def safe_divide_into_den(num: torch.Tensor, den: torch.Tensor, eps: float = DEFAULT_EPS) -> torch.Tensor:
-    """:func:`safe_divide` computed into ``den``'s own buffer (the caller's dead temporary, which it
-    overwrites): ε is added where den > 0 and subtracted where den < 0, in place (den + ε·sign den,
-    the same numbers), then num is divided by it there. Two boolean masks instead of a float
-    temporary of den's size. Falls back to :func:`safe_divide` where the shapes or dtypes differ."""
-    if not (eps and torch.is_tensor(num) and _in_place_ok(num, den) and scratch(den) and den.is_contiguous()):
-        return safe_divide(num, den, eps)
-    den.add_(den > 0, alpha=eps)
-    den.add_(den < 0, alpha=-eps)
-    torch.div(num, den, out=den)
-    return torch.nan_to_num_(den, nan=0.0, posinf=0.0, neginf=0.0)
-
-
 def safe_divide(num: torch.Tensor, den: torch.Tensor, eps: float = DEFAULT_EPS) -> torch.Tensor:
     """``num / den`` with ``den`` pushed ``eps`` away from 0; 0 where ``den`` is 0 or not finite.
 
