@@ -144,11 +144,14 @@ def test_the_segmented_fast_path_cuts_keys_too(preset, monkeypatch):
 
 
 def test_chunk_rows_follow_the_bytes_of_a_chunk():
-    """A chunk's heads × rows × keys tensor stays within CHUNK_BYTES: fewer rows for more keys."""
+    """A chunk's heads × rows × keys tensor stays within CHUNK_BYTES (CPU_CHUNK_BYTES on the CPU):
+    fewer rows for more keys."""
     mib = 2 ** 20
-    assert chunked_core.CHUNK_BYTES == 32 * mib
+    assert chunked_core.CHUNK_BYTES == 32 * mib and chunked_core.CPU_CHUNK_BYTES == 16 * mib
     assert chunked_core.chunk_rows(256, 8, 8192) == 128
     assert chunked_core.chunk_rows(256, 8, 4096) == 256
+    assert chunked_core.chunk_rows(256, 8, 4096, cpu=True) == 128
+    assert chunked_core.chunk_rows(256, 8, 8192, cpu=True) == 64
     assert chunked_core.chunk_rows(256, 32, 131072) == chunked_core.MIN_ROWS
     assert chunked_core.chunk_rows(3, 8, 8192) == 3
 
@@ -159,7 +162,8 @@ def test_chunks_cut_by_bytes_give_the_numbers_of_whole_cores(monkeypatch):
     runs = []
     for rows in (None, 256):
         monkeypatch.setattr(chunked_core, "ROW_CHUNK", rows)
-        monkeypatch.setattr(chunked_core, "CHUNK_BYTES", 3 * 4 * 9 * 8 * 2)  # 2 rows of 3 samples × 4 heads × 9 keys
+        # 2 rows of 3 samples × 4 heads × 9 keys
+        monkeypatch.setattr(chunked_core, "CPU_CHUNK_BYTES", 3 * 4 * 9 * 8 * 2)
         monkeypatch.setattr(chunked_core, "MIN_ROWS", 1)
         monkeypatch.setattr("relprop.engine.low_memory._rows_exceed_a_chunk", lambda core, tokens: True)
         runs.append(relprop.explain(model, batch, method="transformer_attribution", keep_blocks=False))

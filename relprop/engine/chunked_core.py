@@ -25,12 +25,17 @@ from ..graph.key_bounds import key_bounds, rows_open
 #: whole, as before). On by default: a folded run is the long-input path, where the whole cores'
 #: heads x tokens^2 tensors are the peak; the chunked walk gives the same numbers to float rounding.
 ROW_CHUNK: Optional[int] = 256
-#: the most bytes a chunk's heads × rows × keys tensor may take: where the keys are many, a chunk has
-#: fewer rows than :data:`ROW_CHUNK` (at least :data:`MIN_ROWS`). The recomputation of a chunk holds
-#: about four such tensors (scores, softmax, their gradients) on top of what forward+backward holds:
-#: 32 MiB is 128 rows of 8 heads × 8192 keys (256 rows gave 1.15× the peak of a fused
-#: forward+backward pass there, 64 rows 1.04×).
+#: the most bytes a chunk's heads × rows × keys tensor may take on an accelerator: where the keys are
+#: many, a chunk has fewer rows than :data:`ROW_CHUNK` (at least :data:`MIN_ROWS`). The recomputation
+#: of a chunk holds about four such tensors (scores, softmax, their gradients) on top of what
+#: forward+backward holds: 32 MiB is 128 rows of 8 heads × 8192 keys (256 rows gave 1.15× the peak of a
+#: fused forward+backward pass there on an H200, 64 rows 1.04×).
 CHUNK_BYTES = 32 * 2 ** 20
+#: the same on the CPU: 16 MiB. glibc serves a block of at most 32 MiB (its largest mmap threshold)
+#: from its heap once such blocks were freed, and reuses that memory; a 32 MiB tensor is a fresh mapping
+#: the kernel faults in page by page at every chunk. At 4096 tokens (LLaMA-style, 8 heads, 1 thread)
+#: ``transformer_attribution`` took 14.0–14.3 s with 16 MiB, 14.7–14.9 s with 32 MiB, 15.0 s with 8 MiB.
+CPU_CHUNK_BYTES = 16 * 2 ** 20
 MIN_ROWS = 16
 
 
@@ -39,10 +44,12 @@ def row_chunks(queries: int, chunk: int) -> List[tuple]:
     return [(lo, min(lo + chunk, queries)) for lo in range(0, queries, max(1, chunk))]
 
 
-def chunk_rows(chunk: int, lead: int, keys: int, itemsize: int = 4) -> int:
+def chunk_rows(chunk: int, lead: int, keys: int, itemsize: int = 4, cpu: bool = False) -> int:
     """Rows per chunk: ``chunk`` (:data:`ROW_CHUNK`), fewer where a chunk's ``lead`` (batch × heads)
-    × rows × ``keys`` tensor would exceed :data:`CHUNK_BYTES`, but at least :data:`MIN_ROWS`."""
-    return min(chunk, max(MIN_ROWS, CHUNK_BYTES // max(1, lead * keys * itemsize)))
+    × rows × ``keys`` tensor would exceed :data:`CHUNK_BYTES` (:data:`CPU_CHUNK_BYTES` for a tensor on
+    the ``cpu``), but at least :data:`MIN_ROWS`."""
+    limit = CPU_CHUNK_BYTES if cpu else CHUNK_BYTES
+    return min(chunk, max(MIN_ROWS, limit // max(1, lead * keys * itemsize)))
 
 
 def chunk_plan(core: AttentionCore, value: Callable[[torch.fx.Node], torch.Tensor], queries: int,
@@ -56,7 +63,8 @@ def chunk_plan(core: AttentionCore, value: Callable[[torch.fx.Node], torch.Tenso
     keys = value(core.nodes[0].args[1]).shape[-1]
     lead = max(1, q.numel() // max(1, q.shape[-1] * q.shape[-2])) if torch.is_tensor(q) and q.dim() >= 2 else 1
     itemsize = max(4, q.element_size()) if torch.is_tensor(q) else 4
-    chunks = row_chunks(queries, chunk_rows(chunk, lead, keys, itemsize))
+    cpu = not torch.is_tensor(q) or q.device.type == "cpu"
+    chunks = row_chunks(queries, chunk_rows(chunk, lead, keys, itemsize, cpu))
     return [(lo, hi, (kept, keys)) for (lo, hi), kept in zip(chunks, key_bounds(core, value, chunks))]
 
 
