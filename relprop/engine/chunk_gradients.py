@@ -22,6 +22,7 @@ from typing import Dict, List, Optional
 import torch
 import torch.fx
 
+from ..errors import RelpropError
 from ..graph.attention_core import PRODUCTS, AttentionCore, evaluate_rows, first_keys
 
 
@@ -82,7 +83,8 @@ class ChunkGradients:
         vnode = product.args[1]
         kept, every = keys
         with torch.enable_grad():
-            leaves = {n: self._leaf(n, lo, hi) for n in self.whole_values}
+            # (whole operands as leaves on their first keys: their gradients are added into those keys)
+            leaves = {n: self._leaf(n, lo, hi, keys) for n in self.whole_values}
             vals = evaluate_rows(core, leaves.__getitem__, lo, hi, self.compute, sliced=True, keys=keys,
                                  product=False)
             a = vals[self.attention]
@@ -93,18 +95,18 @@ class ChunkGradients:
         for n, g in zip(rest, gs):
             self._add(n, lo, g if g is not None else torch.zeros_like(leaves[n]))
         if vnode in self.wanted:
-            dv = a.detach().transpose(-1, -2) @ d
-            whole = self.whole_values[vnode]
-            if dv.shape[-2] != whole.shape[-2]:
-                dv = torch.nn.functional.pad(dv, (0, 0, 0, whole.shape[-2] - dv.shape[-2]))
-            self._add(vnode, lo, dv.sum_to_size(whole.shape))
+            self._add(vnode, lo, (a.detach().transpose(-1, -2) @ d).sum_to_size(v.shape))
         vals = {n: v.detach() if torch.is_tensor(v) else v for n, v in vals.items()}
         vals[product] = self.out[..., lo:hi, :]
         return vals, da
 
-    def _leaf(self, n, lo: int, hi: int):  # (the operand's rows of the chunk, a leaf if its gradient is wanted)
+    def _leaf(self, n, lo: int, hi: int, keys: Optional[tuple] = None):
+        """The operand's rows of the chunk (on its first keys, with ``keys``), a leaf if its gradient
+        is wanted."""
         v = self.whole_values[n]
         v = v[..., lo:hi, :] if n in self.split else v
+        if keys is not None and n not in self.split:
+            v = first_keys(self.core, n, v, keys[1], keys[0])
         return v.detach().requires_grad_(True) if n in self.wanted else v
 
     def _values(self, lo: int, hi: int, keys: tuple) -> dict:
@@ -117,10 +119,20 @@ class ChunkGradients:
         return vals
 
     def _add(self, n, lo: int, g: torch.Tensor) -> None:
+        """The chunk's gradient ``g`` at operand ``n``: its rows, or added into the total of a whole
+        operand (into its first keys where ``g`` has fewer: the chunk attends to no later key)."""
         if n in self.row_parts:
             self.row_parts[n][lo] = g
-        else:
-            self.whole[n] = self.whole[n] + g if n in self.whole else g
+            return
+        shape = self.whole_values[n].shape
+        if n not in self.whole:
+            self.whole[n] = g.new_zeros(shape)  # (its own total: the chunks' gradients are added into it)
+        total = self.whole[n]
+        differ = [i for i in range(g.dim()) if g.shape[i] != shape[i]] if g.dim() == len(shape) else None
+        if differ is None or len(differ) > 1:
+            raise RelpropError(f"a chunk's gradient at {n.name} of shape {tuple(g.shape)} does not fit its operand's "
+                               f"{tuple(shape)} (a bug of relprop's row-chunked walk: please report it)")
+        (total.narrow(differ[0], 0, g.shape[differ[0]]) if differ else total).add_(g)
 
     def rest(self, chunks: List[tuple]) -> None:
         """The gradients of the chunks of ``chunks`` not computed yet (the walk of the core took
