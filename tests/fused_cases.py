@@ -1,10 +1,12 @@
 """Tiny models, batches and comparisons shared by the tests of the fused attention core
-(tests/test_fused_attention.py) and of the fused segment walk (tests/test_fused_segment.py)."""
+(tests/test_fused_attention.py) and of the fused segment walk (tests/test_fused_segment.py), and the
+forced counting path shared with tests/test_chunked_walk.py."""
 import functools
 
 import torch
 
 import models
+from relprop.engine import deferred_shares
 from relprop.engine.chunked_walk import plan_cores
 from relprop.graph.capture import CACHE
 from relprop.graph.inputs import bind_inputs
@@ -65,3 +67,15 @@ def same(got, ref, what, tol=1e-12):
         for field in ("relevance_in", "relevance_out", "absorbed"):
             close(getattr(b, field), getattr(wb, field), f"{what} block {b.name} {field}", tol)
 
+
+def refuse_deferral(monkeypatch) -> None:
+    """Make every core's walk refuse to defer its normalization once the first chunk's rules ran (the
+    normalizing rule was seen), so that the counting path runs."""
+    done = deferred_shares.Deferral.chunk_done
+
+    def refuse(self):
+        done(self)
+        if self.node is not None:
+            self.cannot("refused by the test")
+
+    monkeypatch.setattr(deferred_shares.Deferral, "chunk_done", refuse)

@@ -11,6 +11,7 @@ import torch
 import models
 import relprop
 import zoo
+from fused_cases import refuse_deferral
 from relprop.engine import chunked_core
 from relprop.engine import chunk_gradients, chunked_walk, deferred_shares
 from relprop.engine.chunked_walk import plan_cores
@@ -218,14 +219,7 @@ def test_counting_path_where_the_walk_cannot_defer(monkeypatch):
     work is dropped and the counting path gives the whole walk's numbers."""
     model, batch = CASES["hf_bert_eager"]()
     whole = _explain(model, batch, "transformer_attribution", "chefer2021", None, monkeypatch)
-    done = deferred_shares.Deferral.chunk_done
-
-    def refuse(self):
-        done(self)
-        if self.node is not None:
-            self.cannot("refused by the test")
-
-    monkeypatch.setattr(deferred_shares.Deferral, "chunk_done", refuse)
+    refuse_deferral(monkeypatch)
     calls = _chunk_calls(monkeypatch)
     got = _explain(model, batch, "transformer_attribution", "chefer2021", 3, monkeypatch)
     assert any(not with_da for _, _, with_da in calls), "no counting pass ran"

@@ -8,8 +8,8 @@ import torch
 
 import models
 import relprop
-from fused_cases import aten, batch as _batch, close as _close, model as _model, same as _same
-from relprop.engine import chunk_gradients, chunked_core, chunked_walk, deferred_shares, fused_segment, low_memory
+from fused_cases import aten, batch as _batch, close as _close, model as _model, refuse_deferral, same as _same
+from relprop.engine import chunk_gradients, chunked_core, chunked_walk, fused_segment, low_memory
 from relprop.rules import stabilize
 from relprop.rules.context import RuleContext
 from relprop.rules.linear import alpha1_beta0
@@ -143,13 +143,7 @@ def test_chunks_without_relevance_are_not_walked(preset, counting, fused, monkey
         return rule(walker, node, r, *a, **k)
 
     if counting:
-        done = deferred_shares.Deferral.chunk_done
-
-        def refuse(self):
-            done(self)
-            if self.node is not None:
-                self.cannot("refused by the test")
-        monkeypatch.setattr(deferred_shares.Deferral, "chunk_done", refuse)
+        refuse_deferral(monkeypatch)
     monkeypatch.setattr(chunked_walk, "_walk_chunks", spy_walk)
     monkeypatch.setattr(chunked_walk, "_rule", spy_rule)
     got = relprop.explain(model, batch, method="transformer_attribution", preset=preset, keep_blocks=False)

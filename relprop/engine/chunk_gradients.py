@@ -22,8 +22,7 @@ from typing import Dict, List, Optional
 import torch
 import torch.fx
 
-from ..errors import RelpropError
-from ..graph.attention_core import PRODUCTS, AttentionCore, evaluate_rows, first_keys
+from ..graph.attention_core import PRODUCTS, AttentionCore, add_on_first_keys, evaluate_rows, first_keys
 
 
 class ChunkGradients:
@@ -47,8 +46,7 @@ class ChunkGradients:
         self.row_parts: Dict[torch.fx.Node, Dict[int, torch.Tensor]] = {n: {} for n in self.wanted if n in self.split}
         self.whole: Dict[torch.fx.Node, torch.Tensor] = {}
         self.done: set = set()
-        self.out = out if _product_by_hand(core, attention, out, dout, compute) \
-            and operands[core.nodes[-1].args[1]].dtype == dout.dtype else None
+        self.out = out if _product_by_hand(core, attention, operands, out, dout, compute) else None
 
     def __call__(self, lo: int, hi: int, keys: tuple, counting: bool = False):
         """(the core's values on rows ``lo:hi``, detached; dA on those rows): the chunk evaluated on its
@@ -124,15 +122,9 @@ class ChunkGradients:
         if n in self.row_parts:
             self.row_parts[n][lo] = g
             return
-        shape = self.whole_values[n].shape
         if n not in self.whole:
-            self.whole[n] = g.new_zeros(shape)  # (its own total: the chunks' gradients are added into it)
-        total = self.whole[n]
-        differ = [i for i in range(g.dim()) if g.shape[i] != shape[i]] if g.dim() == len(shape) else None
-        if differ is None or len(differ) > 1:
-            raise RelpropError(f"a chunk's gradient at {n.name} of shape {tuple(g.shape)} does not fit its operand's "
-                               f"{tuple(shape)} (a bug of relprop's row-chunked walk: please report it)")
-        (total.narrow(differ[0], 0, g.shape[differ[0]]) if differ else total).add_(g)
+            self.whole[n] = g.new_zeros(self.whole_values[n].shape)  # (the chunks' gradients are added into it)
+        add_on_first_keys(self.whole[n], g, f"a chunk's gradient at {n.name}")
 
     def rest(self, chunks: List[tuple]) -> None:
         """The gradients of the chunks of ``chunks`` not computed yet (the walk of the core took
@@ -153,7 +145,7 @@ class ChunkGradients:
         return out
 
 
-def _product_by_hand(core: AttentionCore, attention, out, dout, compute) -> bool:
+def _product_by_hand(core: AttentionCore, attention, operands, out, dout, compute) -> bool:
     """Whether :meth:`ChunkGradients._by_hand` applies: the core's output ``out`` is known, in
     ``dout``'s shape and dtype, the product is a matmul of the attention map A with V (an operand
     from outside the core that no other core node reads), of one dtype, and no half precision is
@@ -165,4 +157,4 @@ def _product_by_hand(core: AttentionCore, attention, out, dout, compute) -> bool
     vnode = product.args[1]
     if vnode not in core.whole or any(vnode in n.all_input_nodes for n in core.nodes[:-1]):
         return False
-    return torch.is_tensor(out) and out.shape == dout.shape and out.dtype == dout.dtype
+    return torch.is_tensor(out) and out.shape == dout.shape and out.dtype == dout.dtype == operands[vnode].dtype

@@ -31,7 +31,7 @@ import torch.utils._pytree as pytree
 
 from ..errors import UnsupportedOperation
 from ..graph.aliasing import shares_memory
-from ..graph.attention_core import AttentionCore, evaluate_rows, find_core, first_keys
+from ..graph.attention_core import AttentionCore, evaluate_rows, find_core, first_keys, keys_padded
 from ..graph.nodes import is_live, module_path, module_type
 from ..rules.context import RuleContext
 from ..rules.preset_table import BUILTIN
@@ -230,7 +230,8 @@ def _walk_chunks(walker, r, core, block, dout, chunks, sums, hooks, counting: bo
                         continue
                     whole = values.value(arg)
                     if arg in rows_of:
-                        out.row(arg, st, all_keys(share, whole.shape[:-2] + (hi - lo,) + whole.shape[-1:]), lo)
+                        out.row(arg, st, keys_padded(share, whole.shape[:-2] + (hi - lo,) + whole.shape[-1:],
+                                                     f"a share of {arg.name}"), lo)
                     else:  # (added into the whole share's first keys: no padded copy)
                         out.add_whole(arg, st, share, whole.shape)
                 elif torch.is_tensor(share) and not counting:
@@ -256,19 +257,6 @@ def _reader(core, vals, whole, rows_of, lo: int, hi: int, keys: tuple) -> Callab
         v = whole(n)
         return first_keys(core, n, v[..., lo:hi, :] if n in rows_of else v, keys[1], keys[0])
     return value
-
-
-def all_keys(share: torch.Tensor, shape) -> torch.Tensor:
-    """The share of an outside operand computed on the chunk's first keys, with zeros on the others
-    up to ``shape`` (the operand's shape on the chunk's rows; the whole-width walk gives 0 on those
-    keys: A is 0 there). The keys' axis is the one axis where the two shapes differ."""
-    if tuple(share.shape) == tuple(shape):
-        return share
-    differ = [d for d in range(share.dim()) if share.shape[d] != shape[d]]
-    assert len(differ) == 1 and share.dim() == len(shape), (share.shape, shape)
-    pad = [0, 0] * (share.dim() - differ[0])
-    pad[-1] = shape[differ[0]] - share.shape[differ[0]]
-    return torch.nn.functional.pad(share, pad)
 
 
 def _dead_after(node, core, block, vals, value) -> bool:

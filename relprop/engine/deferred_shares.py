@@ -28,6 +28,7 @@ import torch
 import torch.fx
 
 from ..errors import RelpropError
+from ..graph.attention_core import add_on_first_keys
 from ..rules.context import per_sample
 
 
@@ -106,7 +107,6 @@ class CoreShares:
         self.rows: Dict[torch.fx.Node, Dict[Optional[int], List[tuple]]] = {}  # (first row, share) by tag
         self.whole: Dict[torch.fx.Node, Dict[Optional[int], torch.Tensor]] = {}
         self.absorbed: List[tuple] = []  # (label, per-sample sum, consumer, tag), in booking order
-        self.owned: set = set()  # the (operand, tag) whose whole share is a total made here
 
     def _per_sample_axis(self, arg, share: torch.Tensor, tag: Optional[int]) -> None:
         """A tagged share of ``arg`` must keep the samples apart, to be scaled per sample."""
@@ -136,28 +136,14 @@ class CoreShares:
         return out
 
     def add_whole(self, arg, tag: Optional[int], share: torch.Tensor, shape=None) -> None:
-        """The chunk's share of ``arg`` (read whole by every chunk), added up over the chunks.
-        ``shape``: the operand's shape, where the chunk's share may be on its first keys only (one
-        axis shorter: the chunk attends to no later key, whose share is 0); it is added into those
-        keys of a total this object owns (no padded copy per chunk)."""
+        """The chunk's share of ``arg`` (read whole by every chunk), added up over the chunks into a
+        total of ``shape`` (the operand's; the share's own by default) made here. A share on the
+        chunk's first keys only is added into those (the later keys' shares are 0: no padded copy)."""
         self._per_sample_axis(arg, share, tag)
         parts = self.whole.setdefault(arg, {})
-        shape = tuple(share.shape) if shape is None else tuple(shape)
-        full = tuple(share.shape) == shape
-        if tag not in parts and full:
-            parts[tag] = share  # (not ours: a later chunk's share is added into a new tensor)
-            return
-        if (arg, tag) not in self.owned:
-            parts[tag] = share.new_zeros(shape) if tag not in parts else parts[tag].clone()
-            self.owned.add((arg, tag))
-        total = parts[tag]
-        if not full:
-            differ = [d for d in range(share.dim()) if share.shape[d] != shape[d]]
-            if len(differ) != 1 or share.dim() != len(shape):
-                raise RelpropError(f"a share of {arg.name} of shape {tuple(share.shape)} does not fit its operand's "
-                                   f"{shape} (a bug of relprop's row-chunked walk: please report it)")
-            total = total.narrow(differ[0], 0, share.shape[differ[0]])
-        total.add_(share)
+        if tag not in parts:
+            parts[tag] = share.new_zeros(tuple(share.shape) if shape is None else tuple(shape))
+        add_on_first_keys(parts[tag], share, f"a share of {arg.name}")
 
     def absorb(self, label: str, rel: torch.Tensor, consumer, arg_bdim: Optional[int], out_val,
                tag: Optional[int]) -> None:

@@ -37,7 +37,7 @@ class SegmentWalk:
     (called by :func:`relprop.engine.low_memory.backward_segment` once step 1 is done)."""
 
     def __init__(self, walker, seg: List[torch.fx.Node], product: torch.fx.Node, compute=None):
-        self.walker, self.seg, self.product, self.compute = walker, seg, product, compute
+        self.walker, self.product, self.compute = walker, product, compute
         i = seg.index(product)
         self.after, self.left = seg[i + 1:], seg[:i + 1]
 

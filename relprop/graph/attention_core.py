@@ -21,6 +21,7 @@ from typing import Any, Callable, Dict, Optional, Tuple
 import torch
 import torch.fx
 
+from ..errors import RelpropError
 from .nodes import ancestors, descendants, evaluate
 
 aten = torch.ops.aten
@@ -163,6 +164,34 @@ def pad_keys(t: Optional[torch.Tensor], keys: int) -> Optional[torch.Tensor]:
     if t is None or t.shape[-1] == keys:
         return t
     return torch.nn.functional.pad(t, (0, keys - t.shape[-1]))
+
+
+def _keys_axis(part_shape, shape, what: str) -> Optional[int]:
+    """The one axis along which ``part_shape`` (a chunk's share or gradient of an operand, on the
+    chunk's first keys) is shorter than ``shape`` (on all keys); None where they are equal."""
+    differ = [d for d in range(len(shape)) if part_shape[d] != shape[d]] if len(part_shape) == len(shape) else None
+    if differ is None or len(differ) > 1 or differ and part_shape[differ[0]] > shape[differ[0]]:
+        raise RelpropError(f"{what} of shape {tuple(part_shape)} does not fit its operand's {tuple(shape)} "
+                           "(a bug of relprop's row-chunked walk: please report it)")
+    return differ[0] if differ else None
+
+
+def keys_padded(part: torch.Tensor, shape, what: str) -> torch.Tensor:
+    """``part`` (on the chunk's first keys) with zeros on the later keys, up to ``shape`` (what the
+    whole-width computation gives there: the chunk attends to none of them)."""
+    axis = _keys_axis(part.shape, shape, what)
+    if axis is None:
+        return part
+    pad = [0, 0] * (part.dim() - axis % part.dim())
+    pad[-1] = shape[axis] - part.shape[axis]
+    return torch.nn.functional.pad(part, pad)
+
+
+def add_on_first_keys(total: torch.Tensor, part: torch.Tensor, what: str) -> None:
+    """Add ``part`` (on the chunk's first keys) into ``total`` (on all keys) in place: into the first
+    keys, the later ones' terms being 0 (no padded copy of ``part``)."""
+    axis = _keys_axis(part.shape, total.shape, what)
+    (total if axis is None else total.narrow(axis, 0, part.shape[axis])).add_(part)
 
 
 def evaluate_rows(core: AttentionCore, value: Callable[[torch.fx.Node], Any], lo: int, hi: int,
