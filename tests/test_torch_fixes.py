@@ -97,3 +97,13 @@ def test_deferred_row_test_gives_the_booleans_of_any_not_eq():
             want = aten.any.dim(aten.logical_not.default(aten.eq.Scalar(x, c)), dim, keep)
             got = any_pending(pending_not(pending_eq(x, c)), dim, keep)
             assert torch.equal(got, want), (c, dim, keep)
+        # every row's first element differs from c (a causal mask's open first key; NaN; -0 against
+        # +0 is equal): answered from the first elements, the same booleans
+        for first in ((1.0, nan, -2.0), (-0.0, 1.0, 1.0), (nan, nan, nan)):
+            x = torch.full((2, 3, 4), c)
+            x[..., 0] = torch.tensor(first)
+            x[1, 2, 3] = 5.0
+            for dim, keep in ((-1, False), (2, True)):
+                want = aten.any.dim(aten.logical_not.default(aten.eq.Scalar(x, c)), dim, keep)
+                got = any_pending(pending_not(pending_eq(x, c)), dim, keep)
+                assert torch.equal(got, want) and got.shape == want.shape, (c, first, dim, keep)

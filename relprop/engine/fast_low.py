@@ -24,8 +24,8 @@ from typing import Dict
 import torch
 import torch.fx
 
-from ..graph.key_bounds import reading_once
 from ..graph.nodes import live_outputs
+from ..graph.run_memo import once_per_run
 from . import chunked_core
 from .chunked_walk import plan_cores
 from .fast_path import FastPathUnavailable, fast_trace, output_gradient, plan, run_fast
@@ -36,7 +36,7 @@ from .request import Request
 from .trace import Trace
 
 
-@reading_once()  # (each mask's key bounds read once per run)
+@once_per_run()  # (each mask's key bounds and boolean tests read once per run)
 def run_fast_low(request: Request) -> Trace:
     """Input relevance under ``request.preset`` as :func:`relprop.engine.fast_path.run_fast` gives
     it, segment by segment with row-chunked attention cores (module docstring). A model with window

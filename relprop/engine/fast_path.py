@@ -30,6 +30,7 @@ from ..errors import RelpropError
 from ..graph.capture import Captured
 from ..graph.dispatch import saving_by_name
 from ..graph.nodes import evaluate, is_live, live_outputs, module_path, output_leaves, relevance_path
+from ..graph.run_memo import once_per_run
 from ..rules import rule_registry as registry
 from ..rules.pa_lrp import is_positional
 from ..rules.rule_registry import Preset
@@ -135,6 +136,7 @@ def supports(captured: Captured, preset: Union[str, Preset], eps: float) -> Opti
     return None
 
 
+@once_per_run()  # (facts about values many nodes share read once: relprop.graph.run_memo)
 def run_fast(request: Request) -> Trace:
     """Input relevance under ``request.preset`` with one forward and one (modified) backward pass.
 

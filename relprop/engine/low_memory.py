@@ -17,8 +17,8 @@ import torch.fx
 from ..graph.aliasing import shares_memory
 from ..graph.attention_core import CHECKS
 from ..graph.dispatch import saving_by_name
-from ..graph.key_bounds import reading_once
 from ..graph.nodes import evaluate
+from ..graph.run_memo import once_per_run
 from ..graph.tokens import token_positions
 from . import chunked_core
 from .chunked_walk import plan_cores
@@ -35,7 +35,7 @@ from .walk import Walker
 FUSED = True
 
 
-@reading_once()  # (each mask's key bounds read once per run)
+@once_per_run()  # (each mask's key bounds and boolean tests read once per run)
 def run_low(request: Request, out_nodes: List[torch.fx.Node], wrt: List[torch.fx.Node], remat,
             folder: Optional[Any] = None) -> Pass:
     """``memory="low"``: gradient checkpointing at the attention blocks, for the walk as well.

@@ -16,6 +16,7 @@ import torch.utils._pytree as pytree
 
 from ..errors import RelpropError, warn
 from ..graph.nodes import live_outputs
+from ..graph.run_memo import once_per_run
 from ..graph.tokens import token_positions
 from ..graph.window_attention import globalize, locate_windows
 from ..targets import find_logits, fixed, require_input_dependence
@@ -43,6 +44,7 @@ def gradient_nodes(analysis, out_nodes: List[torch.fx.Node], sources: bool = Tru
     return list(dict.fromkeys(nodes))
 
 
+@once_per_run()  # (facts about values many nodes share read once: relprop.graph.run_memo)
 def run(request: Request) -> Trace:
     """Forward once, take the gradients of the target score, and (if ``request.relevance``) walk the
     graph back under ``request.preset``.

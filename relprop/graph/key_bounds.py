@@ -19,14 +19,13 @@ closed keys: a fully masked row is uniform, or zero under the safe softmax).
 """
 from __future__ import annotations
 
-import contextlib
-import contextvars
 from typing import Callable, List, Optional
 
 import torch
 import torch.fx
 
 from .attention_core import AttentionCore
+from .run_memo import remembered
 
 aten = torch.ops.aten
 
@@ -58,22 +57,6 @@ def additive_mask(core: AttentionCore) -> Optional[torch.fx.Node]:
     return masks[0] if len(masks) == 1 else None
 
 
-#: the bounds read in the current run: {(mask node, chunks): bounds} (:func:`reading_once`)
-_RUN: contextvars.ContextVar = contextvars.ContextVar("relprop_key_bounds", default=None)
-
-
-@contextlib.contextmanager
-def reading_once():
-    """Within this context (one engine run) each mask node's bounds are read once: the blocks of a
-    model share their mask, and the forward pass, the backward pass and the walk read it again. A
-    node's value is the same throughout a run (recomputed segments compute it alike)."""
-    token = _RUN.set({})
-    try:
-        yield
-    finally:
-        _RUN.reset(token)
-
-
 def key_bounds(core: AttentionCore, value: Callable[[torch.fx.Node], torch.Tensor], chunks: List[tuple]) -> List[int]:
     """For each chunk (lo, hi) of query rows, how many of the first keys it attends to (all of them
     where nothing can be cut, module docstring). ``value(n)``: the whole value of an operand."""
@@ -93,21 +76,40 @@ def rows_open(core: AttentionCore, value: Callable[[torch.fx.Node], torch.Tensor
 
 
 def _reading(core: AttentionCore, value, chunks: List[tuple]) -> Optional[List[tuple]]:
-    """(bound, every row open) of each chunk, read once per run (:func:`reading_once`); None where
-    the core has no additive float mask over its keys."""
+    """(bound, every row open) of each chunk, read once per run for each mask source
+    (:func:`mask_source`); None where the core has no additive float mask over its keys."""
     keys = value(core.nodes[0].args[1]).shape[-1]
     node = additive_mask(core)
     mask = value(node) if node is not None else None
     if not (torch.is_tensor(mask) and mask.is_floating_point() and mask.dim() >= 2 and mask.shape[-1] == keys
             and keys > 1):
         return None
-    run, key = _RUN.get(), (node, keys, tuple(chunks))
-    if run is not None and key in run:
-        return list(run[key])
-    out = _read(mask, keys, chunks)
-    if run is not None:
-        run[key] = out
-    return list(out)
+    key = ("key_bounds", mask_source(node), mask.dtype, keys, tuple(chunks))
+    return list(remembered(key, lambda: _read(mask, keys, chunks)))
+
+
+def mask_source(node: torch.fx.Node):
+    """What a mask node's value is computed from, as a key that two nodes computing the same value
+    share: ``where(m, a, b)`` of one boolean node ``m`` and two numbers, the form each block of an
+    exported SDPA gives its own copy of the model's mask, is (where, m, a, b); any other node is
+    itself. A node's value is the same throughout an engine run (a recomputed segment computes it
+    alike), so the bounds are read once per run for each source (:func:`relprop.graph.run_memo.remembered`)."""
+    if node.target is aten.where.self and len(node.args) == 3 and not node.kwargs \
+            and isinstance(node.args[0], torch.fx.Node):
+        branches = tuple(_number(a) for a in node.args[1:])
+        if None not in branches:
+            return (aten.where.self, node.args[0], *branches)
+    return node
+
+
+def _number(a):
+    """A number as a key: ``a`` itself, or the number and options of a ``scalar_tensor`` node made
+    from one (an exported SDPA's ``where(mask, scalar_tensor(0), scalar_tensor(min))``); None for
+    anything else."""
+    if isinstance(a, torch.fx.Node) and a.target is aten.scalar_tensor.default and len(a.args) == 1:
+        a = (a.args[0], tuple(sorted((k, str(v)) for k, v in a.kwargs.items())))
+        return a if isinstance(a[0], (int, float)) and not isinstance(a[0], bool) else None
+    return (type(a), a) if isinstance(a, (int, float)) and not isinstance(a, bool) else None
 
 
 def _read(mask: torch.Tensor, keys: int, chunks: List[tuple]) -> List[tuple]:

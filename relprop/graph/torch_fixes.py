@@ -35,6 +35,8 @@ from typing import Callable, Optional
 import torch
 from torch.autograd import Function
 
+from .run_memo import about_tensor
+
 aten = torch.ops.aten
 
 
@@ -100,9 +102,15 @@ def broadcast_fill(x, fill_value, dtype=None, layout=None, device=None, pin_memo
 
 def selects_everywhere(cond) -> Optional[int]:
     """For ``where(cond, a, b)``: 1 when the boolean ``cond`` is True everywhere (every element comes
-    from ``a``, argument 1), 2 when it is False everywhere (from ``b``), else None."""
+    from ``a``, argument 1), 2 when it is False everywhere (from ``b``), else None. Read once per
+    engine run for each ``cond`` tensor (:func:`relprop.graph.run_memo.about_tensor`: the blocks of a
+    decoder each turn the same boolean mask into their own float mask)."""
     if not (torch.is_tensor(cond) and cond.dtype == torch.bool):
         return None
+    return about_tensor("selects_everywhere", cond, _selects_everywhere)
+
+
+def _selects_everywhere(cond: torch.Tensor) -> Optional[int]:
     if not bool(cond.any()):
         return 2
     return 1 if bool(cond.all()) else None
@@ -176,13 +184,20 @@ def pending_not(b):
 
 def any_pending(b, dim, keepdim=False):
     """``aten.any.dim(b, dim, keepdim)``; for ``b`` = ``logical_not(eq(x, c))`` deferred, computed as
-    "not every element of the row equals c" = not (min = c and max = c), one reduction over x.
-    The same booleans: a NaN makes min or max NaN, which equals nothing (as eq gives False there),
-    and −0 = +0 in both. A row that is empty along ``dim`` takes the explicit path."""
+    "not every element of the row equals c" = not (min = c and max = c), one reduction over x, after
+    a look at each row's first element (a row whose first element is not c passes). The same
+    booleans: a NaN makes min or max NaN, which equals nothing (as eq gives False there), and a NaN
+    first element differs from c as ``ne`` says; −0 = +0 in both. A row that is empty along ``dim``
+    takes the explicit path."""
     if not isinstance(b, PendingEqual):
         return aten.any.dim(b, dim, keepdim)
     if not b.negated or not isinstance(dim, int) or b.x.dim() == 0 or b.x.shape[dim] == 0:
         return aten.any.dim(b.tensor(), dim, keepdim)
+    # a row whose first element differs from c passes: where every row's does (a causal mask opens
+    # each row's first key), that is the answer, from one element per row
+    first = b.x.select(dim, 0) != b.c
+    if bool(first.all()):
+        return first.unsqueeze(dim) if keepdim else first
     # (two reductions, or one when c is an infinity, cost a quarter of torch.aminmax on CPU:
     # 2048-token maps, 1 thread; every x >= -inf, so max = -inf says every element is -inf, NaN aside,
     # and a NaN makes max NaN, which equals nothing, as eq gives False there)
