@@ -88,6 +88,28 @@ def test_on_relevant_rows_equals_fn_on_everything(relevant, positions, sparse):
     assert bool((got.reshape(-1, 5)[others] == 0).all())
 
 
+def test_rows_with_relevance_are_those_with_an_entry_other_than_zero():
+    """on_relevant_rows and on_nonzero_rows find the rows by their max and min: a row counts where it
+    has a negative entry only, a positive one, or a NaN; a row of +0 and -0 does not."""
+    nan = float("nan")
+    r = torch.zeros(80, 3)
+    r[3, 1], r[7, 0], r[11, 2] = -2.0, 5.0, nan
+    r[13], r[17, 0] = -0.0, -0.0
+    seen = []
+
+    def twice(rows):
+        seen.append(rows.shape[0])
+        return rows * 2
+    out = stabilize.on_relevant_rows(twice, r)
+    assert seen == [3]
+    assert torch.equal(out[[3, 7]], r[[3, 7]] * 2) and torch.isnan(out[11, 2])
+    wide = torch.zeros(4, stabilize.SPARSE_ROW)
+    wide[2, 5], wide[1] = -1.0, -0.0
+    seen.clear()
+    out = stabilize.on_nonzero_rows(twice, wide)
+    assert seen == [1] and torch.equal(out, wide * 2)
+
+
 @pytest.mark.parametrize("bias", [False, True])
 def test_chefer2021_linear_rule_on_sparse_relevance_equals_alpha1_beta0(bias, monkeypatch):
     """chefer2021's aten.linear rule on relevance at 3 of 2×40 positions equals alpha1_beta0 on
