@@ -80,7 +80,8 @@ def _stabilized_quotient(num: torch.Tensor, den: torch.Tensor, eps: float) -> to
     by 0 (±inf, or NaN for 0/0) is then zeroed with the other non-finite ones: no mask of the zeros
     is needed. Elsewhere ε·sign den = copysign(ε, den), so the values are :func:`safe_divide`'s bit
     for bit (IEEE addition and multiplication commute)."""
-    out = torch.sign(den).mul_(eps).add_(den)
+    out = torch.sign(den)
+    torch.add(den, out, alpha=eps, out=out)  # (den + ε·sign den in one pass: ε·(±1 or 0) is exact)
     torch.div(num, out, out=out)
     return torch.nan_to_num_(out, nan=0.0, posinf=0.0, neginf=0.0)
 
