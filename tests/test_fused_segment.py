@@ -215,3 +215,29 @@ def test_product_by_hand_equals_autograd(name, preset, monkeypatch):
             _close(got[n], ref[n], f"gradient at {n}", 1e-10)
     _same(*runs, f"{name} {preset}", 1e-10)
 
+
+
+# ------------------------------------------------------------------ f. the first backward pass's graph
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+@pytest.mark.parametrize("name,meet", [("hf_phi", True), ("hf_gpt_neox", False), ("hf_mistral", False)])
+def test_the_first_pass_frees_its_graph_unless_the_paths_meet(name, meet, monkeypatch):
+    """The segment's first backward pass (outputs to the core's output and the inputs) keeps its graph
+    for the second (the core's operands on) only where a node lies on both paths: Phi's parallel block
+    reads one LayerNorm's output in its attention and its MLP; GPT-NeoX's parallel residual has a
+    LayerNorm for each; Mistral's blocks are sequential. Fused and two-pass walks give the same numbers
+    (float64, ROW_CHUNK=3): a graph freed too early would raise in the second pass."""
+    import zoo
+    torch.manual_seed(0)
+    model = getattr(zoo, name)().double().eval()
+    batch = models.decoder_batch(lengths=(7, 9))
+    monkeypatch.setattr(chunked_core, "ROW_CHUNK", 3)
+    seen = []
+    meets = low_memory._paths_meet
+    monkeypatch.setattr(low_memory, "_paths_meet", lambda *a: seen.append(meets(*a)) or seen[-1])
+    runs = []
+    for fused in (True, False):
+        monkeypatch.setattr(low_memory, "FUSED", fused)
+        runs.append(relprop.explain(model, batch, method="transformer_attribution", keep_blocks=False))
+    assert seen and set(seen) == {meet}
+    _same(*runs, name)

@@ -17,7 +17,7 @@ import torch.fx
 from ..graph.aliasing import shares_memory
 from ..graph.attention_core import CHECKS
 from ..graph.dispatch import saving_by_name
-from ..graph.nodes import evaluate
+from ..graph.nodes import ancestors, evaluate
 from ..graph.run_memo import once_per_run
 from ..graph.tokens import token_positions
 from . import chunked_core
@@ -239,7 +239,7 @@ def backward_segment(captured, env, seg, gbuf, grad, grad_nodes, kept, compute=N
                                   and senv[n].requires_grad]
         targets = list(dict.fromkeys(targets))
         _propagate([senv[n] for n in roots], [gbuf[n] for n in roots], targets, senv, inside, gbuf, grad,
-                   retain=cut is not None)
+                   retain=cut is not None and _paths_meet(roots, seg_cores[cut], cut, inside - sources, senv))
         for n in roots:
             del gbuf[n]
         if cut is not None:
@@ -264,6 +264,20 @@ def backward_segment(captured, env, seg, gbuf, grad, grad_nodes, kept, compute=N
                 v = senv[n]
                 env[n] = v.detach() if torch.is_tensor(v) else v
     senv.clear()
+
+
+def _paths_meet(roots, core, cut, inside, senv) -> bool:
+    """Whether the segment's backward pass from its outputs ``roots`` to the cut core output ``cut``
+    and its inputs, and the one from the core's operands on, may run a node of the segment's graph
+    twice: a node that both the outputs depend on, other than through the core, and the operands
+    depend on (a block whose feed-forward layer reads the attention's input, as parallel blocks
+    do). Then the first pass keeps the graph (``retain_graph``); else it frees what it ran, as a
+    plain backward pass does, and the peak holds no saved tensors of the part after the core while
+    the core is walked. ``inside``: the segment's nodes but the sources (leaves); a node on both
+    paths whose value ``senv`` holds and is no tensor with a graph (a size) does not count."""
+    after = ancestors([n for n in roots if n is not cut], inside - {cut})
+    before = ancestors([n for n in core.rows + core.whole if n in inside], inside)
+    return any(not (n in senv and not (torch.is_tensor(senv[n]) and senv[n].requires_grad)) for n in after & before)
 
 
 def _propagate(outs, grads_out, targets, senv, inside, gbuf, grad, retain: bool = False) -> None:
