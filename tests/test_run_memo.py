@@ -142,6 +142,17 @@ class _NoRun:
         pass
 
 
+def test_an_inference_mode_tensor_is_read_each_time():
+    """A tensor made under torch.inference_mode has no version counter: its facts are computed at each
+    call, never remembered (and never an error)."""
+    fact, calls = _counting()
+    with torch.inference_mode():
+        t = torch.ones(3)
+    with run_memo.once_per_run():
+        assert run_memo.about_tensor("sum", t, fact) == 3 and run_memo.about_tensor("sum", t, fact) == 3
+    assert len(calls) == 2
+
+
 @pytest.mark.parametrize("kind", ["remembered", "about_tensor"])
 def test_without_a_run_nothing_is_kept(kind):
     fact, calls = _counting()

@@ -60,7 +60,7 @@ def about_tensor(kind: str, t: torch.Tensor, compute: Callable[[torch.Tensor], A
     base; the memo holds the object weakly and compares identity, so a new tensor at the same address
     is never taken for it). ``kind`` names the fact."""
     run = _RUN.get()
-    if run is None:
+    if run is None or t.is_inference():  # (an inference-mode tensor has no version counter)
         return compute(t)
     # a view (a recomputed segment's expand of a kept mask is a new object each time) is known by
     # its base and its place in it: the same elements of the same unchanged tensor
