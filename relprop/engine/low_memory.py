@@ -239,7 +239,7 @@ def backward_segment(captured, env, seg, gbuf, grad, grad_nodes, kept, compute=N
                                   and senv[n].requires_grad]
         targets = list(dict.fromkeys(targets))
         _propagate([senv[n] for n in roots], [gbuf[n] for n in roots], targets, senv, inside, gbuf, grad,
-                   retain=cut is not None and _paths_meet(roots, seg_cores[cut], cut, inside - sources, senv))
+                   retain=cut is not None and _paths_meet(roots, seg_cores[cut], cut, (inside | inner) - sources, senv))
         for n in roots:
             del gbuf[n]
         if cut is not None:
@@ -273,7 +273,8 @@ def _paths_meet(roots, core, cut, inside, senv) -> bool:
     depend on (a block whose feed-forward layer reads the attention's input, as parallel blocks
     do). Then the first pass keeps the graph (``retain_graph``); else it frees what it ran, as a
     plain backward pass does, and the peak holds no saved tensors of the part after the core while
-    the core is walked. ``inside``: the segment's nodes but the sources (leaves); a node on both
+    the core is walked. ``inside``: the segment's nodes, the inner nodes of its cores included (the
+    paths through another core run through its operands), but the sources (leaves); a node on both
     paths whose value ``senv`` holds and is no tensor with a graph (a size) does not count."""
     after = ancestors([n for n in roots if n is not cut], inside - {cut})
     before = ancestors([n for n in core.rows + core.whole if n in inside], inside)
