@@ -1,8 +1,6 @@
 """What one engine run reads once (relprop.graph.run_memo): facts about a tensor object while it lives
 unchanged, facts under a canonical key; nothing outside a run; and, on a tiny LLaMA with row-chunked
 cores, the blocks' masks read once for their key bounds and their boolean test."""
-import gc
-
 import pytest
 import torch
 
@@ -53,8 +51,7 @@ def test_about_tensor_once_per_object_and_view_while_unchanged():
         for _ in range(20):
             t = torch.zeros(3)
             run_memo.about_tensor("sum", t, fact)
-            del t
-            gc.collect()
+            del t  # (freed at once: reference counting)
         assert len(calls) == 25
     calls.clear()
     run_memo.about_tensor("sum", base, fact)
