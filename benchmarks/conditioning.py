@@ -1,8 +1,10 @@
 """How much the relevance pass amplifies a perturbation of its inputs, on a real checkpoint (offline).
 
 all-MiniLM-L6-v2 (the demo's checkpoint, a 6-block BERT) with a random 2-class head, two texts of up to
-500 tokens, `transformer_attribution` (``"chefer2021"``, ``query="mean"``, records kept): the scores and
-each block's attention map A and its relevance R_A (CVPR 2021 Eq. 9–10, ``exp.blocks[i].relevance``),
+500 tokens: the scores of `transformer_attribution` (``query="mean"``) and of `lrp` under the presets
+``"lrp"`` (its default on this model), ``"chefer2021"`` and ``"attnlrp"`` (each sample's own maximum), then
+for `transformer_attribution` (records kept) each block's attention map A and its relevance R_A
+(CVPR 2021 Eq. 9–10, ``exp.blocks[i].relevance``),
 
 1. float32 against float64 (the same weights);
 2. float64 against float64 with every weight multiplied by (1 + 1e-7·noise): a perturbation of the size of
@@ -52,6 +54,15 @@ def main() -> None:
             p.mul_(1 + 1e-7 * torch.randn(p.shape, generator=g, dtype=p.dtype))
     ep = _explain(noisy, batch)
     print(f"tokens {batch['input_ids'].shape[1]}, samples {batch['input_ids'].shape[0]}")
+    print("| scores (the map), worst sample | float32 vs float64 | float64, weights × (1 + 1e-7·noise) |")
+    print("|---|---:|---:|")
+    runs_of = (("transformer_attribution", None), ("lrp", "lrp"), ("lrp", "chefer2021"), ("lrp", "attnlrp"))
+    for method, preset in runs_of:
+        kw = {"query": "mean"} if preset is None else {"preset": preset}
+        runs = [relprop.explain(m, batch, method=method, target=1, **kw).scores for m in (model, m64, noisy)]
+        worst = [max(_rel(r[i], runs[1][i]) for i in range(runs[1].shape[0])) for r in (runs[0], runs[2])]
+        print(f"| `{method}`{'' if preset is None else f' under `{preset!r}`'} | {worst[0]:.1e} | {worst[1]:.1e} |")
+    print()
     print("| | float32 vs float64 | float64, weights × (1 + 1e-7·noise) |")
     print("|---|---:|---:|")
     print(f"| scores | {_rel(e32.scores, e64.scores):.1e} | {_rel(ep.scores, e64.scores):.1e} |")
