@@ -278,7 +278,11 @@ def _paths_meet(roots, core, cut, inside, senv) -> bool:
     paths whose value ``senv`` holds and is no tensor with a graph (a size) does not count."""
     after = ancestors([n for n in roots if n is not cut], inside - {cut})
     before = ancestors([n for n in core.rows + core.whole if n in inside], inside)
-    return any(not (n in senv and not (torch.is_tensor(senv[n]) and senv[n].requires_grad)) for n in after & before)
+
+    def may_have_graph(n) -> bool:
+        v = senv.get(n)
+        return n not in senv or (torch.is_tensor(v) and v.requires_grad)
+    return any(may_have_graph(n) for n in after & before)
 
 
 def _propagate(outs, grads_out, targets, senv, inside, gbuf, grad, retain: bool = False) -> None:

@@ -70,8 +70,5 @@ def about_tensor(kind: str, t: torch.Tensor, compute: Callable[[torch.Tensor], A
     if hit is not None and hit[0]() is anchor and hit[1] == t._version:
         return hit[2]
     out = compute(t)
-    try:
-        run[key] = (weakref.ref(anchor), t._version, out)
-    except TypeError:  # (an object without weak references: not remembered)
-        pass
+    run[key] = (weakref.ref(anchor), t._version, out)
     return out

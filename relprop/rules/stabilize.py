@@ -113,6 +113,13 @@ def safe_divide_nonnegative(num: torch.Tensor, den: torch.Tensor, eps: float = D
     return _zero_undefined(num / (den + eps) if eps else num / den, den, pushed=bool(eps))
 
 
+def _nonzero_rows(flat: torch.Tensor) -> torch.Tensor:
+    """The indices of the rows of the 2-d ``flat`` with an entry other than ±0 (NaN counts): those
+    whose max or min is not 0. Two reductions and no tensor-sized mask, a tenth of the time of
+    ``(flat != 0).any(-1)`` on CPU."""
+    return ((flat.amax(-1) != 0) | (flat.amin(-1) != 0)).nonzero().squeeze(1)
+
+
 #: rows (along the last dimension) at least this long are skipped by :func:`on_nonzero_rows` when
 #: they hold only zeros (a language model's vocabulary-sized logits, seeded at one position)
 SPARSE_ROW = 8192
@@ -134,7 +141,7 @@ def on_nonzero_rows(fn, g: torch.Tensor, *others: torch.Tensor) -> torch.Tensor:
     if n < SPARSE_ROW or any(t.shape != g.shape for t in others):
         return fn(g, *others)
     flat = g.reshape(-1, n)
-    rows = ((flat.amax(-1) != 0) | (flat.amin(-1) != 0)).nonzero().squeeze(1)  # (NaN rows count as nonzero)
+    rows = _nonzero_rows(flat)
     if 2 * rows.numel() > flat.shape[0]:
         return fn(g, *others)
     part = fn(flat[rows], *(t.reshape(-1, n)[rows] for t in others))
@@ -164,9 +171,7 @@ def on_relevant_rows(fn, relevance: torch.Tensor, *rows) -> torch.Tensor:
     if positions < RELEVANT_ROWS or any(t is not None and t.shape[:-1] != relevance.shape[:-1] for t in rows):
         return fn(relevance, *rows)
     flat = relevance.reshape(-1, n)
-    # a row has relevance where its max or its min is not 0 (NaN counts as relevance): two reductions
-    # and no tensor-sized mask, a tenth of the time of (flat != 0).any(-1) on CPU
-    keep = ((flat.amax(-1) != 0) | (flat.amin(-1) != 0)).nonzero().squeeze(1)
+    keep = _nonzero_rows(flat)
     if 2 * keep.numel() > positions:
         return fn(relevance, *rows)
     part = fn(flat[keep], *(None if t is None else t.reshape(-1, t.shape[-1])[keep] for t in rows))
