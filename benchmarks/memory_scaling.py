@@ -38,6 +38,9 @@ Measured, each in a fresh subprocess (``--child``):
   :mod:`relprop.engine.fast_memory`);
   ``lrp-low``: the same with ``memory="low"`` (the fast path segment by segment, attention cores in row
   chunks of :data:`ROWS`: :mod:`relprop.engine.fast_low`).
+* ``lrp-rules``: ``method="lrp"`` as a user calls it, with its own preset (``"lrp"``, the authors' LRP
+  baseline rules, which have no fast path: the graph is walked rule by rule) and ``memory`` not given
+  (the whole walk, or segmented without block records beyond ``records_budget`` since 2026-11-27).
 
 Memory on CPU is the peak resident set size of the process (VmHWM of /proc/self/status, reset with
 ``5 > /proc/self/clear_refs`` once the model, the inputs and, for relprop, the captured graph exist)
@@ -67,7 +70,7 @@ import sys
 from peak_memory import PeakMeter, run_child
 
 WHATS = ("fwdbwd", "fwdbwd-eager", "ta-full", "ta-fold", "ta-default", "ta-rows", "gr-fold", "gr-rows", "lrp",
-         "lrp-low", "lrp-default")
+         "lrp-low", "lrp-default", "lrp-rules")
 #: query rows per chunk of the row-chunked walk of the "-rows" measurements (relprop.engine.chunked_core.ROW_CHUNK)
 ROWS = 256
 DEFAULT_TOKENS = {"bert": (512, 1024, 2048), "llama": (1024, 2048, 4096), "llama_mha": (1024, 2048, 4096)}
@@ -128,6 +131,9 @@ def child(name: str, n: int, what: str, device: str) -> None:
             score.sum().backward()
             del logits, score
             model.zero_grad(set_to_none=True)
+        elif what == "lrp-rules":  # lrp as a user calls it: its own preset ("lrp": no fast path), memory not given
+            exp = relprop.explain(model, inputs, target=target, method="lrp")
+            del exp
         elif what.startswith("lrp"):
             chunked_core.ROW_CHUNK = ROWS
             memory = {"lrp": "high", "lrp-low": "low", "lrp-default": "default"}[what]

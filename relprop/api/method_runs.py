@@ -123,10 +123,32 @@ def _run_preset(call: Call, p: Preset, input_only: bool, input_gradient: bool) -
                     "walked rule by rule instead, which gives the preset's relevance more slowly")
             if call.fast_path is True:
                 warn(note)
-    trace = run(call.request(p, input_gradient=input_gradient))
-    if note is not None:
-        trace.notes.append(note)
+    request = call.request(p, input_gradient=input_gradient)
+    memory_note = None
+    if input_only:
+        request, memory_note = _walk_without_records(call, request)
+    trace = run(request)
+    trace.notes.extend(n for n in (note, memory_note) if n is not None)
     return trace
+
+
+def _walk_without_records(call: Call, request):
+    """(request, note) for the rule-by-rule walk of methods that read only the input relevance: with
+    ``memory="low"``, or where the whole walk's attention maps would exceed ``records_budget``
+    (:func:`relprop.engine.fast_memory.choose`), the segmented run that keeps no block records
+    (``Request.keep_records=False``: the attention cores in chunks of query rows, each block's records
+    freed as the walk leaves it; ``exp.blocks`` empty, as on the fast path). Not on window attention
+    or two token streams, whose walk reads every block (there the records are kept, as before)."""
+    captured = call.prepared.captured
+    a = captured.analysis
+    if a.windows or len(a.streams) > 1:
+        return request, None
+    segmented, note = fast_memory.choose(call.memory, a.blocks, call.prepared.batch,
+                                         call.prepared.kwargs[captured.primary].device, call.records_budget,
+                                         path="the rule-by-rule walk")
+    if not segmented:
+        return request, None
+    return request.but(memory="low", keep_records=False), note
 
 
 def _run_fast(call: Call, p: Preset, input_gradient: bool) -> Trace:

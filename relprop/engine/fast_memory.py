@@ -33,7 +33,7 @@ def maps_bytes(blocks: Sequence, batch: int, itemsize: int = 4) -> int:
 
 
 def choose(memory: str, blocks: Sequence, batch: int, device: torch.device,
-           budget: Optional[float]) -> Tuple[bool, Optional[str]]:
+           budget: Optional[float], path: str = "the one-backward fast path") -> Tuple[bool, Optional[str]]:
     """``(segmented, note)``: whether the fast path runs segment by segment with row-chunked
     attention cores (:func:`relprop.engine.fast_low.run_fast_low`), and the note the Explanations
     get about an automatic choice (None: nothing to say).
@@ -46,6 +46,9 @@ def choose(memory: str, blocks: Sequence, batch: int, device: torch.device,
     batch : samples in the call.
     device : where the model runs (the default budget reads the memory available there).
     budget : bytes the attention maps may take; None: :func:`relprop.engine.budget.default_budget`.
+    path : the run the note names: the fast path, or the rule-by-rule walk of a preset without one
+        (which holds at least as many maps: every block's A, dA and R_A and the forward pass's
+        attention-sized values kept for autograd).
     """
     if memory == "low":
         return True, None
@@ -55,7 +58,7 @@ def choose(memory: str, blocks: Sequence, batch: int, device: torch.device,
     limit = default_budget(device) if budget is None else budget
     if size <= limit:
         return False, None
-    return True, (f"the one-backward fast path would hold {MAPS_PER_BLOCK} attention maps per block "
+    return True, (f"{path} would hold {MAPS_PER_BLOCK} attention maps per block "
                   f"({len(blocks)} blocks: {mib(size)}), over records_budget={mib(limit)}: it ran segment by "
                   "segment with the attention cores in chunks of query rows (memory='low'; the same relevance "
                   "to float rounding); raise records_budget to run it whole")

@@ -32,7 +32,8 @@ FOLD_WINDOWS = ("a folded run folds one token sequence per block; this model's a
 
 class BlockFolder:
     """Hands every attention block of a segmented run (:func:`relprop.engine.low_memory.run_low`) to
-    the folds of ``request.folds``, from the output block back, and frees the block's records.
+    the folds of ``request.folds``, from the output block back, and frees the block's records (with
+    no fold, ``Request.keep_records=False``: frees them only).
 
     With the relevance walk (whose hooks it is: :class:`relprop.engine.walk.Walker` calls
     :meth:`reached` at each of :attr:`nodes` and frees the values of :attr:`droppable` when it
@@ -76,6 +77,10 @@ class BlockFolder:
         chunk's first keys (the others are 0: :func:`relprop.engine.chunked_core.chunk_plan`): hand
         them to the folds that take chunks (``fold.start_rows``, which take them so); gather them
         whole, with their zeros, for the others (:meth:`rows_done`)."""
+        if not self.folds:  # (a run that keeps no records: nothing to hand over)
+            if lo == 0:
+                self.pending = ([], [], [], keys)
+            return
         unfold = unfolder(b.folded_heads, self.batch)
         part = types.SimpleNamespace(attention=unfold(record(attention)), gradient=unfold(record(gradient)),
                                      relevance=unfold(record(relevance)))
@@ -147,11 +152,15 @@ class BlockFolder:
         self._hand_over(self.block_of[node], {node: relevance})
 
     def _hand_over(self, b, rel_at) -> None:
-        rec = block_record(b, self.env, self.grad, rel_at, self.batch, partial=True)
-        if b.index == 0:
-            self.token_count = rec.attention.shape[-1]
-        for fold in self.folds:
-            fold(rec)
+        if self.folds:
+            rec = block_record(b, self.env, self.grad, rel_at, self.batch, partial=True)
+            if b.index == 0:
+                self.token_count = rec.attention.shape[-1]
+            for fold in self.folds:
+                fold(rec)
+            del rec
+        elif b.index == 0:
+            self.token_count = self.env[b.attention].shape[-1]
         self.seen.append(b.index)
         self.grad.pop(b.attention, None)
         if b.features is not None and b.features in self.droppable:

@@ -45,6 +45,10 @@ class Request:
         the output block back, as soon as the reverse walk has its A, dA and R_A; the records are
         dropped after the calls (:func:`relprop.engine.run.run`; each fold's ``result()`` goes to
         ``Trace.folded``). Empty: every block's records are kept in ``Trace.blocks``.
+    keep_records : False: no block's records are kept (``Trace.blocks`` is empty, as on the fast
+        path) and the run is the segmented one of a folded run, with no fold: attention cores in
+        chunks of query rows, each block's A, dA and R_A freed as the walk leaves it. For methods
+        that read only the input relevance (``lrp`` under a preset without a fast path).
     input_gradient : take the gradient at the input (``Trace.input_gradient``). False (no method
         reads it) lets the gradient pass stop at the first block's input, below which only the
         input gradient needs it: e.g. a vision transformer's patch embedding is not back-propagated.
@@ -61,6 +65,7 @@ class Request:
     unsupported: str = "error"
     memory: str = "default"
     folds: tuple = ()
+    keep_records: bool = True
     input_gradient: bool = True
     precision: str = "float32"
 

@@ -52,7 +52,8 @@ def run(request: Request) -> Trace:
     ``memory="low"`` keeps only the values that cross segment boundaries (one segment per
     attention block) from a forward pass without autograd, then recomputes each segment, from the
     output back, for its gradients and its part of the walk (:func:`relprop.engine.low_memory.run_low`);
-    same results.
+    same results. ``request.folds`` (or ``keep_records=False``) makes it the folded run: segmented, the
+    attention cores in row chunks, each block's records handed to the folds (to none) and freed.
     """
     captured = request.captured
     a = captured.analysis
@@ -65,7 +66,7 @@ def run(request: Request) -> Trace:
         request = request.but(memory="default")
     out_nodes = live_outputs(captured.graph, a.live)
     remat = rematerializable(captured)
-    if request.folds:
+    if request.folds or not request.keep_records:
         if a.windows or len(a.streams) > 1:
             raise RelpropError(FOLD_WINDOWS)
         folder = BlockFolder(request)
@@ -109,6 +110,8 @@ def build_trace(request: Request, result: Pass, notes: List[str]) -> Trace:
     if request.folds:  # a folded run: the folds read every block and its records are gone
         blocks, stages = NotKept("the per-block records (exp.blocks)", _names(request.folds)), None
         n_tok = result.token_count
+    elif not request.keep_records:  # segmented with no fold: only the input relevance is read, as on the fast path
+        blocks, stages, n_tok = [], None, result.token_count
     else:
         blocks = [block_record(b, env, grad, rel_at, batch) for b in a.blocks]
         blocks, stages = globalize(result.windows, blocks, batch)

@@ -1,0 +1,73 @@
+"""``lrp`` under a preset without a one-backward fast path (``"lrp"``, ``"chefer2021"``) walks the graph rule
+by rule; with ``memory="low"``, or where that walk's attention maps would exceed ``records_budget``, it runs
+segment by segment with row-chunked attention cores and keeps no block records (``Request.keep_records``),
+with a note, and the same input relevance as the whole walk.
+
+The reference is the whole rule-by-rule walk (``records_budget`` far above the tiny models' maps), which
+tests/test_rules_* and tests/test_fast_path.py check rule by rule; here only the run's shape changes. In float64,
+so that what is compared is the route: the "lrp" preset amplifies float32 rounding (on GPT-2 the two routes
+differ by 1.6e-4 of the max in float32, 8e-14 in float64)."""
+import pytest
+import torch
+
+import models
+import relprop
+from relprop.engine import chunked_core
+from snapshot import assert_same, snapshot
+
+CASES = {
+    "hf_llama_eager": lambda: (models.hf_llama("eager"), models.decoder_batch(lengths=(7, 5, 9)), "next_token"),
+    "hf_gpt2_lm": lambda: (models.hf_gpt2_lm("sdpa"), models.decoder_batch(lengths=(7, 5, 9)), "next_token"),
+    "hf_bert_eager": lambda: (models.hf_bert("eager"), models.text_batch(lengths=(7, 5, 9)), 1),
+}
+BIG = 2.0 ** 40  # bytes: every tiny model's maps fit
+
+
+def _notes(exp):
+    return [n for n in exp.notes if "records_budget" in n]
+
+
+def _relative(a, b) -> float:
+    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+@pytest.mark.parametrize("preset", ["lrp", "chefer2021"])
+def test_over_budget_walks_segments_without_records_and_the_same_relevance(name, preset, monkeypatch):
+    model, batch, target = CASES[name]()
+    model = model.to(torch.float64)
+    monkeypatch.setattr(chunked_core, "ROW_CHUNK", 3)  # cores of 5-9 query rows: really chunked
+    before = snapshot(model)
+    whole = relprop.explain(model, batch, target=target, method="lrp", preset=preset, records_budget=BIG)
+    auto = relprop.explain(model, batch, target=target, method="lrp", preset=preset, records_budget=0)
+    low = relprop.explain(model, batch, target=target, method="lrp", preset=preset, memory="low",
+                          records_budget=BIG)
+    assert not _notes(whole) and not _notes(low)
+    (note,) = _notes(auto)
+    assert note.startswith("the rule-by-rule walk would hold") and "segment by segment" in note
+    assert len(whole.blocks) > 0 and list(auto.blocks) == [] and list(low.blocks) == []  # as on the fast path
+    assert torch.equal(auto.input_relevance, low.input_relevance)  # the segmented walk, nothing else
+    assert _relative(auto.input_relevance, whole.input_relevance) <= 1e-10
+    assert torch.equal(auto.scores, low.scores)
+    assert _relative(auto.scores, whole.scores) <= 1e-10
+    assert _relative(auto.target_scores, whole.target_scores) <= 1e-12  # (the chunked cores: rounding)
+    assert_same(before, snapshot(model))
+
+
+def test_segmented_walk_of_attnlrp_equals_its_fast_path(monkeypatch):
+    """The rule-by-rule walk of AttnLRP, segmented without records (``fast_path=False``), against the
+    whole one-backward fast path: two independent routes to one relevance."""
+    model, batch, target = CASES["hf_llama_eager"]()
+    monkeypatch.setattr(chunked_core, "ROW_CHUNK", 4)
+    fast = relprop.explain(model, batch, target=target, method="lrp", preset="attnlrp", memory="high")
+    walked = relprop.explain(model, batch, target=target, method="lrp", preset="attnlrp", fast_path=False,
+                             records_budget=0)
+    assert len(_notes(walked)) == 1 and list(walked.blocks) == []
+    assert _relative(walked.input_relevance, fast.input_relevance) <= 1e-5
+
+
+def test_within_budget_walks_whole_and_keeps_the_records():
+    model, batch, target = CASES["hf_llama_eager"]()
+    exp = relprop.explain(model, batch, target=target, method="lrp", preset="lrp")  # tiny: far under the budget
+    assert not _notes(exp)
+    assert len(exp.blocks) == len(relprop.api.prepare(model, batch, None).captured.analysis.blocks)
