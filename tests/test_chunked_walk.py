@@ -23,7 +23,8 @@ CASES = {
     "hf_gpt2_lm": lambda: (models.hf_gpt2_lm("sdpa"), models.decoder_batch(lengths=(7, 5, 9))),
     "hf_bert_eager": lambda: (models.TEXT["hf_bert_eager"](), models.text_batch(lengths=(7, 5, 9))),
 }
-RUNS = [("transformer_attribution", "chefer2021"), ("gradient_rollout", None), ("transformer_attribution", "attnlrp")]
+RUNS = [("transformer_attribution", "chefer2021"), ("gradient_rollout", None), ("transformer_attribution", "attnlrp"),
+        ("ta_without_gradient", "chefer2021")]
 
 
 def _explain(model, batch, method, preset, rows, monkeypatch):

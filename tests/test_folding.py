@@ -25,7 +25,7 @@ from relprop.targets import resolve
 import models
 from fold_checks import TOL, assert_folded_like_kept
 
-FOLDED = ("transformer_attribution", "rollout", "gradient_rollout")
+FOLDED = ("transformer_attribution", "rollout", "gradient_rollout", "ta_without_gradient")
 #: every test here captures a model (torch.export: seconds on a loaded machine), so all but the
 #: argument check are slow; the models are built once per session and the captures cached with them
 slow = pytest.mark.slow

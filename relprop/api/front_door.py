@@ -70,7 +70,9 @@ def explain(model: torch.nn.Module, inputs: Any, target: Any = None, method: Any
         ``"default"``, ``"low"`` (block by block, lower peak, about one more forward pass; on the
         fast path also the attention cores in chunks of query rows) or ``"high"`` (keeps a memo
         of |W| with the model for later calls). ``"default"`` runs the fast path as ``"low"`` does
-        when its attention maps would exceed ``records_budget`` (``exp.notes`` says so).
+        when its attention maps would exceed ``records_budget`` (``exp.notes`` says so); so does the
+        rule-by-rule walk of methods that read only the input relevance (``lrp`` under ``"lrp"`` or
+        ``"chefer2021"``), which then keeps no block records (``exp.blocks`` empty, as on the fast path).
     wrt
         name of the input to explain onto when the model takes several (CLIP: ``"pixel_values"``).
     image_processor

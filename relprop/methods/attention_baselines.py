@@ -85,11 +85,16 @@ def _single_block_map(trace, index: int, name: str) -> dict:
 
 # ---------------------------------------------------------------- Table 3 ablations (CVPR 2021)
 
+def _ta_without_gradient_maps(b):
+    """Ablation (i)'s per-head maps A ⊙ R_A of a block record (the folded path folds the same maps)."""
+    return b.attention * b.relevance
+
+
 @method("ta_without_gradient",
         description="Transformer Attribution with the attention A in place of its gradient: "
                     "I + E_h(A ⊙ R_A)⁺ per block, rolled out over the blocks (ablation)",
         class_specific=True, signed=False, reference="Chefer et al., CVPR 2021, Table 3 (i), Eq. 13-14",
-        needs_relevance=True, rollout=True)
+        needs_relevance=True, folds=_ta_without_gradient_maps, rollout=True)
 def ta_without_gradient(trace, start_block: int = 0, normalize_rows: bool = False, query: str = "cls",
                         identity: str = DEFAULT_IDENTITY):
     """Ablation (i) of Table 3: Eq. 13 with A_b in place of ∇A_b,

@@ -49,6 +49,13 @@ from .rollout_utils import check_mixing, check_neighbours, check_square
 #: take at most this many bytes (below glibc's mmap threshold, so the heap reuses them)
 FOLD_CHUNK_BYTES = 16 << 20
 
+#: the aggregation of Eq. 13–14 (every block, E_h of the positive part, nothing discarded, rollout, rows
+#: not normalized), for the options a folded method does not take (``ta_without_gradient`` has no
+#: ``head_fusion``, ``positive``, …: its maps are aggregated so)
+EQ13 = {"head_fusion": "mean", "positive": True, "discard_ratio": 0.0, "start_block": 0, "end_block": None,
+        "layers": "rollout", "last_k": 1, "normalize_rows": False}
+
+
 def settings(info, options: Dict[str, Any]) -> Dict[str, Any]:
     """Every option of method ``info`` with its value: ``options`` over the method's defaults."""
     params = inspect.signature(info.fn).parameters
@@ -95,8 +102,8 @@ class RowFold:
         s = settings(info, options)
         self.name, self.preset, self.needs_relevance = info.name, preset, info.needs_relevance
         self.head_maps = info.folds
-        self.agg = Aggregation(*(s[k] for k in ("head_fusion", "positive", "discard_ratio", "start_block",
-                                                "end_block", "layers", "last_k", "normalize_rows")),
+        self.agg = Aggregation(*(s.get(k, EQ13[k]) for k in ("head_fusion", "positive", "discard_ratio", "start_block",
+                                                             "end_block", "layers", "last_k", "normalize_rows")),
                                identity=s.get("identity", "keep"))
         if self.agg.identity not in ("exclude", "keep"):
             raise MethodError(f"{info.name}: identity={self.agg.identity!r} is not folded block by block; explain with "
