@@ -102,7 +102,7 @@ def test_methods_declare_where_they_apply():
     assert {n for n, m in methods.items() if m.no_windows is not None} == {
         "cat", "attcat", "attgrads", "attention_norm", "attn_res_ln_norm", "gradcam", "vit_cx", "value_zeroing"}
     assert {n for n, m in methods.items() if m.folds is not None} == {
-        "transformer_attribution", "rollout", "gradient_rollout"}
+        "transformer_attribution", "rollout", "gradient_rollout", "ta_without_gradient"}
     assert {n for n, m in methods.items() if m.rollout} == {
         "transformer_attribution", "ta_without_gradient", "rollout", "gradient_rollout", "value_zeroing"}
     assert {n for n, m in methods.items() if m.checks_only} == {
