@@ -258,3 +258,20 @@ def test_a_user_rule_below_the_normalization_takes_the_counting_path(monkeypatch
     assert any(not with_da for _, _, with_da in calls), "no counting pass ran"
     _close(got.scores, whole.scores, "scores", 1e-9)
     _close(got.input_relevance, whole.input_relevance, "input relevance", 1e-9)
+
+
+def test_a_single_query_core_is_not_chunked_and_a_rollout_is_refused_clearly():
+    """CaiT's class attention has one query, read as a vector: no operand carries the query rows, so
+    its core is not planned for chunks (it crashed the folded run's forward pass with an IndexError);
+    folded, ``transformer_attribution`` is refused as on the full path, and ``lrp`` segmented runs."""
+    from relprop.errors import MethodError
+    entry = zoo.ZOO["timm_cait"]
+    torch.manual_seed(0)
+    model = entry.build().eval()
+    inputs = entry.inputs(model, 2, 0)
+    a = CACHE.get(model, bind_inputs(model, inputs)).analysis
+    assert len(plan_cores(a)) < len(a.blocks)  # the class-attention block has none
+    with pytest.raises(MethodError, match="maps 17 tokens to 1 queries"):
+        relprop.explain(model, inputs, target=entry.target, method="transformer_attribution", keep_blocks=False)
+    exp = relprop.explain(model, inputs, target=entry.target, method="lrp", records_budget=0)
+    assert any("rule-by-rule walk would hold" in n for n in exp.notes)

@@ -12,6 +12,8 @@ import torch
 
 import models
 import relprop
+import zoo
+from relprop.api import prepare
 from relprop.engine import chunked_core
 from snapshot import assert_same, snapshot
 
@@ -70,4 +72,42 @@ def test_within_budget_walks_whole_and_keeps_the_records():
     model, batch, target = CASES["hf_llama_eager"]()
     exp = relprop.explain(model, batch, target=target, method="lrp", preset="lrp")  # tiny: far under the budget
     assert not _notes(exp)
-    assert len(exp.blocks) == len(relprop.api.prepare(model, batch, None).captured.analysis.blocks)
+    assert len(exp.blocks) == len(prepare(model, batch, None).captured.analysis.blocks)
+
+
+def _double(x):
+    if torch.is_tensor(x):
+        return x.double() if x.is_floating_point() else x
+    if isinstance(x, dict):
+        return {k: _double(v) for k, v in x.items()}
+    return x
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore")
+@pytest.mark.parametrize("name", sorted(zoo.ZOO))
+def test_every_zoo_model_walks_without_records_like_the_whole_walk(name, monkeypatch):
+    """``lrp`` as called (its ``"lrp"`` preset) on every model of the zoo, float64, 3-row chunks: over the
+    budget it is the segmented walk without records (a note says so) with the whole walk's input relevance
+    to 1e-10; window attention (Swin) and two token streams keep the whole walk; the zoo's refusals stand."""
+    import re
+    from relprop.errors import RelpropError
+    entry = zoo.ZOO[name]
+    monkeypatch.setattr(chunked_core, "ROW_CHUNK", 3)
+    torch.manual_seed(0)
+    model = entry.build().eval().double()
+    inputs = _double(entry.inputs(model, 2, 0))
+    kw = dict(target=entry.target, method="lrp", **({"wrt": entry.wrt} if entry.wrt else {}))
+    refused = [msg for methods, msg in entry.refusals if re.fullmatch(methods, "lrp")]
+    if refused:
+        with pytest.raises(RelpropError) as refusal:
+            relprop.explain(model, inputs, records_budget=0, **kw)
+        assert re.search(refused[0], str(refusal.value), re.S), name
+        return
+    whole = relprop.explain(model, inputs, records_budget=BIG, **kw)
+    auto = relprop.explain(model, inputs, records_budget=0, **kw)
+    a = prepare(model, inputs, None).captured.analysis
+    segmented = bool(a.blocks) and not a.windows and len(a.streams) <= 1
+    assert bool(_notes(auto)) == segmented, name
+    assert (list(auto.blocks) == []) == (segmented or not a.blocks), name
+    assert _relative(auto.input_relevance, whole.input_relevance) <= 1e-10, name

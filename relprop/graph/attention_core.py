@@ -129,6 +129,8 @@ def find_core(block, live) -> Tuple[Optional[AttentionCore], str]:
                 rows.append(arg)
             else:
                 return None, f"operand {arg.name} of {node.name} has {s[-2]} rows where the core has {queries}"
+    if not rows:  # (CaiT's and XCiT's class attention: one query, read as a vector; nothing to split)
+        return None, "no operand carries the query rows"
     return AttentionCore(block.index, tuple(order), tuple(dict.fromkeys(rows)), tuple(dict.fromkeys(whole)),
                          queries), ""
 
