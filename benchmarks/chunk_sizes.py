@@ -1,0 +1,143 @@
+"""What the row chunks of the long-input path cost and save on a device, and the same methods on a wider model.
+
+One process per model: the capture outside the measurements, one warm-up call before each measured setting, then
+``--reps`` timed calls (the fastest is reported) and the peak of ``torch.cuda.max_memory_allocated`` (CPU: time only).
+Every ratio is to one forward+backward pass of the same model in the same process.
+
+* ``tiny``: ``memory_scaling.py``'s ``llama_mha`` (width 512, 4 blocks, 8 heads) at ``--tokens``,
+  ``transformer_attribution`` and ``gradient_rollout`` with each ``--settings`` pair (rows per chunk
+  ``relprop.engine.chunked_core.ROW_CHUNK`` : MiB per chunk tensor ``CHUNK_BYTES``), the scores compared with
+  the first setting's;
+* ``lrp``: the same decoder at twice the tokens, ``lrp`` as called (its ``"lrp"`` preset);
+* ``wide``: a wider LLaMA (width 2048, 16 heads and key/value heads, 8 blocks, vocabulary 32000) at ``--tokens``:
+  ``transformer_attribution``, ``gradient_rollout``, ``lrp`` under ``"attnlrp"`` and ``lrp`` as called, default chunks.
+
+    PYTHONPATH=. python benchmarks/chunk_sizes.py --device cuda --which tiny wide --settings 256:32 512:64 1024:128
+
+Prints one JSON line per measurement (``x_time``, ``x_mem``: ratios to forward+backward).
+"""
+import argparse
+import json
+import os
+import sys
+import time
+import warnings
+
+import torch
+import transformers
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from memory_scaling import build  # noqa: E402
+
+import relprop  # noqa: E402
+from relprop.engine import chunked_core  # noqa: E402
+from relprop.graph.capture import CACHE  # noqa: E402
+from relprop.graph.inputs import bind_inputs  # noqa: E402
+
+
+def wide(n: int, device: str, layers: int = 8):
+    """The wider LLaMA at ``n`` tokens: (model, inputs, target)."""
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=layers,
+                                   num_attention_heads=16, num_key_value_heads=16, max_position_embeddings=n,
+                                   pad_token_id=0, bos_token_id=1, eos_token_id=2, attn_implementation="sdpa")
+    model = transformers.LlamaForCausalLM(cfg).eval().to(device)
+    ids = torch.randint(3, 32000, (1, n), device=device)
+    return model, {"input_ids": ids, "attention_mask": torch.ones_like(ids)}, 7
+
+
+class Meter:
+    """Synchronized wall time and (CUDA) peak allocated memory of one block of work."""
+
+    def __init__(self, device: str):
+        self.cuda = device.startswith("cuda")
+
+    def sync(self):
+        if self.cuda:
+            torch.cuda.synchronize()
+
+    def reset(self):
+        if self.cuda:
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+
+    def peak_mib(self) -> float:
+        return torch.cuda.max_memory_allocated() / 2 ** 20 if self.cuda else 0.0
+
+    def times(self, fn, reps: int):
+        out, ts = None, []
+        for _ in range(reps):
+            self.sync()
+            t = time.perf_counter()
+            out = fn()
+            self.sync()
+            ts.append(time.perf_counter() - t)
+        return out, ts
+
+
+def bench(name, model, inputs, target, methods, settings, meter: Meter, reps: int) -> None:
+    """Forward+backward, then each (method, options) under each (rows, MiB) setting; one JSON line each."""
+    CACHE.get(model, bind_inputs(model, inputs))
+
+    def fwdbwd():
+        model(**inputs).logits[:, -1, target].sum().backward()
+        model.zero_grad(set_to_none=True)
+
+    fwdbwd()
+    meter.reset()
+    _, ts = meter.times(fwdbwd, 3)
+    base_t, base_m = min(ts), meter.peak_mib()
+    print(json.dumps({"model": name, "what": "fwdbwd", "s": round(base_t, 4), "MiB": round(base_m)}), flush=True)
+    saved = chunked_core.ROW_CHUNK, chunked_core.CHUNK_BYTES
+    try:
+        for method, options in methods:
+            ref = None
+            for rows, mib in settings:
+                chunked_core.ROW_CHUNK, chunked_core.CHUNK_BYTES = rows, mib << 20
+
+                def call():
+                    return relprop.explain(model, inputs, target=target, method=method, **options)
+                call()
+                meter.sync()
+                meter.reset()
+                exp, ts = meter.times(call, reps)
+                peak = meter.peak_mib()
+                scores = exp.scores.detach().double().cpu()
+                ref = scores if ref is None else ref
+                diff = float((scores - ref).abs().max() / ref.abs().max().clamp_min(1e-30))
+                print(json.dumps({"model": name, "what": method, "options": options, "rows": rows, "chunk_MiB": mib,
+                                  "s": [round(t, 4) for t in ts], "x_time": round(min(ts) / base_t, 2),
+                                  "MiB": round(peak), "x_mem": round(peak / base_m, 3) if base_m else None,
+                                  "diff_vs_first": f"{diff:.1e}"}), flush=True)
+                del exp
+    finally:
+        chunked_core.ROW_CHUNK, chunked_core.CHUNK_BYTES = saved
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--tokens", type=int, default=4096)
+    parser.add_argument("--which", nargs="+", choices=("tiny", "lrp", "wide"), default=["tiny", "lrp", "wide"])
+    parser.add_argument("--settings", nargs="+", default=["256:32", "512:64", "1024:128"],
+                        help="rows:MiB pairs (ROW_CHUNK and CHUNK_BYTES); 'wide' and 'lrp' use the first only")
+    parser.add_argument("--reps", type=int, default=2)
+    parser.add_argument("--layers", type=int, default=8, help="blocks of the wide model")
+    args = parser.parse_args()
+    warnings.simplefilter("ignore")
+    settings = [tuple(int(v) for v in s.split(":")) for s in args.settings]
+    meter = Meter(args.device)
+    both = [("transformer_attribution", {}), ("gradient_rollout", {})]
+    if "tiny" in args.which:
+        bench("llama_mha", *build("llama_mha", args.tokens, "sdpa", args.device), both, settings, meter, args.reps)
+    if "lrp" in args.which:
+        bench("llama_mha", *build("llama_mha", 2 * args.tokens, "sdpa", args.device), [("lrp", {})], settings[:1],
+              meter, 1)
+    if "wide" in args.which:
+        methods = both + [("lrp", {"preset": "attnlrp"}), ("lrp", {})]
+        bench(f"wide2048x{args.layers}", *wide(args.tokens, args.device, args.layers), methods, settings[:1], meter,
+              args.reps)
+
+
+if __name__ == "__main__":
+    main()
