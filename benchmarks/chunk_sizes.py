@@ -1,7 +1,9 @@
 """What the row chunks of the long-input path cost and save on a device, and the same methods on a wider model.
 
 One process per model: the capture outside the measurements, one warm-up call before each measured setting, then
-``--reps`` timed calls (the fastest is reported) and the peak of ``torch.cuda.max_memory_allocated`` (CPU: time only).
+``--reps`` timed calls (the fastest is reported) and the largest peak above the memory held before each call
+(``peak_memory.PeakMeter``, as ``memory_scaling.py`` measures: CUDA ``max_memory_allocated``; CPU the resident set's
+high-water mark, without the child process's lowered mmap threshold, so freed tensors may stay counted).
 Every ratio is to one forward+backward pass of the same model in the same process.
 
 * ``tiny``: ``memory_scaling.py``'s ``llama_mha`` (width 512, 4 blocks, 8 heads) at ``--tokens``,
@@ -20,7 +22,6 @@ import argparse
 import json
 import os
 import sys
-import time
 import warnings
 
 import torch
@@ -28,6 +29,7 @@ import transformers
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from memory_scaling import build  # noqa: E402
+from peak_memory import PeakMeter  # noqa: E402
 
 import relprop  # noqa: E402
 from relprop.engine import chunked_core  # noqa: E402
@@ -46,36 +48,19 @@ def wide(n: int, device: str, layers: int = 8):
     return model, {"input_ids": ids, "attention_mask": torch.ones_like(ids)}, 7
 
 
-class Meter:
-    """Synchronized wall time and (CUDA) peak allocated memory of one block of work."""
-
-    def __init__(self, device: str):
-        self.cuda = device.startswith("cuda")
-
-    def sync(self):
-        if self.cuda:
-            torch.cuda.synchronize()
-
-    def reset(self):
-        if self.cuda:
-            torch.cuda.empty_cache()
-            torch.cuda.reset_peak_memory_stats()
-
-    def peak_mib(self) -> float:
-        return torch.cuda.max_memory_allocated() / 2 ** 20 if self.cuda else 0.0
-
-    def times(self, fn, reps: int):
-        out, ts = None, []
-        for _ in range(reps):
-            self.sync()
-            t = time.perf_counter()
+def timed(fn, device: str, reps: int):
+    """(the last result of ``fn()``, the seconds of each of ``reps`` calls, the largest peak above the start in
+    MiB): :class:`peak_memory.PeakMeter` around each call, as ``memory_scaling.py`` measures."""
+    out, seconds, peak = None, [], 0
+    for _ in range(reps):
+        with PeakMeter(device) as meter:
             out = fn()
-            self.sync()
-            ts.append(time.perf_counter() - t)
-        return out, ts
+        seconds.append(meter.seconds)
+        peak = max(peak, meter.peak_bytes)
+    return out, seconds, peak / 2 ** 20
 
 
-def bench(name, model, inputs, target, methods, settings, meter: Meter, reps: int) -> None:
+def bench(name, model, inputs, target, methods, settings, device: str, reps: int) -> None:
     """Forward+backward, then each (method, options) under each (rows, MiB) setting; one JSON line each."""
     CACHE.get(model, bind_inputs(model, inputs))
 
@@ -84,9 +69,8 @@ def bench(name, model, inputs, target, methods, settings, meter: Meter, reps: in
         model.zero_grad(set_to_none=True)
 
     fwdbwd()
-    meter.reset()
-    _, ts = meter.times(fwdbwd, 3)
-    base_t, base_m = min(ts), meter.peak_mib()
+    _, ts, base_m = timed(fwdbwd, device, 3)
+    base_t = min(ts)
     print(json.dumps({"model": name, "what": "fwdbwd", "s": round(base_t, 4), "MiB": round(base_m)}), flush=True)
     saved = chunked_core.ROW_CHUNK, chunked_core.CHUNK_BYTES
     try:
@@ -98,10 +82,7 @@ def bench(name, model, inputs, target, methods, settings, meter: Meter, reps: in
                 def call():
                     return relprop.explain(model, inputs, target=target, method=method, **options)
                 call()
-                meter.sync()
-                meter.reset()
-                exp, ts = meter.times(call, reps)
-                peak = meter.peak_mib()
+                exp, ts, peak = timed(call, device, reps)
                 scores = exp.scores.detach().double().cpu()
                 ref = scores if ref is None else ref
                 diff = float((scores - ref).abs().max() / ref.abs().max().clamp_min(1e-30))
@@ -126,17 +107,17 @@ def main() -> None:
     args = parser.parse_args()
     warnings.simplefilter("ignore")
     settings = [tuple(int(v) for v in s.split(":")) for s in args.settings]
-    meter = Meter(args.device)
     both = [("transformer_attribution", {}), ("gradient_rollout", {})]
     if "tiny" in args.which:
-        bench("llama_mha", *build("llama_mha", args.tokens, "sdpa", args.device), both, settings, meter, args.reps)
+        bench("llama_mha", *build("llama_mha", args.tokens, "sdpa", args.device), both, settings, args.device,
+              args.reps)
     if "lrp" in args.which:
         bench("llama_mha", *build("llama_mha", 2 * args.tokens, "sdpa", args.device), [("lrp", {})], settings[:1],
-              meter, 1)
+              args.device, 1)
     if "wide" in args.which:
         methods = both + [("lrp", {"preset": "attnlrp"}), ("lrp", {})]
-        bench(f"wide2048x{args.layers}", *wide(args.tokens, args.device, args.layers), methods, settings[:1], meter,
-              args.reps)
+        bench(f"wide2048x{args.layers}", *wide(args.tokens, args.device, args.layers), methods, settings[:1],
+              args.device, args.reps)
 
 
 if __name__ == "__main__":

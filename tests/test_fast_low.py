@@ -11,6 +11,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import models
 import relprop
 from relprop.engine import chunked_core
+from budget_checks import relative
 from snapshot import assert_same, snapshot
 
 CASES = {
@@ -29,21 +30,17 @@ def _relevance(model, batch, target, preset, rows, monkeypatch, memory="low"):
     return exp.input_relevance
 
 
-def _relative(a, b) -> float:
-    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
-
-
 @pytest.mark.parametrize("name", sorted(CASES))
 @pytest.mark.parametrize("preset", ["attnlrp", "cp_lrp"])
 def test_segmented_fast_path_equals_the_fast_path(name, preset, monkeypatch):
     model, batch, target = CASES[name]()
     ref = _relevance(model, batch, target, preset, chunked_core.ROW_CHUNK, monkeypatch, memory="default")
     before = snapshot(model)
-    assert _relative(_relevance(model, batch, target, preset, None, monkeypatch), ref) == 0.0  # whole cores
+    assert relative(_relevance(model, batch, target, preset, None, monkeypatch), ref) == 0.0  # whole cores
     for rows in (1, 3):
         got = _relevance(model, batch, target, preset, rows, monkeypatch)
         assert got.shape == ref.shape
-        assert _relative(got, ref) <= 1e-5, (name, preset, rows)
+        assert relative(got, ref) <= 1e-5, (name, preset, rows)
     assert_same(before, snapshot(model))
 
 
@@ -79,6 +76,6 @@ def test_512_tokens_in_chunks_of_64_rows(monkeypatch):
         with _Largest() as seen:
             got = _relevance(model, batch, 7, "attnlrp", rows, monkeypatch, memory=memory)
         largest[memory] = seen.most
-        assert _relative(got, ref) <= 1e-5, memory
+        assert relative(got, ref) <= 1e-5, memory
     assert largest["default"] >= heads * n * n
     assert largest["low"] < heads * n * n // 2, largest

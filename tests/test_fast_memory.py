@@ -12,6 +12,7 @@ import torch
 import models
 import relprop
 from relprop.engine import chunked_core, fast_memory
+from budget_checks import budget_notes, relative
 from snapshot import assert_same, snapshot
 
 CASES = {
@@ -19,14 +20,6 @@ CASES = {
     "hf_gpt2_lm": lambda: (models.hf_gpt2_lm("sdpa"), models.decoder_batch(lengths=(7, 5, 9)), "next_token"),
     "hf_bert_eager": lambda: (models.hf_bert("eager"), models.text_batch(lengths=(7, 5, 9)), 1),
 }
-
-
-def _notes(exp):
-    return [n for n in exp.notes if "records_budget" in n]
-
-
-def _relative(a, b) -> float:
-    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
@@ -39,11 +32,11 @@ def test_over_budget_segments_with_a_note_and_the_same_relevance(name, preset, m
                             records_budget=0)
     auto = relprop.explain(model, batch, target=target, method="lrp", preset=preset, records_budget=0)
     low = relprop.explain(model, batch, target=target, method="lrp", preset=preset, memory="low")
-    assert not _notes(whole) and not _notes(low)
-    (note,) = _notes(auto)
+    assert not budget_notes(whole) and not budget_notes(low)
+    (note,) = budget_notes(auto)
     assert "segment by segment" in note and "raise records_budget" in note
     assert torch.equal(auto.input_relevance, low.input_relevance)  # the segmented path, nothing else
-    assert _relative(auto.input_relevance, whole.input_relevance) <= 1e-5
+    assert relative(auto.input_relevance, whole.input_relevance) <= 1e-5
     assert torch.equal(auto.scores, low.scores)
     assert_same(before, snapshot(model))
 
@@ -52,7 +45,7 @@ def test_within_budget_runs_whole_without_a_note():
     model, batch, target = CASES["hf_llama_eager"]()
     default = relprop.explain(model, batch, target=target, method="lrp", preset="attnlrp")  # tiny: far under
     whole = relprop.explain(model, batch, target=target, method="lrp", preset="attnlrp", memory="high")
-    assert not _notes(default)
+    assert not budget_notes(default)
     assert torch.equal(default.input_relevance, whole.input_relevance)
 
 
@@ -65,7 +58,7 @@ def test_the_estimate_counts_every_blocks_attention_maps():
     need = fast_memory.maps_bytes(blocks, batch["input_ids"].shape[0])
     at = relprop.explain(model, batch, target=target, method="lrp", preset="attnlrp", records_budget=need)
     over = relprop.explain(model, batch, target=target, method="lrp", preset="attnlrp", records_budget=need - 1)
-    assert not _notes(at) and len(_notes(over)) == 1
+    assert not budget_notes(at) and len(budget_notes(over)) == 1
 
 
 def test_choice_follows_memory_and_budget():

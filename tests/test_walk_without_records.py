@@ -7,14 +7,19 @@ The reference is the whole rule-by-rule walk (``records_budget`` far above the t
 tests/test_rules_* and tests/test_fast_path.py check rule by rule; here only the run's shape changes. In float64,
 so that what is compared is the route: the "lrp" preset amplifies float32 rounding (on GPT-2 the two routes
 differ by 1.6e-4 of the max in float32, 8e-14 in float64)."""
+import re
+
 import pytest
 import torch
+from torch.utils._pytree import tree_map
 
 import models
 import relprop
 import zoo
 from relprop.api import prepare
 from relprop.engine import chunked_core
+from relprop.errors import RelpropError
+from budget_checks import budget_notes, relative
 from snapshot import assert_same, snapshot
 
 CASES = {
@@ -23,14 +28,6 @@ CASES = {
     "hf_bert_eager": lambda: (models.hf_bert("eager"), models.text_batch(lengths=(7, 5, 9)), 1),
 }
 BIG = 2.0 ** 40  # bytes: every tiny model's maps fit
-
-
-def _notes(exp):
-    return [n for n in exp.notes if "records_budget" in n]
-
-
-def _relative(a, b) -> float:
-    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
@@ -44,15 +41,15 @@ def test_over_budget_walks_segments_without_records_and_the_same_relevance(name,
     auto = relprop.explain(model, batch, target=target, method="lrp", preset=preset, records_budget=0)
     low = relprop.explain(model, batch, target=target, method="lrp", preset=preset, memory="low",
                           records_budget=BIG)
-    assert not _notes(whole) and not _notes(low)
-    (note,) = _notes(auto)
+    assert not budget_notes(whole) and not budget_notes(low)
+    (note,) = budget_notes(auto)
     assert note.startswith("the rule-by-rule walk would hold") and "segment by segment" in note
     assert len(whole.blocks) > 0 and list(auto.blocks) == [] and list(low.blocks) == []  # as on the fast path
     assert torch.equal(auto.input_relevance, low.input_relevance)  # the segmented walk, nothing else
-    assert _relative(auto.input_relevance, whole.input_relevance) <= 1e-10
+    assert relative(auto.input_relevance, whole.input_relevance) <= 1e-10
     assert torch.equal(auto.scores, low.scores)
-    assert _relative(auto.scores, whole.scores) <= 1e-10
-    assert _relative(auto.target_scores, whole.target_scores) <= 1e-12  # (the chunked cores: rounding)
+    assert relative(auto.scores, whole.scores) <= 1e-10
+    assert relative(auto.target_scores, whole.target_scores) <= 1e-12  # (the chunked cores: rounding)
     assert_same(before, snapshot(model))
 
 
@@ -64,23 +61,15 @@ def test_segmented_walk_of_attnlrp_equals_its_fast_path(monkeypatch):
     fast = relprop.explain(model, batch, target=target, method="lrp", preset="attnlrp", memory="high")
     walked = relprop.explain(model, batch, target=target, method="lrp", preset="attnlrp", fast_path=False,
                              records_budget=0)
-    assert len(_notes(walked)) == 1 and list(walked.blocks) == []
-    assert _relative(walked.input_relevance, fast.input_relevance) <= 1e-5
+    assert len(budget_notes(walked)) == 1 and list(walked.blocks) == []
+    assert relative(walked.input_relevance, fast.input_relevance) <= 1e-5
 
 
 def test_within_budget_walks_whole_and_keeps_the_records():
     model, batch, target = CASES["hf_llama_eager"]()
     exp = relprop.explain(model, batch, target=target, method="lrp", preset="lrp")  # tiny: far under the budget
-    assert not _notes(exp)
+    assert not budget_notes(exp)
     assert len(exp.blocks) == len(prepare(model, batch, None).captured.analysis.blocks)
-
-
-def _double(x):
-    if torch.is_tensor(x):
-        return x.double() if x.is_floating_point() else x
-    if isinstance(x, dict):
-        return {k: _double(v) for k, v in x.items()}
-    return x
 
 
 @pytest.mark.slow
@@ -90,13 +79,12 @@ def test_every_zoo_model_walks_without_records_like_the_whole_walk(name, monkeyp
     """``lrp`` as called (its ``"lrp"`` preset) on every model of the zoo, float64, 3-row chunks: over the
     budget it is the segmented walk without records (a note says so) with the whole walk's input relevance
     to 1e-10; window attention (Swin) and two token streams keep the whole walk; the zoo's refusals stand."""
-    import re
-    from relprop.errors import RelpropError
     entry = zoo.ZOO[name]
     monkeypatch.setattr(chunked_core, "ROW_CHUNK", 3)
     torch.manual_seed(0)
     model = entry.build().eval().double()
-    inputs = _double(entry.inputs(model, 2, 0))
+    inputs = tree_map(lambda t: t.double() if torch.is_tensor(t) and t.is_floating_point() else t,
+                      entry.inputs(model, 2, 0))
     kw = dict(target=entry.target, method="lrp", **({"wrt": entry.wrt} if entry.wrt else {}))
     refused = [msg for methods, msg in entry.refusals if re.fullmatch(methods, "lrp")]
     if refused:
@@ -108,6 +96,6 @@ def test_every_zoo_model_walks_without_records_like_the_whole_walk(name, monkeyp
     auto = relprop.explain(model, inputs, records_budget=0, **kw)
     a = prepare(model, inputs, None).captured.analysis
     segmented = bool(a.blocks) and not a.windows and len(a.streams) <= 1
-    assert bool(_notes(auto)) == segmented, name
+    assert bool(budget_notes(auto)) == segmented, name
     assert (list(auto.blocks) == []) == (segmented or not a.blocks), name
-    assert _relative(auto.input_relevance, whole.input_relevance) <= 1e-10, name
+    assert relative(auto.input_relevance, whole.input_relevance) <= 1e-10, name

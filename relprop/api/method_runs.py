@@ -9,6 +9,7 @@ from typing import Dict, Optional
 
 from . import refusals, remembered, remembered_prompt, validation, vision_language, vlm_anyres, vlm_tiles
 from ..engine import FastPathUnavailable, Trace, fast_memory, run, run_fast, run_fast_low
+from ..engine.fold_hooks import foldable
 from ..errors import MethodError, warn
 from ..graph import progress_line
 from ..explanation import build
@@ -139,25 +140,27 @@ def _walk_without_records(call: Call, request):
     (``Request.keep_records=False``: the attention cores in chunks of query rows, each block's records
     freed as the walk leaves it; ``exp.blocks`` empty, as on the fast path). Not on window attention
     or two token streams, whose walk reads every block (there the records are kept, as before)."""
-    captured = call.prepared.captured
-    a = captured.analysis
-    if a.windows or len(a.streams) > 1:
+    if not foldable(call.prepared.captured.analysis):
         return request, None
-    segmented, note = fast_memory.choose(call.memory, a.blocks, call.prepared.batch,
-                                         call.prepared.kwargs[captured.primary].device, call.records_budget,
-                                         path="the rule-by-rule walk")
+    segmented, note = _memory_choice(call, path="the rule-by-rule walk")
     if not segmented:
         return request, None
     return request.but(memory="low", keep_records=False), note
+
+
+def _memory_choice(call: Call, path: str = "the one-backward fast path"):
+    """(segmented, note) of :func:`relprop.engine.fast_memory.choose` for the call's memory mode, blocks,
+    batch, device and budget; ``path`` names the run in the note."""
+    captured = call.prepared.captured
+    return fast_memory.choose(call.memory, captured.analysis.blocks, call.prepared.batch,
+                              call.prepared.kwargs[captured.primary].device, call.records_budget, path=path)
 
 
 def _run_fast(call: Call, p: Preset, input_gradient: bool) -> Trace:
     """The fast path whole, or segment by segment with row-chunked attention cores when ``memory="low"``
     or its attention maps would exceed the budget (:func:`relprop.engine.fast_memory.choose`)."""
     request = call.request(p, input_gradient=input_gradient)
-    captured = call.prepared.captured
-    segmented, note = fast_memory.choose(call.memory, captured.analysis.blocks, call.prepared.batch,
-                                         call.prepared.kwargs[captured.primary].device, call.records_budget)
+    segmented, note = _memory_choice(call)
     if not segmented:
         return run_fast(request)
     try:

@@ -30,6 +30,13 @@ FOLD_WINDOWS = ("a folded run folds one token sequence per block; this model's a
                 "or connects two token streams: explain it with keep_blocks=True (the full-record path)")
 
 
+def foldable(analysis) -> bool:
+    """Whether a folded (block-by-block, records-dropping) run applies to a graph with this ``analysis``:
+    one token sequence per block, i.e. no window attention and one token stream (else
+    :data:`FOLD_WINDOWS` says why not)."""
+    return not analysis.windows and len(analysis.streams) <= 1
+
+
 class BlockFolder:
     """Hands every attention block of a segmented run (:func:`relprop.engine.low_memory.run_low`) to
     the folds of ``request.folds``, from the output block back, and frees the block's records (with

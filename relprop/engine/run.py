@@ -27,7 +27,7 @@ from .request import Request
 from .session import Session
 from .stream_relevance import primary_parts, stream_masks
 from .records import block_record, record
-from .fold_hooks import FOLD_WINDOWS, BlockFolder
+from .fold_hooks import FOLD_WINDOWS, BlockFolder, foldable
 from .trace import NotKept, Pass, Trace
 from .walk import Walker, check_rules, walk
 
@@ -67,7 +67,7 @@ def run(request: Request) -> Trace:
     out_nodes = live_outputs(captured.graph, a.live)
     remat = rematerializable(captured)
     if request.folds or not request.keep_records:
-        if a.windows or len(a.streams) > 1:
+        if not foldable(a):
             raise RelpropError(FOLD_WINDOWS)
         folder = BlockFolder(request)
         result = run_low(request, out_nodes, gradient_nodes(a, out_nodes), remat, folder)
