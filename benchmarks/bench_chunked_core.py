@@ -25,7 +25,7 @@ from peak_memory import PeakMeter, run_child
 def child(what: str, tokens: int, chunk: int, device: str) -> None:
     import torch
     import transformers
-    from relprop.engine.chunked_core import core_in_row_chunks
+    from relprop.engine.chunked_core import RowChunks, core_in_row_chunks
     from relprop.graph.attention_core import evaluate_rows, find_core
     from relprop.graph.capture import capture
     torch.set_num_threads(1)
@@ -49,7 +49,7 @@ def child(what: str, tokens: int, chunk: int, device: str) -> None:
         if what == "whole":
             out = evaluate_rows(core, values.__getitem__, 0, tokens)[core.nodes[-1]]
         else:
-            out = core_in_row_chunks(core, values, chunk)
+            out = core_in_row_chunks(core, values, RowChunks(rows=chunk))
         out.backward(seed)
         del out
     print(json.dumps({"what": what, "peak_bytes": meter.peak_bytes, "seconds": meter.seconds}))

@@ -14,7 +14,7 @@ import time
 import torch
 
 from relprop.engine.trace import BlockRecord
-from relprop.methods import fold_maps, get_method
+from relprop.methods import get_method
 from relprop.methods.fold_maps import RowFold
 
 
@@ -33,9 +33,8 @@ def records(heads, n, blocks):
 
 
 def fold(recs, chunk_bytes):
-    fold_maps.FOLD_CHUNK_BYTES = chunk_bytes
     f = RowFold(get_method("transformer_attribution"), {}, len(recs), torch.ones(1, recs[0].attention.shape[-1]),
-                None, None)
+                None, None, chunk_bytes)
     t = time.perf_counter()
     for r in reversed(recs):
         f(r)

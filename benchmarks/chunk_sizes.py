@@ -8,7 +8,7 @@ Every ratio is to one forward+backward pass of the same model in the same proces
 
 * ``tiny``: ``memory_scaling.py``'s ``llama_mha`` (width 512, 4 blocks, 8 heads) at ``--tokens``,
   ``transformer_attribution`` and ``gradient_rollout`` with each ``--settings`` pair (rows per chunk
-  ``relprop.engine.chunked_core.ROW_CHUNK`` : MiB per chunk tensor ``CHUNK_BYTES``), the scores compared with
+  ``relprop.RowChunks(rows=...)`` : MiB per chunk tensor ``RowChunks(bytes=...)``), the scores compared with
   the first setting's;
 * ``lrp``: the same decoder at twice the tokens, ``lrp`` as called (its ``"lrp"`` preset);
 * ``wide``: a wider LLaMA (width 2048, 16 heads and key/value heads, 8 blocks, vocabulary 32000) at ``--tokens``:
@@ -32,7 +32,6 @@ from memory_scaling import build  # noqa: E402
 from peak_memory import PeakMeter  # noqa: E402
 
 import relprop  # noqa: E402
-from relprop.engine import chunked_core  # noqa: E402
 from relprop.graph.capture import CACHE  # noqa: E402
 from relprop.graph.inputs import bind_inputs  # noqa: E402
 
@@ -72,27 +71,23 @@ def bench(name, model, inputs, target, methods, settings, device: str, reps: int
     _, ts, base_m = timed(fwdbwd, device, 3)
     base_t = min(ts)
     print(json.dumps({"model": name, "what": "fwdbwd", "s": round(base_t, 4), "MiB": round(base_m)}), flush=True)
-    saved = chunked_core.ROW_CHUNK, chunked_core.CHUNK_BYTES
-    try:
-        for method, options in methods:
-            ref = None
-            for rows, mib in settings:
-                chunked_core.ROW_CHUNK, chunked_core.CHUNK_BYTES = rows, mib << 20
+    for method, options in methods:
+        ref = None
+        for rows, mib in settings:
+            tuning = relprop.Tuning(chunks=relprop.RowChunks(rows=rows, bytes=mib << 20))
 
-                def call():
-                    return relprop.explain(model, inputs, target=target, method=method, **options)
-                call()
-                exp, ts, peak = timed(call, device, reps)
-                scores = exp.scores.detach().double().cpu()
-                ref = scores if ref is None else ref
-                diff = float((scores - ref).abs().max() / ref.abs().max().clamp_min(1e-30))
-                print(json.dumps({"model": name, "what": method, "options": options, "rows": rows, "chunk_MiB": mib,
-                                  "s": [round(t, 4) for t in ts], "x_time": round(min(ts) / base_t, 2),
-                                  "MiB": round(peak), "x_mem": round(peak / base_m, 3) if base_m else None,
-                                  "diff_vs_first": f"{diff:.1e}"}), flush=True)
-                del exp
-    finally:
-        chunked_core.ROW_CHUNK, chunked_core.CHUNK_BYTES = saved
+            def call():
+                return relprop.explain(model, inputs, target=target, method=method, tuning=tuning, **options)
+            call()
+            exp, ts, peak = timed(call, device, reps)
+            scores = exp.scores.detach().double().cpu()
+            ref = scores if ref is None else ref
+            diff = float((scores - ref).abs().max() / ref.abs().max().clamp_min(1e-30))
+            print(json.dumps({"model": name, "what": method, "options": options, "rows": rows, "chunk_MiB": mib,
+                              "s": [round(t, 4) for t in ts], "x_time": round(min(ts) / base_t, 2),
+                              "MiB": round(peak), "x_mem": round(peak / base_m, 3) if base_m else None,
+                              "diff_vs_first": f"{diff:.1e}"}), flush=True)
+            del exp
 
 
 def main() -> None:
@@ -101,7 +96,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=4096)
     parser.add_argument("--which", nargs="+", choices=("tiny", "lrp", "wide"), default=["tiny", "lrp", "wide"])
     parser.add_argument("--settings", nargs="+", default=["256:32", "512:64", "1024:128"],
-                        help="rows:MiB pairs (ROW_CHUNK and CHUNK_BYTES); 'wide' and 'lrp' use the first only")
+                        help="rows:MiB pairs (RowChunks rows and bytes); 'wide' and 'lrp' use the first only")
     parser.add_argument("--reps", type=int, default=2)
     parser.add_argument("--layers", type=int, default=8, help="blocks of the wide model")
     args = parser.parse_args()

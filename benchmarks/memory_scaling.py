@@ -28,14 +28,14 @@ Measured, each in a fresh subprocess (``--child``):
 * ``ta-fold`` (``ta-stream`` in older results): the same with ``keep_blocks=False`` (each block
   folded into the query row during the reverse walk and dropped, :mod:`relprop.methods.fold_maps`);
 * ``ta-default``: the same with ``keep_blocks`` not given (records kept while they fit
-  ``records_budget``, else folded: :mod:`relprop.methods.fold_choice`); the row says which ran.
+  ``records_budget``, else folded: :func:`relprop.engine.schedule.fold_choice`); the row says which ran.
 * ``ta-rows``, ``gr-rows`` (``gr-fold``): ``transformer_attribution`` (``gradient_rollout``) folded with the
-  row-chunked walk (``relprop.engine.chunked_core.ROW_CHUNK`` = :data:`ROWS`; on by default since 2026-11-27,
+  row-chunked walk (``relprop.Tuning(chunks=relprop.RowChunks(rows=ROWS))``; on by default since 2026-11-27,
   so ``ta-fold`` and ``gr-fold`` run it too);
 * ``lrp``: ``method="lrp", preset="attnlrp"`` (the plain one-backward fast path: ``memory="high"``, which
   never segments; before 2026-11-27 ``memory="default"`` was this path at every length);
   ``lrp-default``: the same with ``memory`` not given (plain, or segmented beyond ``records_budget``:
-  :mod:`relprop.engine.fast_memory`);
+  :func:`relprop.engine.schedule.segment_choice`);
   ``lrp-low``: the same with ``memory="low"`` (the fast path segment by segment, attention cores in row
   chunks of :data:`ROWS`: :mod:`relprop.engine.fast_low`).
 * ``lrp-rules``: ``method="lrp"`` as a user calls it, with its own preset (``"lrp"``, the authors' LRP
@@ -71,7 +71,7 @@ from peak_memory import PeakMeter, run_child
 
 WHATS = ("fwdbwd", "fwdbwd-eager", "ta-full", "ta-fold", "ta-default", "ta-rows", "gr-fold", "gr-rows", "lrp",
          "lrp-low", "lrp-default", "lrp-rules")
-#: query rows per chunk of the row-chunked walk of the "-rows" measurements (relprop.engine.chunked_core.ROW_CHUNK)
+#: query rows per chunk of the row-chunked walk of the "-rows" measurements (relprop.RowChunks(rows=...))
 ROWS = 256
 DEFAULT_TOKENS = {"bert": (512, 1024, 2048), "llama": (1024, 2048, 4096), "llama_mha": (1024, 2048, 4096)}
 TARGET_TOKEN = 7
@@ -121,7 +121,7 @@ def child(name: str, n: int, what: str, device: str) -> None:
     model, inputs, target = build(name, n, "eager" if what == "fwdbwd-eager" else "sdpa", device)
     if not what.startswith("fwdbwd"):
         CACHE.get(model, bind_inputs(model, inputs))  # the capture is outside the measurement
-    from relprop.engine import chunked_core
+    rows = relprop.Tuning(chunks=relprop.RowChunks(rows=ROWS))
     kept = []
 
     def call():
@@ -135,16 +135,16 @@ def child(name: str, n: int, what: str, device: str) -> None:
             exp = relprop.explain(model, inputs, target=target, method="lrp")
             del exp
         elif what.startswith("lrp"):
-            chunked_core.ROW_CHUNK = ROWS
             memory = {"lrp": "high", "lrp-low": "low", "lrp-default": "default"}[what]
-            exp = relprop.explain(model, inputs, target=target, method="lrp", preset="attnlrp", memory=memory)
+            exp = relprop.explain(model, inputs, target=target, method="lrp", preset="attnlrp", memory=memory,
+                                  tuning=rows)
             del exp
         else:
             keep = {"ta-full": True, "ta-fold": False, "ta-rows": False, "gr-fold": False, "gr-rows": False}.get(what)
-            if what.endswith("-rows"):  # the row-chunked walk (on by default since 2026-11-27)
-                chunked_core.ROW_CHUNK = ROWS
+            # the row-chunked walk (on by default since 2026-11-27; "-rows": ROWS rows per chunk)
+            tuning = rows if what.endswith("-rows") else None
             method = "gradient_rollout" if what.startswith("gr") else "transformer_attribution"
-            exp = relprop.explain(model, inputs, target=target, method=method, keep_blocks=keep)
+            exp = relprop.explain(model, inputs, target=target, method=method, keep_blocks=keep, tuning=tuning)
             kept[:] = [exp.kept_blocks]
             del exp
 

@@ -35,7 +35,7 @@ if TYPE_CHECKING:  # what type checkers and editors see; at run time, __getattr_
     from . import methods
     from .api import (GenerationExplanation, ImageGenerationExplanation, coverage, explain, explain_generation,
                       explain_settings)
-    from .engine import Conservation, Coverage, Trace
+    from .engine import Conservation, Coverage, RowChunks, Trace, Tuning
     from .explanation import Explanation
     from .graph.capture import CACHE_SIZE, clear_cache
     from .graph.disk_cache import set_cache_dir
@@ -51,6 +51,7 @@ LAZY_IMPORTS = {
     "contrast": "relprop.targets",
     "Explanation": "relprop.explanation",
     "Conservation": "relprop.engine", "Coverage": "relprop.engine", "Trace": "relprop.engine",
+    "Tuning": "relprop.engine", "RowChunks": "relprop.engine",
     "explain_generation": "relprop.api", "GenerationExplanation": "relprop.api",
     "ImageGenerationExplanation": "relprop.api",
     "Preset": "relprop.rules", "RuleContext": "relprop.rules", "get_preset": "relprop.rules",
@@ -63,6 +64,8 @@ __all__ = [
     # explaining
     "explain", "explain_settings", "coverage", "methods", "contrast", "Explanation", "Conservation", "Coverage",
     "Trace", "explain_generation", "GenerationExplanation", "ImageGenerationExplanation", "maximize_activation",
+    # how the engine runs (chunk sizes, fused kernels)
+    "Tuning", "RowChunks",
     # rules and presets
     "Preset", "RuleContext", "get_preset", "presets", "rule",
     # the capture cache (in memory and on disk)

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import models
-from relprop.engine.chunked_core import core_in_row_chunks
+from relprop.engine.chunked_core import RowChunks, core_in_row_chunks
 from relprop.engine.forward import forward
 from relprop.graph.attention_core import evaluate_rows, find_core
 from relprop.graph.capture import CACHE
@@ -99,7 +99,7 @@ def test_core_in_row_chunks_has_the_gradients_of_the_whole_core(name):
         ref_grads = torch.autograd.grad(ref, [ref_in[n] for n in live], seed)
         for chunk in (1, 3):
             ins = leaves()
-            out = core_in_row_chunks(core, ins, chunk)
+            out = core_in_row_chunks(core, ins, RowChunks(rows=chunk))
             torch.testing.assert_close(out, ref, rtol=1e-6, atol=1e-6)
             grads = torch.autograd.grad(out, [ins[n] for n in live], seed)
             for n, got, want in zip(live, grads, ref_grads):

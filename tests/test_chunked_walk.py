@@ -1,4 +1,4 @@
-"""The row-chunked walk (relprop.engine.chunked_walk, on with relprop.engine.chunked_core.ROW_CHUNK):
+"""The row-chunked walk (relprop.engine.chunked_walk, a schedule with cores in chunks of rows):
 a folded run whose attention cores are evaluated, differentiated and walked in chunks of query rows
 gives the numbers of the folded run with whole cores (scores, head rows, the ledger, the input
 relevance) for chunks of 1 row, 3 rows and all rows, on LLaMA, GPT-2 and BERT (padded batches, so
@@ -12,7 +12,7 @@ import models
 import relprop
 import zoo
 from fused_cases import refuse_deferral
-from relprop.engine import chunked_core
+from chunking import rows
 from relprop.engine import chunk_gradients, chunked_walk, deferred_shares
 from relprop.engine.chunked_walk import plan_cores
 from relprop.graph.capture import CACHE
@@ -27,10 +27,9 @@ RUNS = [("transformer_attribution", "chefer2021"), ("gradient_rollout", None), (
         ("ta_without_gradient", "chefer2021")]
 
 
-def _explain(model, batch, method, preset, rows, monkeypatch):
-    monkeypatch.setattr(chunked_core, "ROW_CHUNK", rows)
+def _explain(model, batch, method, preset, n):
     kw = {} if preset is None else {"preset": preset}
-    return relprop.explain(model, batch, method=method, keep_blocks=False, **kw)
+    return relprop.explain(model, batch, method=method, keep_blocks=False, tuning=rows(n), **kw)
 
 
 def _close(a, b, what, tol=1e-5):
@@ -54,17 +53,17 @@ def test_every_block_of_the_zoo_models_has_a_row_local_core(name):
 
 @pytest.mark.parametrize("name", sorted(CASES))
 @pytest.mark.parametrize("method,preset", RUNS)
-def test_row_chunked_walk_equals_the_whole_cores(name, method, preset, monkeypatch):
+def test_row_chunked_walk_equals_the_whole_cores(name, method, preset):
     """In float64, so that the comparison shows the same sums and not float32 rounding: chunks change
     the order of the sums over the keys and the rows, and chefer2021's relevance of a random tiny
     model cancels enough that float32 rounding reaches 3e-5 of its largest score on some CPUs (AVX-512),
     where float64 agrees to 4e-14."""
     model, batch = CASES[name]()
     model = model.double()
-    whole = _explain(model, batch, method, preset, None, monkeypatch)
-    for rows in (1, 3, 10 ** 6):
-        got = _explain(model, batch, method, preset, rows, monkeypatch)
-        what = f"{name} {method} {preset} rows={rows}"
+    whole = _explain(model, batch, method, preset, None)
+    for n in (1, 3, 10 ** 6):
+        got = _explain(model, batch, method, preset, n)
+        what = f"{name} {method} {preset} rows={n}"
         assert got.kept_blocks is False and whole.kept_blocks is False
         _close(got.scores, whole.scores, what + " scores", 1e-9)
         _close(got.heads, whole.heads, what + " heads", 1e-9)
@@ -81,12 +80,11 @@ def test_row_chunked_walk_equals_the_whole_cores(name, method, preset, monkeypat
     ("hf_bert_eager", "gradient_rollout", {"query": "mean"}),  # the first block is gathered whole
     ("hf_llama_eager", "transformer_attribution", {"end_block": 1}),  # the range ends before the first block
 ])
-def test_row_chunked_walk_with_options_equals_the_whole_cores(name, method, options, monkeypatch):
+def test_row_chunked_walk_with_options_equals_the_whole_cores(name, method, options):
     model, batch = CASES[name]()
     runs = []
-    for rows in (None, 3):
-        monkeypatch.setattr(chunked_core, "ROW_CHUNK", rows)
-        runs.append(relprop.explain(model, batch, method=method, keep_blocks=False, **options))
+    for n in (None, 3):
+        runs.append(relprop.explain(model, batch, method=method, keep_blocks=False, tuning=rows(n), **options))
     whole, got = runs
     _close(got.scores, whole.scores, f"{name} {options} scores")
     _close(got.heads, whole.heads, f"{name} {options} heads")
@@ -180,7 +178,7 @@ def test_chefer2021_normalization_is_deferred_one_pass_over_the_chunks(monkeypat
         raise AssertionError("the counting path ran")
 
     monkeypatch.setattr(chunked_walk, "_walk_counted", counted)
-    _explain(model, batch, "transformer_attribution", "chefer2021", 3, monkeypatch)
+    _explain(model, batch, "transformer_attribution", "chefer2021", 3)
     queries = batch["input_ids"].shape[1]
     cores = len(model.model.layers)
     assert calls == [(lo, min(lo + 3, queries), True) for lo in range(0, queries, 3)] * cores
@@ -203,26 +201,26 @@ def test_deferred_factors_per_sample_equal_the_whole_walk(name, monkeypatch):
     (With an additive mask of 0 and a large negative number the mask's share is 0 and the factor of
     the scores' share Σ R / Σ R_u, near 1; BEiT's bias gives factors of either sign.)"""
     model, batch = _two_samples(name)
-    whole = _explain(model, batch, "transformer_attribution", "chefer2021", None, monkeypatch)
-    for rows in (1, 3):
+    whole = _explain(model, batch, "transformer_attribution", "chefer2021", None)
+    for n in (1, 3):
         calls = _chunk_calls(monkeypatch)
         seen = _factors(monkeypatch)
-        got = _explain(model, batch, "transformer_attribution", "chefer2021", rows, monkeypatch)
+        got = _explain(model, batch, "transformer_attribution", "chefer2021", n)
         assert calls and all(with_da for _, _, with_da in calls), "a counting pass ran"
         assert len(seen) == len(got.conservation.blocks) and all(g.shape == (2,) for gs in seen for g in gs)
         if name == "hf_beit":
             assert any((gu[0] - gu[1]).abs() > 0.1 for gu, _ in seen), "the samples' factors are alike"
-        _same_walk(got, whole, f"{name} rows={rows}")
+        _same_walk(got, whole, f"{name} rows={n}")
 
 
 def test_counting_path_where_the_walk_cannot_defer(monkeypatch):
     """Where the walk refuses to defer on the first chunk (forced here once its rules ran), the chunk's
     work is dropped and the counting path gives the whole walk's numbers."""
     model, batch = CASES["hf_bert_eager"]()
-    whole = _explain(model, batch, "transformer_attribution", "chefer2021", None, monkeypatch)
+    whole = _explain(model, batch, "transformer_attribution", "chefer2021", None)
     refuse_deferral(monkeypatch)
     calls = _chunk_calls(monkeypatch)
-    got = _explain(model, batch, "transformer_attribution", "chefer2021", 3, monkeypatch)
+    got = _explain(model, batch, "transformer_attribution", "chefer2021", 3)
     assert any(not with_da for _, _, with_da in calls), "no counting pass ran"
     _same_walk(got, whole, "counting path")
 
@@ -232,9 +230,9 @@ def test_two_normalizing_sums_take_the_counting_path(monkeypatch):
     second one's relevance scaled by the first one's factors; the walk counts the sums first."""
     model = zoo.hf_mpnet().eval()
     batch = models.text_batch(lengths=(8, 5), seed=1, pad_id=1, first_id=zoo.FIRST_ID)
-    whole = _explain(model, batch, "transformer_attribution", "chefer2021", None, monkeypatch)
+    whole = _explain(model, batch, "transformer_attribution", "chefer2021", None)
     calls = _chunk_calls(monkeypatch)
-    got = _explain(model, batch, "transformer_attribution", "chefer2021", 3, monkeypatch)
+    got = _explain(model, batch, "transformer_attribution", "chefer2021", 3)
     assert any(not with_da for _, _, with_da in calls), "no counting pass ran"
     _same_walk(got, whole, "hf_mpnet")
 
@@ -252,9 +250,9 @@ def test_a_user_rule_below_the_normalization_takes_the_counting_path(monkeypatch
     model, batch = CASES["hf_llama_eager"]()
     model = model.double()
     with override({torch.ops.aten.matmul.default: my_matmul}, preset="chefer2021"):
-        whole = _explain(model, batch, "transformer_attribution", "chefer2021", None, monkeypatch)
+        whole = _explain(model, batch, "transformer_attribution", "chefer2021", None)
         calls = _chunk_calls(monkeypatch)
-        got = _explain(model, batch, "transformer_attribution", "chefer2021", 3, monkeypatch)
+        got = _explain(model, batch, "transformer_attribution", "chefer2021", 3)
     assert any(not with_da for _, _, with_da in calls), "no counting pass ran"
     _close(got.scores, whole.scores, "scores", 1e-9)
     _close(got.input_relevance, whole.input_relevance, "input relevance", 1e-9)

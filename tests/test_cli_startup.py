@@ -201,11 +201,11 @@ def test_every_method_option_can_be_given_with_option():
                                   f"explain() settings: {', '.join(known_names.EXPLAIN_SETTINGS)}")
     assert seen >= 60
     # the settings of explain() itself: its keyword arguments that a command line can give (not the
-    # objects: tokenizer, image processor, mask; nor wrt, the input of a multi-input model; nor progress)
+    # objects: tokenizer, image processor, mask, tuning; nor wrt, the input of a multi-input model; nor progress)
     params = inspect.signature(relprop.explain).parameters
     kw = {k for k, p in params.items() if p.kind is p.KEYWORD_ONLY}
     assert set(known_names.EXPLAIN_SETTINGS) == kw - {"special_tokens_mask", "tokenizer", "wrt", "image_processor",
-                                                      "progress"}
+                                                      "progress", "tuning"}
     for key in known_names.EXPLAIN_SETTINGS:
         check_option_keys([key], ["lrp"])  # taken by every call
         check_option_keys([key], ["smoothgrad", "rollout"])

@@ -15,7 +15,7 @@ import models
 import relprop
 from relprop.graph.capture import CACHE
 from relprop.graph.inputs import bind_inputs
-from relprop.engine import Request, run
+from relprop.engine import Request, Schedule, execute
 from relprop.methods.query import is_causal, query_weights
 from relprop.rules import rule_registry as registry
 from relprop.rules.context import RuleContext
@@ -128,7 +128,8 @@ def query_positions(trace):
 def query_positions_of(model, x, target):
     kw = bind_inputs(model, x)
     score, tgt = resolve(target, x["input_ids"].shape[0])
-    return query_positions(run(Request(CACHE.get(model, kw), model, kw, Target(score, tgt), relevance=False)))
+    request = Request(CACHE.get(model, kw), model, kw, Target(score, tgt))
+    return query_positions(execute(request, Schedule(relevance="none")))
 
 
 @pytest.mark.parametrize("name", ["hf_gpt2_cls", "hf_llama_eager"])
@@ -150,7 +151,7 @@ def test_query_is_the_last_real_token(dec):
     x = models.decoder_batch()
     kw = bind_inputs(model, x)
     score, tgt = resolve(1, 4)
-    trace = run(Request(CACHE.get(model, kw), model, kw, Target(score, tgt), relevance=False))
+    trace = execute(Request(CACHE.get(model, kw), model, kw, Target(score, tgt)), Schedule(relevance="none"))
     assert is_causal(trace)
     assert query_positions(trace).tolist() == [n - 1 for n in LENGTHS]
     e = relprop.explain(model, x, target=1)
@@ -235,7 +236,7 @@ class _Net(torch.nn.Module):
 def _input_relevance(model, x, target=1):
     kw = bind_inputs(model, x)
     score, tgt = resolve(target, x.shape[0])
-    tr = run(Request(CACHE.get(model, kw), model, kw, Target(score, tgt)))
+    tr = execute(Request(CACHE.get(model, kw), model, kw, Target(score, tgt)))
     return tr.input_relevance, tr.conservation
 
 

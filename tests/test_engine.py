@@ -164,7 +164,7 @@ def test_user_registered_rule_is_used():
         return (relevance,)
 
     try:
-        from relprop.engine import Request, run
+        from relprop.engine import Request, execute
         from relprop.graph.inputs import bind_inputs
         from relprop.targets import Target, resolve
         model = Net().eval()
@@ -174,7 +174,7 @@ def test_user_registered_rule_is_used():
         kw = bind_inputs(model, torch.rand(2, 3) + 0.1)
         cap = CACHE.get(model, kw)
         score, tgt = resolve(0, 2)
-        trace = run(Request(cap, model, kw, Target(score, tgt), preset="chefer2021"))
+        trace = execute(Request(cap, model, kw, Target(score, tgt), preset="chefer2021"))
         assert float(trace.conservation.error.max()) < 1e-5
     finally:
         from relprop.rules.rule_registry import get_preset
@@ -248,12 +248,12 @@ def test_explanation_shapes_vision(zoo):
 def test_lrp_preset_is_not_conservative(zoo):
     """The paper's LRP baseline rules (authors' layers_lrp.py) do not conserve relevance."""
     from relprop.graph.inputs import bind_inputs
-    from relprop.engine import Request, run
+    from relprop.engine import Request, execute
     from relprop.targets import Target, resolve
     model = zoo("timm_vit_tiny")
     kw = bind_inputs(model, models.image_batch(model))
     score, tgt = resolve(0, 2)
-    trace = run(Request(CACHE.get(model, kw), model, kw, Target(score, tgt), preset="lrp"))
+    trace = execute(Request(CACHE.get(model, kw), model, kw, Target(score, tgt), preset="lrp"))
     assert float(trace.conservation.error.min()) > 1e-2
 
 

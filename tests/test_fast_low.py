@@ -1,7 +1,7 @@
 """The fast path segment by segment (``memory="low"``, relprop.engine.fast_low): the input relevance of
 ``lrp`` under "attnlrp" and "cp_lrp" equals that of the one-backward fast path (the reference,
 ``memory="default"``) to 1e-5 of its scale, for cores in chunks of 1 and 3 rows and whole
-cores (ROW_CHUNK=None: then bit for bit), on LLaMA, GPT-2, BERT (padded batches) and a timm ViT; at
+cores (chunks None: then bit for bit), on LLaMA, GPT-2, BERT (padded batches) and a timm ViT; at
 512 tokens in chunks of 64 rows; and no tensor of heads x tokens^2 (nor half of one) is formed."""
 import pytest
 import torch
@@ -10,7 +10,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import models
 import relprop
-from relprop.engine import chunked_core
+from chunking import rows
 from budget_checks import relative
 from snapshot import assert_same, snapshot
 
@@ -23,24 +23,23 @@ CASES = {
 }
 
 
-def _relevance(model, batch, target, preset, rows, monkeypatch, memory="low"):
-    monkeypatch.setattr(chunked_core, "ROW_CHUNK", rows)
-    exp = relprop.explain(model, batch, target=target, method="lrp", preset=preset, memory=memory)
+def _relevance(model, batch, target, preset, n, memory="low"):
+    exp = relprop.explain(model, batch, target=target, method="lrp", preset=preset, memory=memory, tuning=rows(n))
     assert exp.conservation is None  # the fast path's trace (no itemized ledger)
     return exp.input_relevance
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
 @pytest.mark.parametrize("preset", ["attnlrp", "cp_lrp"])
-def test_segmented_fast_path_equals_the_fast_path(name, preset, monkeypatch):
+def test_segmented_fast_path_equals_the_fast_path(name, preset):
     model, batch, target = CASES[name]()
-    ref = _relevance(model, batch, target, preset, chunked_core.ROW_CHUNK, monkeypatch, memory="default")
+    ref = _relevance(model, batch, target, preset, 256, memory="default")
     before = snapshot(model)
-    assert relative(_relevance(model, batch, target, preset, None, monkeypatch), ref) == 0.0  # whole cores
-    for rows in (1, 3):
-        got = _relevance(model, batch, target, preset, rows, monkeypatch)
+    assert relative(_relevance(model, batch, target, preset, None), ref) == 0.0  # whole cores
+    for n in (1, 3):
+        got = _relevance(model, batch, target, preset, n)
         assert got.shape == ref.shape
-        assert relative(got, ref) <= 1e-5, (name, preset, rows)
+        assert relative(got, ref) <= 1e-5, (name, preset, n)
     assert_same(before, snapshot(model))
 
 
@@ -59,7 +58,7 @@ class _Largest(TorchDispatchMode):
         return out
 
 
-def test_512_tokens_in_chunks_of_64_rows(monkeypatch):
+def test_512_tokens_in_chunks_of_64_rows():
     """A LLaMA-style decoder at 512 tokens: equal to the fast path with whole cores, and no op makes a
     tensor of half a heads x tokens^2 map or more (the whole-core fast path makes several)."""
     torch.manual_seed(0)
@@ -70,11 +69,11 @@ def test_512_tokens_in_chunks_of_64_rows(monkeypatch):
     model = transformers.LlamaForCausalLM(cfg).eval()
     ids = torch.randint(3, 64, (1, n))
     batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
-    ref = _relevance(model, batch, 7, "attnlrp", None, monkeypatch, memory="default")
+    ref = _relevance(model, batch, 7, "attnlrp", None, memory="default")
     largest = {}
-    for memory, rows in (("default", None), ("low", 64)):
+    for memory, chunk in (("default", None), ("low", 64)):
         with _Largest() as seen:
-            got = _relevance(model, batch, 7, "attnlrp", rows, monkeypatch, memory=memory)
+            got = _relevance(model, batch, 7, "attnlrp", chunk, memory=memory)
         largest[memory] = seen.most
         assert relative(got, ref) <= 1e-5, memory
     assert largest["default"] >= heads * n * n

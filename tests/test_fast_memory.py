@@ -1,6 +1,6 @@
 """``lrp`` under AttnLRP/CP-LRP with ``memory`` not given: the one-backward fast path runs whole while its
 attention maps fit ``records_budget`` and segment by segment with row-chunked attention cores beyond it
-(relprop.engine.fast_memory), with a note, and the same relevance as the whole fast path.
+(relprop.engine.schedule.segment_choice), with a note, and the same relevance as the whole fast path.
 
 The reference for the numbers is the whole fast path (``memory="high"``: never segmented), which
 tests/test_fast_path.py checks against the rule-by-rule walk; the estimate is checked against blocks ×
@@ -11,7 +11,8 @@ import torch
 
 import models
 import relprop
-from relprop.engine import chunked_core, fast_memory
+from chunking import rows
+from relprop.engine import schedule
 from budget_checks import budget_notes, relative
 from snapshot import assert_same, snapshot
 
@@ -24,14 +25,14 @@ CASES = {
 
 @pytest.mark.parametrize("name", sorted(CASES))
 @pytest.mark.parametrize("preset", ["attnlrp", "cp_lrp"])
-def test_over_budget_segments_with_a_note_and_the_same_relevance(name, preset, monkeypatch):
+def test_over_budget_segments_with_a_note_and_the_same_relevance(name, preset):
     model, batch, target = CASES[name]()
-    monkeypatch.setattr(chunked_core, "ROW_CHUNK", 3)  # cores of 5-9 query rows: really chunked
+    three = rows(3)  # cores of 5-9 query rows: really chunked
     before = snapshot(model)
     whole = relprop.explain(model, batch, target=target, method="lrp", preset=preset, memory="high",
-                            records_budget=0)
-    auto = relprop.explain(model, batch, target=target, method="lrp", preset=preset, records_budget=0)
-    low = relprop.explain(model, batch, target=target, method="lrp", preset=preset, memory="low")
+                            records_budget=0, tuning=three)
+    auto = relprop.explain(model, batch, target=target, method="lrp", preset=preset, records_budget=0, tuning=three)
+    low = relprop.explain(model, batch, target=target, method="lrp", preset=preset, memory="low", tuning=three)
     assert not budget_notes(whole) and not budget_notes(low)
     (note,) = budget_notes(auto)
     assert "segment by segment" in note and "raise records_budget" in note
@@ -52,10 +53,10 @@ def test_within_budget_runs_whole_without_a_note():
 def test_the_estimate_counts_every_blocks_attention_maps():
     model, batch, target = CASES["hf_llama_eager"]()
     exp = relprop.explain(model, batch, target=target, method="transformer_attribution", keep_blocks=True)
-    by_hand = sum(b.attention.numel() for b in exp.blocks) * 4 * fast_memory.MAPS_PER_BLOCK
+    by_hand = sum(b.attention.numel() for b in exp.blocks) * 4 * schedule.MAPS_PER_BLOCK
     blocks = relprop.api.prepare(model, batch, None).captured.analysis.blocks
-    assert fast_memory.maps_bytes(blocks, batch["input_ids"].shape[0]) == by_hand
-    need = fast_memory.maps_bytes(blocks, batch["input_ids"].shape[0])
+    assert schedule.maps_bytes(blocks, batch["input_ids"].shape[0]) == by_hand
+    need = schedule.maps_bytes(blocks, batch["input_ids"].shape[0])
     at = relprop.explain(model, batch, target=target, method="lrp", preset="attnlrp", records_budget=need)
     over = relprop.explain(model, batch, target=target, method="lrp", preset="attnlrp", records_budget=need - 1)
     assert not budget_notes(at) and len(budget_notes(over)) == 1
@@ -69,12 +70,12 @@ def test_choice_follows_memory_and_budget():
             self.queries = self.keys = t
 
     blocks = [Block(8), Block(8)]
-    size = fast_memory.maps_bytes(blocks, 3)
-    assert size == 2 * 3 * 2 * 8 * 8 * 4 * fast_memory.MAPS_PER_BLOCK
+    size = schedule.maps_bytes(blocks, 3)
+    assert size == 2 * 3 * 2 * 8 * 8 * 4 * schedule.MAPS_PER_BLOCK
     cpu = torch.device("cpu")
-    assert fast_memory.choose("default", blocks, 3, cpu, size) == (False, None)
-    segmented, note = fast_memory.choose("default", blocks, 3, cpu, size - 1)
+    assert schedule.segment_choice("default", blocks, 3, cpu, size) == (False, None)
+    segmented, note = schedule.segment_choice("default", blocks, 3, cpu, size - 1)
     assert segmented and "records_budget" in note
-    assert fast_memory.choose("low", blocks, 3, cpu, 1e18) == (True, None)
-    assert fast_memory.choose("high", blocks, 3, cpu, 0) == (False, None)
-    assert fast_memory.choose("default", [], 3, cpu, 0) == (False, None)
+    assert schedule.segment_choice("low", blocks, 3, cpu, 1e18) == (True, None)
+    assert schedule.segment_choice("high", blocks, 3, cpu, 0) == (False, None)
+    assert schedule.segment_choice("default", [], 3, cpu, 0) == (False, None)

@@ -13,12 +13,11 @@ import pytest
 import torch
 
 import relprop
-from relprop.engine import Request, run
+from relprop.engine import Request, RowChunks, Schedule, execute
 from relprop.engine.trace import BlockRecord, NotKept
 from relprop.graph.capture import CACHE
 from relprop.graph.inputs import bind_inputs
 from relprop.methods import get_method
-from relprop.methods import fold_maps as fold_maps_module
 from relprop.methods.fold_maps import RowFold
 from relprop.targets import resolve
 
@@ -136,7 +135,8 @@ def test_engine_hands_blocks_over_from_the_output_back():
         def result(self):
             return len(seen)
 
-    trace = run(Request(captured, model, kwargs, resolve(1, 2, captured.primary), folds=(Recorder(),)))
+    trace = execute(Request(captured, model, kwargs, resolve(1, 2, captured.primary), folds=(Recorder(),)),
+                    Schedule(segmented=True, records="folded", cores=RowChunks()))
     n = len(captured.analysis.blocks)
     assert [s[0] for s in seen] == list(range(n - 1, -1, -1))
     assert all(s[1][0] == 2 and s[1][-2:] == (6, 6) and s[2] and s[3] for s in seen)
@@ -254,7 +254,7 @@ def test_row_fold_equals_the_full_matrix_on_synthetic_records(causal, method, op
     ("transformer_attribution", {}), ("transformer_attribution", {"normalize_rows": True, "head_fusion": "max"}),
     ("rollout", {}), ("gradient_rollout", {"head_fusion": "gradient", "positive": False}),
 ])
-def test_fold_in_query_row_chunks_equals_the_unchunked_fold(causal, method, options, monkeypatch):
+def test_fold_in_query_row_chunks_equals_the_unchunked_fold(causal, method, options):
     """Fast (no model): each block's I + M_b built and multiplied into the row in chunks of query
     rows (as small as one row) gives the row of the unchunked fold and of the full-matrix path."""
     trace, mask = _synthetic(causal, pad=True)
@@ -262,8 +262,7 @@ def test_fold_in_query_row_chunks_equals_the_unchunked_fold(causal, method, opti
     full = info.fn(trace, **options)
     rows = {}
     for chunk_bytes in (1 << 40, 1, 2 * (2 * 3 * 5 * 4)):  # one chunk; one row; two rows of batch 2, 3 heads, 5 keys
-        monkeypatch.setattr(fold_maps_module, "FOLD_CHUNK_BYTES", chunk_bytes)
-        fold = RowFold(info, options, len(trace.blocks), mask, None, None)
+        fold = RowFold(info, options, len(trace.blocks), mask, None, None, chunk_bytes)
         for rec in reversed(trace.blocks):
             fold(rec)
         rows[chunk_bytes] = fold.result()["tokens"]
@@ -273,11 +272,10 @@ def test_fold_in_query_row_chunks_equals_the_unchunked_fold(causal, method, opti
 
 @pytest.mark.parametrize("case", ["hf_bert_eager_padded", "hf_llama_causal"])
 @slow
-def test_folded_in_one_row_chunks_equals_full_matrix_path(case, monkeypatch):
+def test_folded_in_one_row_chunks_equals_full_matrix_path(case):
     """Through explain(): every block folded one query row at a time equals the full-matrix path."""
-    monkeypatch.setattr(fold_maps_module, "FOLD_CHUNK_BYTES", 1)
     make, inputs, kw = CASES[case]
     model = _model(make)
     for method in ("transformer_attribution", "gradient_rollout"):
-        full, folded = _pair(model, inputs(model), method=method, **kw)
+        full, folded = _pair(model, inputs(model), method=method, tuning=relprop.Tuning(fold_chunk_bytes=1), **kw)
         assert_folded_like_kept(full, folded)

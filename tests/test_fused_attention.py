@@ -11,7 +11,7 @@ import models
 import relprop
 from fused_cases import F64_MIN, aten, close as _close, cores as _cores, model as _model, \
     same as _same
-from relprop.engine import chunked_core
+from relprop.engine import RowChunks, chunked_core
 from relprop.engine.chunked_walk import plan_cores
 from relprop.graph.attention_core import evaluate_rows
 from relprop.graph.capture import CACHE
@@ -117,8 +117,7 @@ def test_a_chunk_with_a_fully_masked_row_is_evaluated_node_by_node(name, monkeyp
     fused = []
     spied = chunked_core.sdpa_rows
     monkeypatch.setattr(chunked_core, "sdpa_rows", lambda *a: fused.append(a[3:5]) or spied(*a))
-    monkeypatch.setattr(chunked_core, "FUSED_FORWARD", True)
-    out = chunked_core.core_forward(core, values, 3)
+    out = chunked_core.core_forward(core, values, RowChunks(rows=3), fused=True)
     assert fused == [(0, 3), (6, 9)]
     ref = evaluate_rows(core, values, 0, N)[core.nodes[-1]]
     _close(out, ref, name, 1e-12)
@@ -148,7 +147,7 @@ class _First(torch.nn.Module):
         return x[:, 0]
 
 
-def test_a_number_added_to_the_scores_is_not_a_mask_operand(monkeypatch):
+def test_a_number_added_to_the_scores_is_not_a_mask_operand():
     """softmax(Q·Kᵀ·s + 1.0)·V: the number is no operand from outside the core. sdpa_form must not
     take it for the mask (a form whose mask is 1.0, not a node, sends core_forward's sdpa_rows to
     value(1.0): KeyError), and a folded run gives the numbers of the node-by-node forward pass."""
@@ -156,11 +155,10 @@ def test_a_number_added_to_the_scores_is_not_a_mask_operand(monkeypatch):
     model = torch.nn.Sequential(torch.nn.Linear(4, 8), _ScalarBias(), _ScalarBias(), _First(),
                                 torch.nn.Linear(8, 3)).eval().double()
     x = torch.randn(2, 9, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
-    monkeypatch.setattr(chunked_core, "ROW_CHUNK", 3)
     runs = []
     for on in (False, True):
-        monkeypatch.setattr(chunked_core, "FUSED_FORWARD", on)
-        runs.append(relprop.explain(model, x, method="transformer_attribution", keep_blocks=False))
+        tuning = relprop.Tuning(chunks=RowChunks(rows=3), fused_forward=on)
+        runs.append(relprop.explain(model, x, method="transformer_attribution", keep_blocks=False, tuning=tuning))
     _same(runs[1], runs[0], "a number added to the scores")
     for core, _ in plan_cores(CACHE.get(model, bind_inputs(model, x)).analysis).values():
         form = sdpa_form(core)
@@ -191,35 +189,34 @@ def _left_padded(lengths=(9, 8, 9)):
 @pytest.mark.filterwarnings("ignore::UserWarning")
 @pytest.mark.parametrize("padding", ["right", "left"])
 def test_core_forward_fused_equals_node_by_node(padding, monkeypatch):
-    """LLaMA sdpa (float64), ROW_CHUNK=3: each call of core_forward in the folded run gives the same
-    A·V with FUSED_FORWARD True and False (to 1e-12), and so does the whole explanation. With left
+    """LLaMA sdpa (float64), chunks of 3 rows: each call of core_forward in the folded run gives the same
+    A·V with the fused forward on and off (to 1e-12), and so does the whole explanation. With left
     padding sample 1's first row is a padding query with no open key: chunk 0:3 of every core is
     evaluated node by node, the others by the kernel; with right padding every chunk is fused."""
     model = _model("llama_sdpa")
     batch = _left_padded() if padding == "left" else models.decoder_batch(lengths=(7, 5, 9))
-    monkeypatch.setattr(chunked_core, "ROW_CHUNK", 3)
     forward, spied = chunked_core.core_forward, chunked_core.sdpa_rows
     fused, compared = [], []
 
-    def both(core, value, chunk, compute=None):
-        monkeypatch.setattr(chunked_core, "FUSED_FORWARD", False)
-        ref = forward(core, value, chunk, compute)
-        monkeypatch.setattr(chunked_core, "FUSED_FORWARD", True)
-        got = forward(core, value, chunk, compute)
+    def both(core, value, chunks, compute=None, fused=False):
+        ref = forward(core, value, chunks, compute, fused=False)
+        got = forward(core, value, chunks, compute, fused=True)
         _close(got, ref, f"core {core.block}", 1e-12)
         compared.append(core.block)
         return got
 
     monkeypatch.setattr(chunked_core, "sdpa_rows", lambda *a: fused.append(a[3]) or spied(*a))
     monkeypatch.setattr(chunked_core, "core_forward", both)
-    relprop.explain(model, batch, method="transformer_attribution", keep_blocks=False)
+    three = RowChunks(rows=3)
+    relprop.explain(model, batch, method="transformer_attribution", keep_blocks=False,
+                    tuning=relprop.Tuning(chunks=three))
     assert sorted(set(compared)) == [0, 1]
     assert sorted(set(fused)) == ([3, 6] if padding == "left" else [0, 3, 6])
     monkeypatch.setattr(chunked_core, "core_forward", forward)
     runs = []
     for on in (True, False):
-        monkeypatch.setattr(chunked_core, "FUSED_FORWARD", on)
-        runs.append(relprop.explain(model, batch, method="transformer_attribution", keep_blocks=False))
+        runs.append(relprop.explain(model, batch, method="transformer_attribution", keep_blocks=False,
+                                    tuning=relprop.Tuning(chunks=three, fused_forward=on)))
     _same(*runs, f"{padding} padding")
 
 

@@ -9,7 +9,7 @@ import torch
 import models
 import relprop
 from fused_cases import aten, batch as _batch, close as _close, model as _model, refuse_deferral, same as _same
-from relprop.engine import chunk_gradients, chunked_core, chunked_walk, fused_segment, low_memory
+from relprop.engine import chunk_gradients, chunked_walk, fused_segment, low_memory
 from relprop.rules import stabilize
 from relprop.rules.context import RuleContext
 from relprop.rules.linear import alpha1_beta0
@@ -21,30 +21,30 @@ SEGMENT_CASES = {"llama_sdpa": ("llama_sdpa", (7, 5, 9)), "llama_eager": ("llama
                  "bert_eager": ("bert_eager", (7, 5, 9)), "llama_sdpa_two": ("llama_sdpa", (8, 5))}
 
 
-def _explain(name, lengths, method, preset, seed=0):
+def _explain(name, lengths, method, preset, seed=0, fused=True):
     kw = {} if preset is None else {"preset": preset}
-    return relprop.explain(_model(name), _batch(name, lengths, seed), method=method, keep_blocks=False, **kw)
+    tuning = relprop.Tuning(chunks=relprop.RowChunks(rows=3), fused_segment=fused)
+    return relprop.explain(_model(name), _batch(name, lengths, seed), method=method, keep_blocks=False, tuning=tuning,
+                           **kw)
 
 
 @pytest.mark.filterwarnings("ignore::UserWarning")
 @pytest.mark.parametrize("case", sorted(SEGMENT_CASES))
 @pytest.mark.parametrize("method,preset", RUNS)
 def test_fused_segment_walk_equals_two_passes(case, method, preset, monkeypatch):
-    """low_memory.FUSED True (each segment's core walked with its backward pass, each chunk computed
+    """Tuning.fused_segment True (each segment's core walked with its backward pass, each chunk computed
     once) and False (the backward pass, then the walk) give the same scores, head rows, input
-    relevance and ledger, ROW_CHUNK=3, float64; BERT with padding, LLaMA with a batch of three and of
+    relevance and ledger, chunks of 3 rows, float64; BERT with padding, LLaMA with a batch of three and of
     two samples. The fused walk runs once per block where there is a relevance walk; gradient_rollout
     walks no relevance, so both settings take the two-pass path there."""
     name, lengths = SEGMENT_CASES[case]
-    monkeypatch.setattr(chunked_core, "ROW_CHUNK", 3)
     walks = []
     call = fused_segment.SegmentWalk.__call__
     monkeypatch.setattr(fused_segment.SegmentWalk, "__call__", lambda self, *a: walks.append(1) or call(self, *a))
     runs = []
     for fused in (True, False):
-        monkeypatch.setattr(low_memory, "FUSED", fused)
         walks.clear()
-        runs.append(_explain(name, lengths, method, preset, seed=1 if case.endswith("two") else 0))
+        runs.append(_explain(name, lengths, method, preset, seed=1 if case.endswith("two") else 0, fused=fused))
         assert len(walks) == (2 if fused and method == "transformer_attribution" else 0), fused
     _same(*runs, f"{case} {method} {preset}")
 
@@ -139,7 +139,7 @@ def test_chefer2021_linear_rule_on_sparse_relevance_equals_alpha1_beta0(bias, mo
 @pytest.mark.parametrize("fused", [True, False])
 @pytest.mark.parametrize("preset,counting", [("chefer2021", False), ("chefer2021", True), ("attnlrp", False)])
 def test_chunks_without_relevance_are_not_walked(preset, counting, fused, monkeypatch):
-    """LLaMA explained at each sample's last position (lengths 12 and 11: rows 11 and 10), ROW_CHUNK=3:
+    """LLaMA explained at each sample's last position (lengths 12 and 11: rows 11 and 10), chunks of 3 rows:
     in the block next to the output only the product's rows 9:12 have relevance, and the rules of the
     core run on chunk 0:3 (the first chunk is always walked) and 9:12 only; the first block's core is
     walked on all four chunks. Scores, head rows, input relevance and ledger equal those of the whole
@@ -148,8 +148,7 @@ def test_chunks_without_relevance_are_not_walked(preset, counting, fused, monkey
     model = _model("llama_sdpa")
     batch = models.decoder_batch(lengths=(12, 11))
     whole = relprop.explain(model, batch, method="transformer_attribution", preset=preset, keep_blocks=True)
-    monkeypatch.setattr(chunked_core, "ROW_CHUNK", 3)
-    monkeypatch.setattr(low_memory, "FUSED", fused)
+    tuning = relprop.Tuning(chunks=relprop.RowChunks(rows=3), fused_segment=fused)
     walk_chunks, rule = chunked_walk._walk_chunks, chunked_walk._rule
     current, walked = [], {}
 
@@ -168,7 +167,8 @@ def test_chunks_without_relevance_are_not_walked(preset, counting, fused, monkey
         refuse_deferral(monkeypatch)
     monkeypatch.setattr(chunked_walk, "_walk_chunks", spy_walk)
     monkeypatch.setattr(chunked_walk, "_rule", spy_rule)
-    got = relprop.explain(model, batch, method="transformer_attribution", preset=preset, keep_blocks=False)
+    got = relprop.explain(model, batch, method="transformer_attribution", preset=preset, keep_blocks=False,
+                          tuning=tuning)
     assert got.kept_blocks is False and whole.kept_blocks is True
     if counting:  # (the refused deferred attempt walks chunk 0:3 first; the counting passes walk every chunk)
         walked = {b: w[-4:] if b == 0 else w[1:] for b, w in walked.items()}
@@ -185,7 +185,6 @@ def test_product_by_hand_equals_autograd(name, preset, monkeypatch):
     """ChunkGradients._by_hand (dA = dO·Vᵀ, ∇V = Aᵀ·dO, A·V read from the forward pass) gives the
     operands' gradients (what each fused segment walk returns) and the explanation of the autograd
     path (_product_by_hand False), float64, to 1e-10."""
-    monkeypatch.setattr(chunked_core, "ROW_CHUNK", 3)
     by_hand = []
     hand = chunk_gradients.ChunkGradients._by_hand
     monkeypatch.setattr(chunk_gradients.ChunkGradients, "_by_hand",
@@ -226,18 +225,17 @@ def test_the_first_pass_frees_its_graph_unless_the_paths_meet(name, meet, monkey
     for the second (the core's operands on) only where a node lies on both paths: Phi's parallel block
     reads one LayerNorm's output in its attention and its MLP; GPT-NeoX's parallel residual has a
     LayerNorm for each; Mistral's blocks are sequential. Fused and two-pass walks give the same numbers
-    (float64, ROW_CHUNK=3): a graph freed too early would raise in the second pass."""
+    (float64, chunks of 3 rows): a graph freed too early would raise in the second pass."""
     import zoo
     torch.manual_seed(0)
     model = getattr(zoo, name)().double().eval()
     batch = models.decoder_batch(lengths=(7, 9))
-    monkeypatch.setattr(chunked_core, "ROW_CHUNK", 3)
     seen = []
     meets = low_memory._paths_meet
     monkeypatch.setattr(low_memory, "_paths_meet", lambda *a: seen.append(meets(*a)) or seen[-1])
     runs = []
     for fused in (True, False):
-        monkeypatch.setattr(low_memory, "FUSED", fused)
-        runs.append(relprop.explain(model, batch, method="transformer_attribution", keep_blocks=False))
+        tuning = relprop.Tuning(chunks=relprop.RowChunks(rows=3), fused_segment=fused)
+        runs.append(relprop.explain(model, batch, method="transformer_attribution", keep_blocks=False, tuning=tuning))
     assert seen and set(seen) == {meet}
     _same(*runs, name)

@@ -8,7 +8,7 @@ import torch
 
 import models
 import relprop
-from relprop.engine import chunked_core
+from relprop.engine import RowChunks, Tuning
 from relprop.engine.chunked_walk import plan_cores
 from relprop.graph import attention_core, fused_attention
 from relprop.graph.capture import CACHE
@@ -105,12 +105,12 @@ def test_cut_keys_give_the_numbers_of_whole_cores(padding, attn, method, preset,
         return fused(form, core, value, lo, hi, keys)
 
     runs = []
-    for rows in (None, 3):
-        monkeypatch.setattr(chunked_core, "ROW_CHUNK", rows)
+    for chunks in (None, RowChunks(rows=3)):
         for module in ("relprop.engine.chunked_core", "relprop.engine.chunked_walk", "relprop.engine.chunk_gradients"):
             monkeypatch.setattr(f"{module}.evaluate_rows", spy)
         monkeypatch.setattr("relprop.engine.chunked_core.sdpa_rows", spy_fused)
-        runs.append(relprop.explain(model, batch, method=method, keep_blocks=False, **kw))
+        runs.append(relprop.explain(model, batch, method=method, keep_blocks=False, tuning=Tuning(chunks=chunks),
+                                    **kw))
     whole, got = runs
     assert cut, "no chunk was evaluated on fewer keys"
     assert all(hi <= kept for lo, hi, (kept, _) in cut)
@@ -129,43 +129,40 @@ def test_cut_keys_give_the_numbers_of_whole_cores(padding, attn, method, preset,
 
 
 @pytest.mark.parametrize("preset", ["attnlrp", "cp_lrp"])
-def test_the_segmented_fast_path_cuts_keys_too(preset, monkeypatch):
+def test_the_segmented_fast_path_cuts_keys_too(preset):
     """``lrp`` with ``memory="low"`` (relprop.engine.fast_low) runs the cores' chunks on their keys."""
     model = models.hf_llama("sdpa").double()
     batch = models.decoder_batch(lengths=(7, 5, 9))
     target = torch.tensor([5, 6, 7])
     runs = []
-    for rows in (None, 3):
-        monkeypatch.setattr(chunked_core, "ROW_CHUNK", rows)
-        runs.append(relprop.explain(model, batch, target=target, method="lrp", preset=preset, memory="low"))
+    for chunks in (None, RowChunks(rows=3)):
+        runs.append(relprop.explain(model, batch, target=target, method="lrp", preset=preset, memory="low",
+                                    tuning=Tuning(chunks=chunks)))
     whole, got = runs
     scale = whole.scores.abs().max()
     assert float((got.scores - whole.scores).abs().max() / scale) <= 1e-9
 
 
 def test_chunk_rows_follow_the_bytes_of_a_chunk():
-    """A chunk's heads × rows × keys tensor stays within CHUNK_BYTES (CPU_CHUNK_BYTES on the CPU):
+    """A chunk's heads × rows × keys tensor stays within RowChunks.bytes (cpu_bytes on the CPU):
     fewer rows for more keys."""
     mib = 2 ** 20
-    assert chunked_core.CHUNK_BYTES == 32 * mib and chunked_core.CPU_CHUNK_BYTES == 16 * mib
-    assert chunked_core.chunk_rows(256, 8, 8192) == 128
-    assert chunked_core.chunk_rows(256, 8, 4096) == 256
-    assert chunked_core.chunk_rows(256, 8, 4096, cpu=True) == 128
-    assert chunked_core.chunk_rows(256, 8, 8192, cpu=True) == 64
-    assert chunked_core.chunk_rows(256, 32, 131072) == chunked_core.MIN_ROWS
-    assert chunked_core.chunk_rows(3, 8, 8192) == 3
+    chunks = RowChunks()
+    assert chunks.rows == 256 and chunks.bytes == 32 * mib and chunks.cpu_bytes == 16 * mib
+    assert chunks.rows_for(8, 8192) == 128
+    assert chunks.rows_for(8, 4096) == 256
+    assert chunks.rows_for(8, 4096, cpu=True) == 128
+    assert chunks.rows_for(8, 8192, cpu=True) == 64
+    assert chunks.rows_for(32, 131072) == chunks.min_rows
+    assert RowChunks(rows=3).rows_for(8, 8192) == 3
 
 
-def test_chunks_cut_by_bytes_give_the_numbers_of_whole_cores(monkeypatch):
+def test_chunks_cut_by_bytes_give_the_numbers_of_whole_cores():
     model = models.hf_llama("sdpa").double()
     batch = models.decoder_batch(lengths=(7, 5, 9))
-    runs = []
-    for rows in (None, 256):
-        monkeypatch.setattr(chunked_core, "ROW_CHUNK", rows)
-        # 2 rows of 3 samples × 4 heads × 9 keys
-        monkeypatch.setattr(chunked_core, "CPU_CHUNK_BYTES", 3 * 4 * 9 * 8 * 2)
-        monkeypatch.setattr(chunked_core, "MIN_ROWS", 1)
-        monkeypatch.setattr("relprop.engine.low_memory._rows_exceed_a_chunk", lambda core, tokens: True)
-        runs.append(relprop.explain(model, batch, method="transformer_attribution", keep_blocks=False))
+    # 2 rows of 3 samples × 4 heads × 9 keys, the cores chunked although their rows fit 256
+    by_bytes = RowChunks(rows=256, cpu_bytes=3 * 4 * 9 * 8 * 2, min_rows=1, small=True)
+    runs = [relprop.explain(model, batch, method="transformer_attribution", keep_blocks=False,
+                            tuning=Tuning(chunks=chunks)) for chunks in (None, by_bytes)]
     whole, got = runs
     assert float((got.scores - whole.scores).abs().max() / whole.scores.abs().max()) <= 1e-9

@@ -12,7 +12,7 @@ import models
 import relprop
 from relprop.graph.capture import CACHE
 from relprop.graph.inputs import bind_inputs
-from relprop.engine import Request, run
+from relprop.engine import Request, Schedule, execute
 from relprop.methods import get_method
 from relprop.targets import Target, resolve
 
@@ -308,7 +308,7 @@ def test_signs(zoo, family):
 def _trace(model, x):
     kw = bind_inputs(model, x)
     score, tgt = resolve(0, x.shape[0])
-    return run(Request(CACHE.get(model, kw), model, kw, Target(score, tgt), relevance=False))
+    return execute(Request(CACHE.get(model, kw), model, kw, Target(score, tgt)), Schedule(relevance="none"))
 
 
 def test_missing_records_raise_method_error(zoo):

@@ -1,6 +1,6 @@
 """``explain(..., keep_blocks=None)`` (the default): every block's records are kept while they fit
 ``records_budget``; beyond it the rollout-style methods fold the blocks into the query row
-(:mod:`relprop.methods.fold_choice`), with the same result as the kept-records path and a note.
+(:func:`relprop.engine.schedule.fold_choice`), with the same result as the kept-records path and a note.
 
 The reference is the full-record path (``keep_blocks=True``), which every other test checks against
 the papers; the estimate is checked against blocks × batch × heads × queries × keys × 4 bytes × 3
@@ -14,7 +14,7 @@ import torch
 
 import relprop
 from relprop.engine import budget
-from relprop.methods import fold_choice
+from relprop.engine.schedule import Asked, fold_choice
 
 import models
 from fold_checks import assert_folded_like_kept
@@ -124,10 +124,16 @@ def test_choice_without_a_model():
     analysis = types.SimpleNamespace(blocks=[blk, blk], windows=None, streams=["input_ids"], unmapped=False)
     info = relprop.methods.get_method("transformer_attribution")
     size = 2 * 2 * 3 * 5 * 5 * 4 * 3
-    jobs = [(info, {})]
+    captured = types.SimpleNamespace(analysis=analysis)
+    why = relprop.methods.fold_maps.why_not(info, {}, analysis)
+    cpu = torch.device("cpu")
+
+    def asked(keep_blocks, budget_):
+        return Asked(keep_blocks=keep_blocks, records_budget=budget_, blocks=info.needs_blocks, fold=why, runs=1)
+    assert why is None
     assert budget.records_bytes(analysis.blocks, 2, 4, 1) == size
-    assert fold_choice.choose(jobs, analysis, 2, torch.device("cpu"), None, size, 1) == (False, None)
-    fold, note = fold_choice.choose(jobs, analysis, 2, torch.device("cpu"), None, size - 1, 1)
+    assert fold_choice(captured, asked(None, size), 2, cpu) == (False, None)
+    fold, note = fold_choice(captured, asked(None, size - 1), 2, cpu)
     assert fold and "records_budget" in note
-    assert fold_choice.choose(jobs, analysis, 2, torch.device("cpu"), True, 0, 1) == (False, None)
-    assert fold_choice.choose(jobs, analysis, 2, torch.device("cpu"), False, 1 << 40, 1) == (True, None)
+    assert fold_choice(captured, asked(True, 0), 2, cpu) == (False, None)
+    assert fold_choice(captured, asked(False, 1 << 40), 2, cpu) == (True, None)

@@ -6,7 +6,7 @@ import torch
 
 import models
 import relprop
-from relprop.engine import chunked_core
+from chunking import rows
 from relprop.graph import key_bounds, run_memo, torch_fixes
 from relprop.graph.capture import CACHE
 from relprop.graph.inputs import bind_inputs
@@ -106,22 +106,19 @@ def test_a_decoders_blocks_read_their_mask_once(monkeypatch):
     model = models.hf_llama("sdpa")
     batch = models.decoder_batch(lengths=(9, 9))
     CACHE.get(model, bind_inputs(model, batch))
-    monkeypatch.setattr(chunked_core, "ROW_CHUNK", 3)
-    monkeypatch.setattr(chunked_core, "CPU_CHUNK_BYTES", 3 * 4 * 9 * 8 * 2)
-    monkeypatch.setattr(chunked_core, "MIN_ROWS", 1)
-    monkeypatch.setattr("relprop.engine.low_memory._rows_exceed_a_chunk", lambda core, tokens: True)
+    tuning = rows(3, cpu_bytes=3 * 4 * 9 * 8 * 2, min_rows=1, small=True)
     reads, tests = [], []
     read, test = key_bounds._read, torch_fixes._selects_everywhere
     monkeypatch.setattr(key_bounds, "_read", lambda *a: reads.append(1) or read(*a))
     monkeypatch.setattr(torch_fixes, "_selects_everywhere", lambda t: tests.append(t.shape) or test(t))
-    got = relprop.explain(model, batch, method="transformer_attribution", keep_blocks=False).scores
+    got = relprop.explain(model, batch, method="transformer_attribution", keep_blocks=False, tuning=tuning).scores
     assert len(reads) == 1
     big = [s for s in tests if len(s) == 4 and s[-1] == s[-2] == 9]
     assert 1 <= len(big) <= 2
     monkeypatch.setattr(run_memo, "_RUN", _NoRun())
     reads.clear()
     tests.clear()
-    want = relprop.explain(model, batch, method="transformer_attribution", keep_blocks=False).scores
+    want = relprop.explain(model, batch, method="transformer_attribution", keep_blocks=False, tuning=tuning).scores
     assert len(reads) > 1 and len([s for s in tests if len(s) == 4 and s[-1] == s[-2] == 9]) > 2
     torch.testing.assert_close(got, want, rtol=0, atol=0)
 

@@ -109,12 +109,12 @@ def test_patch_merging_matrix_matches_2x2_grouping(swin, name):
     """The stage link is D[j, i] = 1/4 for the 2x2 tokens i merged into token j (Swin §3.1)."""
     model = swin(name)
     e = relprop.explain(model, models.swin_images(model), target=0, method="transformer_attribution")
-    from relprop.engine import Request, run
+    from relprop.engine import Request, execute
     from relprop.graph.capture import CACHE
     from relprop.graph.inputs import bind_inputs
     from relprop.targets import resolve
     kwargs = bind_inputs(model, models.swin_images(model))
-    trace = run(Request(CACHE.get(model, kwargs), model, kwargs, resolve(0, 2)))
+    trace = execute(Request(CACHE.get(model, kwargs), model, kwargs, resolve(0, 2)))
     assert trace.stages.tokens == [64, 64, 16, 16] and set(trace.stages.links) == {1}
     ref = torch.zeros(16, 64)
     for r in range(8):

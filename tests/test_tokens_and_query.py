@@ -214,9 +214,9 @@ def test_an_unexpected_error_inside_explain_is_a_relprop_error(monkeypatch):
     model = models.timm_vit_tiny()
     x = models.image_batch(model)
 
-    def boom(request):
+    def boom(request, schedule):
         raise RuntimeError("shape mismatch deep inside")
-    monkeypatch.setattr(relprop.api.method_runs, "run", boom)
+    monkeypatch.setattr(relprop.api.method_runs, "execute", boom)
     with pytest.raises(relprop.RelpropError, match="RuntimeError: shape mismatch deep inside.*report") as info:
         relprop.explain(model, x, target=0)
     assert isinstance(info.value.__cause__, RuntimeError)

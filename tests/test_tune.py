@@ -8,7 +8,7 @@ import torch
 import models
 import relprop
 import relprop.evaluation as E
-from relprop.engine import run as engine_run
+from relprop.engine import execute
 
 
 @pytest.fixture(scope="module")
@@ -32,10 +32,10 @@ def test_one_engine_run_per_batch(vit, monkeypatch):
     calls = []
     import relprop.api.method_runs as api
 
-    def counted(request):
+    def counted(request, schedule):
         calls.append(1)
-        return engine_run(request)
-    monkeypatch.setattr(api, "run", counted)
+        return execute(request, schedule)
+    monkeypatch.setattr(api, "execute", counted)
     relprop.explain_settings(model, x, [{"head_fusion": f} for f in ("mean", "max", "min", "gradient")],
                              target=1, method="transformer_attribution")
     assert len(calls) == 1

@@ -13,7 +13,7 @@ import models
 import relprop
 from relprop.graph.capture import CACHE
 from relprop.graph.inputs import bind_inputs
-from relprop.engine import Request, run
+from relprop.engine import Request, Schedule, execute
 from relprop.methods.query import query_weights
 from relprop.targets import Target, resolve
 from snapshot import assert_same, snapshot
@@ -123,7 +123,7 @@ def test_model_untouched(sized, name):
 def _trace(model, x, target):
     kw = bind_inputs(model, x)
     score, tgt = resolve(target, x.shape[0])
-    return run(Request(CACHE.get(model, kw), model, kw, Target(score, tgt), relevance=False))
+    return execute(Request(CACHE.get(model, kw), model, kw, Target(score, tgt)), Schedule(relevance="none"))
 
 
 def test_pooled_model_without_class_token_reads_the_mean_of_its_patches(sized):

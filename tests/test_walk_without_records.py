@@ -1,6 +1,6 @@
 """``lrp`` under a preset without a one-backward fast path (``"lrp"``, ``"chefer2021"``) walks the graph rule
 by rule; with ``memory="low"``, or where that walk's attention maps would exceed ``records_budget``, it runs
-segment by segment with row-chunked attention cores and keeps no block records (``Request.keep_records``),
+segment by segment with row-chunked attention cores and keeps no block records (a schedule with records dropped),
 with a note, and the same input relevance as the whole walk.
 
 The reference is the whole rule-by-rule walk (``records_budget`` far above the tiny models' maps), which
@@ -17,7 +17,7 @@ import models
 import relprop
 import zoo
 from relprop.api import prepare
-from relprop.engine import chunked_core
+from chunking import rows
 from relprop.errors import RelpropError
 from budget_checks import budget_notes, relative
 from snapshot import assert_same, snapshot
@@ -32,15 +32,16 @@ BIG = 2.0 ** 40  # bytes: every tiny model's maps fit
 
 @pytest.mark.parametrize("name", sorted(CASES))
 @pytest.mark.parametrize("preset", ["lrp", "chefer2021"])
-def test_over_budget_walks_segments_without_records_and_the_same_relevance(name, preset, monkeypatch):
+def test_over_budget_walks_segments_without_records_and_the_same_relevance(name, preset):
     model, batch, target = CASES[name]()
     model = model.to(torch.float64)
-    monkeypatch.setattr(chunked_core, "ROW_CHUNK", 3)  # cores of 5-9 query rows: really chunked
+    three = rows(3)  # cores of 5-9 query rows: really chunked
     before = snapshot(model)
-    whole = relprop.explain(model, batch, target=target, method="lrp", preset=preset, records_budget=BIG)
-    auto = relprop.explain(model, batch, target=target, method="lrp", preset=preset, records_budget=0)
+    whole = relprop.explain(model, batch, target=target, method="lrp", preset=preset, records_budget=BIG,
+                            tuning=three)
+    auto = relprop.explain(model, batch, target=target, method="lrp", preset=preset, records_budget=0, tuning=three)
     low = relprop.explain(model, batch, target=target, method="lrp", preset=preset, memory="low",
-                          records_budget=BIG)
+                          records_budget=BIG, tuning=three)
     assert not budget_notes(whole) and not budget_notes(low)
     (note,) = budget_notes(auto)
     assert note.startswith("the rule-by-rule walk would hold") and "segment by segment" in note
@@ -53,14 +54,13 @@ def test_over_budget_walks_segments_without_records_and_the_same_relevance(name,
     assert_same(before, snapshot(model))
 
 
-def test_segmented_walk_of_attnlrp_equals_its_fast_path(monkeypatch):
+def test_segmented_walk_of_attnlrp_equals_its_fast_path():
     """The rule-by-rule walk of AttnLRP, segmented without records (``fast_path=False``), against the
     whole one-backward fast path: two independent routes to one relevance."""
     model, batch, target = CASES["hf_llama_eager"]()
-    monkeypatch.setattr(chunked_core, "ROW_CHUNK", 4)
     fast = relprop.explain(model, batch, target=target, method="lrp", preset="attnlrp", memory="high")
     walked = relprop.explain(model, batch, target=target, method="lrp", preset="attnlrp", fast_path=False,
-                             records_budget=0)
+                             records_budget=0, tuning=rows(4))
     assert len(budget_notes(walked)) == 1 and list(walked.blocks) == []
     assert relative(walked.input_relevance, fast.input_relevance) <= 1e-5
 
@@ -75,17 +75,16 @@ def test_within_budget_walks_whole_and_keeps_the_records():
 @pytest.mark.slow
 @pytest.mark.filterwarnings("ignore")
 @pytest.mark.parametrize("name", sorted(zoo.ZOO))
-def test_every_zoo_model_walks_without_records_like_the_whole_walk(name, monkeypatch):
+def test_every_zoo_model_walks_without_records_like_the_whole_walk(name):
     """``lrp`` as called (its ``"lrp"`` preset) on every model of the zoo, float64, 3-row chunks: over the
     budget it is the segmented walk without records (a note says so) with the whole walk's input relevance
     to 1e-10; window attention (Swin) and two token streams keep the whole walk; the zoo's refusals stand."""
     entry = zoo.ZOO[name]
-    monkeypatch.setattr(chunked_core, "ROW_CHUNK", 3)
     torch.manual_seed(0)
     model = entry.build().eval().double()
     inputs = tree_map(lambda t: t.double() if torch.is_tensor(t) and t.is_floating_point() else t,
                       entry.inputs(model, 2, 0))
-    kw = dict(target=entry.target, method="lrp", **({"wrt": entry.wrt} if entry.wrt else {}))
+    kw = dict(target=entry.target, method="lrp", tuning=rows(3), **({"wrt": entry.wrt} if entry.wrt else {}))
     refused = [msg for methods, msg in entry.refusals if re.fullmatch(methods, "lrp")]
     if refused:
         with pytest.raises(RelpropError) as refusal:

@@ -12,7 +12,7 @@ import torch
 
 from . import options as opt
 from . import qwen_images, validation, vision_language, vlm_anyres, vlm_tiles
-from ..engine import Request
+from ..engine import Request, Tuning
 from ..errors import RelpropError
 from ..explanation import mask_from_tokenizer, split_tokenizer_keys
 from ..rules import Preset, get_preset
@@ -36,7 +36,7 @@ class Call:
         reads no relevance (``preset``, else :data:`DEFAULT_PRESET`).
     special_tokens_mask, mask_source : positions left out of text scores, and where they came from.
     eps, unsupported, memory, precision : the engine options (:class:`relprop.engine.Request`).
-    fast_path, keep_blocks, records_budget : how the engine is run (see :func:`explain`).
+    fast_path, keep_blocks, records_budget, tuning : how the engine is run (see :func:`explain`).
     tokenizer, image_processor, given_target, spec, encodings : what the Explanations remember to draw
         themselves (``relprop.api.remembered``): tokenizer, image processor, ``target=`` as given and as
         specified, a fast tokenizer's ``BatchEncoding.encodings`` (token strings without ``tokenizer=``).
@@ -64,23 +64,23 @@ class Call:
     spec: Any = None
     encodings: Any = None
     tile_grid: Any = None  # (rows, cols) of a tiled vision-language model's image (relprop.api.vlm_tiles)
+    tuning: Tuning = Tuning()
 
     def request(self, preset: Preset, **fields) -> Request:
-        """The engine's Request for one run under ``preset`` (``fields``: ``relevance``,
-        ``input_gradient``, ``stream``)."""
+        """The engine's Request for one run under ``preset`` (``fields``: ``folds``, ``input_gradient``);
+        how it runs is the schedule the engine's chooser makes (``relprop.api.method_runs``)."""
         return Request(self.prepared.captured, self.model, self.prepared.kwargs, self.target, preset=preset,
-                       eps=self.eps, unsupported=self.unsupported, memory=self.memory, precision=self.precision,
-                       **fields)
+                       eps=self.eps, unsupported=self.unsupported, precision=self.precision, **fields)
 
 
 def check_call(model, inputs, target, jobs: Tuple[Job, ...], many: bool, preset: Optional[Preset], *, tokenizer,
                special_tokens_mask, wrt, eps, unsupported, memory, fast_path, keep_blocks, precision,
-               records_budget, image_processor=None, given_target=None) -> Call:
+               records_budget, image_processor=None, given_target=None, tuning=None) -> Call:
     """The :class:`Call` of ``explain`` and ``explain_settings``: the engine options and
     the special-tokens mask checked, the inputs prepared (:func:`prepare`) and the target resolved
     (the methods and their presets are checked already: ``jobs``)."""
     opt.check_arguments(eps=eps, unsupported=unsupported, memory=memory, fast_path=fast_path,
-                        keep_blocks=keep_blocks, precision=precision, records_budget=records_budget)
+                        keep_blocks=keep_blocks, precision=precision, records_budget=records_budget, tuning=tuning)
     encodings = getattr(inputs, "encodings", None)  # a fast tokenizer's output knows its token strings
     inputs, batch_mask = split_tokenizer_keys(inputs)
     inputs, tile_grid = vlm_tiles.split_grid_keys(model, inputs)
@@ -105,7 +105,7 @@ def check_call(model, inputs, target, jobs: Tuple[Job, ...], many: bool, preset:
     return Call(model, prepared, resolved, jobs, many, preset, preset if preset is not None else get_preset(
         DEFAULT_PRESET), special_tokens_mask, mask_source, eps, unsupported, memory, precision, fast_path,
         keep_blocks, records_budget, tokenizer, image_processor, given_target if given_target is not None
-        else target, spec, encodings, tile_grid)
+        else target, spec, encodings, tile_grid, tuning if tuning is not None else Tuning())
 
 
 @contextlib.contextmanager

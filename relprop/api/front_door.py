@@ -27,7 +27,7 @@ def explain(model: torch.nn.Module, inputs: Any, target: Any = None, method: Any
             special_tokens_mask: Optional[torch.Tensor] = None, tokenizer: Any = None,
             fast_path: Optional[bool] = None, memory: str = "default", wrt: Optional[str] = None,
             image_processor: Any = None, keep_blocks: Optional[bool] = None, precision: str = "float32",
-            records_budget: Optional[float] = None, progress: Optional[bool] = None, **options):
+            records_budget: Optional[float] = None, progress: Optional[bool] = None, tuning: Any = None, **options):
     """Explain the score of class ``target`` of an unmodified ``model`` on ``inputs``.
 
     Captures the model's graph (``torch.export``, cached per model), runs it forward and back, walks
@@ -88,6 +88,10 @@ def explain(model: torch.nn.Module, inputs: Any, target: Any = None, method: Any
     progress
         a progress line on stderr once the call has lasted 2 s (first capture, many methods, SmoothGrad's
         samples); None: as ``RELPROP_PROGRESS`` says, else when stderr is a terminal. It changes no result.
+    tuning
+        a ``relprop.engine.Tuning``: how the runs are carried out where that changes no number beyond
+        float rounding (the chunks of query rows of a segmented run's attention cores, fused kernels);
+        None: the defaults (docs/performance.md).
     **options
         method options (``start_block=``, ``normalize_rows=``, ...), each given to the methods that take it.
 
@@ -130,7 +134,7 @@ def explain(model: torch.nn.Module, inputs: Any, target: Any = None, method: Any
                 samples, length = vlm_batches.split(model, inputs, target, special_tokens_mask)
             rest = dict(eps=eps, unsupported=unsupported, tokenizer=tokenizer, fast_path=fast_path, memory=memory,
                         wrt=wrt, image_processor=image_processor, keep_blocks=keep_blocks, precision=precision,
-                        records_budget=records_budget, progress=progress, **options)
+                        records_budget=records_budget, progress=progress, tuning=tuning, **options)
             runs = [explain(model, s.inputs, s.target, method, preset, special_tokens_mask=s.special_tokens_mask,
                             **rest) for s in samples]
             with reported(model, jobs):
@@ -138,7 +142,8 @@ def explain(model: torch.nn.Module, inputs: Any, target: Any = None, method: Any
         call = check_call(model, inputs, target, jobs, many, preset, tokenizer=tokenizer,
                           special_tokens_mask=special_tokens_mask, wrt=wrt, eps=eps, unsupported=unsupported,
                           memory=memory, fast_path=fast_path, keep_blocks=keep_blocks, precision=precision,
-                          records_budget=records_budget, image_processor=image_processor, given_target=given_target)
+                          records_budget=records_budget, image_processor=image_processor, given_target=given_target,
+                          tuning=tuning)
         with reported(call.model, call.jobs):
             return run_methods(call)
 

@@ -5,16 +5,17 @@ finished (image tokens placed, tiles composed, what they remember to draw themse
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Dict, Optional
 
 from . import refusals, remembered, remembered_prompt, validation, vision_language, vlm_anyres, vlm_tiles
-from ..engine import FastPathUnavailable, Trace, fast_memory, run, run_fast, run_fast_low
-from ..engine.fold_hooks import foldable
-from ..errors import MethodError, warn
+from ..engine import Asked, FastPathUnavailable, Schedule, Trace, choose, execute
+from ..engine.schedule import fold_choice
+from ..errors import MethodError
 from ..graph import progress_line
 from ..explanation import build
 from ..graph.capture import capture_notes
-from ..methods import apply, fold_choice, fold_maps
+from ..methods import apply, fold_maps
 from ..rules import Preset
 from .checked_call import Call
 
@@ -28,20 +29,19 @@ def _label(key: Optional[Preset], call: Call) -> Optional[str]:
 def run_methods(call: Call):
     """The body of ``explain`` once every argument is checked into ``call``: the Explanation, or the list of
     them when ``call.many``."""
-    captured, batch, model_name = call.prepared.captured, call.prepared.batch, type(call.model).__name__
-    pairs = [(j.info, j.options) for j in call.jobs]
-    runs = len({j.preset for j in call.jobs if j.preset is not None})
-    fold, note = fold_choice.choose(pairs, captured.analysis, batch, call.prepared.kwargs[captured.primary].device,
-                                    call.keep_blocks, call.records_budget, runs)
-    results = None
+    captured, model_name = call.prepared.captured, type(call.model).__name__
+    asked = _asked(call)
+    fold, _ = fold_choice(captured, asked, call.prepared.batch, _device(call))
+    results, note = None, None
     if fold:
         try:
-            results = _run_folded(call, note)
+            results = _run_folded(call, asked)
         except MethodError:  # refused: the full-record path below says why, with the methods that apply (refusals.py)
             note = ("not folded block by block (the folded path refused these inputs); the full-record path ran "
                     "and exp.blocks holds every block's records")
+            asked = dataclasses.replace(asked, keep_blocks=True)
     if results is None:
-        traces = _run_engine(call)
+        traces = _run_engine(call, asked)
         results = []
         for job in call.jobs:
             key = job.preset if job.preset is not None else next(iter(traces))
@@ -69,26 +69,52 @@ def run_methods(call: Call):
     return results if call.many else results[0]
 
 
-def _run_folded(call: Call, note: Optional[str] = None) -> list:
-    """``keep_blocks=False``: one folded run per preset the methods need (gradient-only methods ride
-    on the first), each method a :class:`relprop.methods.fold_maps.RowFold` fed block by block from
-    the output back; the Explanations have no ``blocks`` or ``matrix`` (:class:`NotKept`)."""
+def _device(call: Call):
+    """Where the call's explained input is (the default budgets read the memory available there)."""
+    return call.prepared.kwargs[call.prepared.captured.primary].device
+
+
+def _presets(call: Call) -> list:
+    """The presets whose relevance the methods need, in the order the methods name them."""
+    return list(dict.fromkeys(j.preset for j in call.jobs if j.preset is not None))
+
+
+def _asked(call: Call) -> Asked:
+    """What the call asks of its engine runs (:class:`relprop.engine.schedule.Asked`): its options and
+    what its methods read, whether they fold block by block (:func:`relprop.methods.fold_maps.why_not`)."""
+    infos = [j.info for j in call.jobs]
+    analysis = call.prepared.captured.analysis
+    why = next((w for w in (fold_maps.why_not(j.info, j.options, analysis) for j in call.jobs) if w is not None),
+               None)
+    return Asked(memory=call.memory, fast_path=call.fast_path, keep_blocks=call.keep_blocks,
+                 records_budget=call.records_budget, tuning=call.tuning,
+                 input_only=all(i.needs_relevance and not i.needs_blocks for i in infos),
+                 blocks=any(i.needs_blocks for i in infos), fold=why, runs=len(_presets(call)))
+
+
+def _schedule(call: Call, preset: Optional[Preset], asked: Asked, request) -> Schedule:
+    """The schedule of one run under ``preset`` (None: no relevance): the engine's one chooser."""
+    return choose(call.prepared.captured, preset, call.eps, asked, call.prepared.batch, _device(call),
+                  request.compute)
+
+
+def _run_folded(call: Call, asked: Asked) -> list:
+    """The folded runs: one per preset the methods need (gradient-only methods ride on the first), each
+    method a :class:`relprop.methods.fold_maps.RowFold` fed block by block from the output back; the
+    Explanations have no ``blocks`` or ``matrix`` (:class:`NotKept`)."""
     a = call.prepared.captured.analysis
     mask = call.prepared.kwargs.get("attention_mask")
     keys = [j.preset for j in call.jobs]
     folds = [fold_maps.RowFold(j.info, j.options, len(a.blocks), mask, k.name if k is not None else None,
-                               a.token_mixing)
+                               a.token_mixing, asked.tuning.fold_chunk_bytes)
              for j, k in zip(call.jobs, keys)]
-    wanted = list(dict.fromkeys(k for k in keys if k is not None)) or [None]
+    wanted = _presets(call) or [None]
     keys = [k if k is not None else wanted[0] for k in keys]
     outputs = {}
     for p in wanted:
         mine = [i for i, k in enumerate(keys) if k is p]
-        req = call.request(p if p is not None else call.fallback, relevance=p is not None,
-                           folds=tuple(folds[i] for i in mine))
-        trace = run(req)
-        trace.notes.append(note or "keep_blocks=False: each attention block was folded into the scores during the "
-                           "reverse walk and its records dropped (exp.blocks and exp.matrix are not kept)")
+        req = call.request(p if p is not None else call.fallback, folds=tuple(folds[i] for i in mine))
+        trace = execute(req, _schedule(call, p, asked, req))
         for i, out in zip(mine, trace.folded):
             outputs[i] = (out, trace)
     return [build(j.info, _label(key, call), outputs[i][0], outputs[i][1], call.special_tokens_mask,
@@ -96,79 +122,27 @@ def _run_folded(call: Call, note: Optional[str] = None) -> list:
             for i, (j, key) in enumerate(zip(call.jobs, keys))]
 
 
-def _run_engine(call: Call) -> Dict[Optional[Preset], Trace]:
-    """One trace per preset whose relevance the methods need (gradient-only methods reuse any); the
-    one-backward fast path when every method reads only the input relevance."""
-    infos = [j.info for j in call.jobs]
-    wanted = list(dict.fromkeys(j.preset for j in call.jobs if j.preset is not None))
-    input_only = all(i.needs_relevance and not i.needs_blocks for i in infos)
-    input_gradient = any(i.needs_input_gradient for i in infos)
+def _run_engine(call: Call, asked: Asked) -> Dict[Optional[Preset], Trace]:
+    """One trace per preset whose relevance the methods need (gradient-only methods reuse any), each run
+    as the chooser schedules it (:func:`relprop.engine.schedule.choose`: the one-backward fast path when
+    every method reads only the input relevance and the preset has gradient forms, ...)."""
+    input_gradient = any(j.info.needs_input_gradient for j in call.jobs)
     traces: Dict[Optional[Preset], Trace] = {}
-    for p in wanted:
+    for p in _presets(call):
         with progress_line.step(f"forward and backward pass, relevance under preset '{p.name}'"):
-            traces[p] = _run_preset(call, p, input_only, input_gradient)
+            request = call.request(p, input_gradient=input_gradient)
+            schedule = _schedule(call, p, asked, request)
+            try:
+                traces[p] = execute(request, schedule)
+            except FastPathUnavailable as why:  # (found only while running: the walk instead, with the note)
+                if schedule.relevance != "gradient":
+                    raise
+                walked = _schedule(call, p, dataclasses.replace(asked, fast_path=False), request)
+                note = (f"the one-backward fast path was not taken under preset '{p.name}' ({why}); the graph was "
+                        "walked rule by rule instead, which gives the preset's relevance more slowly")
+                warnings = (note,) if call.fast_path is True else ()
+                traces[p] = execute(request, walked.but(notes=(note,) + walked.notes, warnings=warnings))
     if not traces:
-        traces[None] = run(call.request(call.fallback, relevance=False, input_gradient=input_gradient))
+        request = call.request(call.fallback, input_gradient=input_gradient)
+        traces[None] = execute(request, _schedule(call, None, asked, request))
     return traces
-
-
-def _run_preset(call: Call, p: Preset, input_only: bool, input_gradient: bool) -> Trace:
-    """The trace of one preset: the one-backward fast path when every method reads only the input
-    relevance and it applies (else a note says why not), else the rule-by-rule walk."""
-    note = None
-    if call.fast_path is not False and input_only:
-        try:
-            return _run_fast(call, p, input_gradient)
-        except FastPathUnavailable as why:
-            note = (f"the one-backward fast path was not taken under preset '{p.name}' ({why}); the graph was "
-                    "walked rule by rule instead, which gives the preset's relevance more slowly")
-            if call.fast_path is True:
-                warn(note)
-    request = call.request(p, input_gradient=input_gradient)
-    memory_note = None
-    if input_only:
-        request, memory_note = _walk_without_records(call, request)
-    trace = run(request)
-    trace.notes.extend(n for n in (note, memory_note) if n is not None)
-    return trace
-
-
-def _walk_without_records(call: Call, request):
-    """(request, note) for the rule-by-rule walk of methods that read only the input relevance: with
-    ``memory="low"``, or where the whole walk's attention maps would exceed ``records_budget``
-    (:func:`relprop.engine.fast_memory.choose`), the segmented run that keeps no block records
-    (``Request.keep_records=False``: the attention cores in chunks of query rows, each block's records
-    freed as the walk leaves it; ``exp.blocks`` empty, as on the fast path). Not on window attention
-    or two token streams, whose walk reads every block (there the records are kept, as before)."""
-    if not foldable(call.prepared.captured.analysis):
-        return request, None
-    segmented, note = _memory_choice(call, path="the rule-by-rule walk")
-    if not segmented:
-        return request, None
-    return request.but(memory="low", keep_records=False), note
-
-
-def _memory_choice(call: Call, path: str = "the one-backward fast path"):
-    """(segmented, note) of :func:`relprop.engine.fast_memory.choose` for the call's memory mode, blocks,
-    batch, device and budget; ``path`` names the run in the note."""
-    captured = call.prepared.captured
-    return fast_memory.choose(call.memory, captured.analysis.blocks, call.prepared.batch,
-                              call.prepared.kwargs[captured.primary].device, call.records_budget, path=path)
-
-
-def _run_fast(call: Call, p: Preset, input_gradient: bool) -> Trace:
-    """The fast path whole, or segment by segment with row-chunked attention cores when ``memory="low"``
-    or its attention maps would exceed the budget (:func:`relprop.engine.fast_memory.choose`)."""
-    request = call.request(p, input_gradient=input_gradient)
-    segmented, note = _memory_choice(call)
-    if not segmented:
-        return run_fast(request)
-    try:
-        trace = run_fast_low(request)
-    except FastPathUnavailable:
-        if note is None:  # memory="low" asked for it: the caller says why it was not taken
-            raise
-        return run_fast(request)  # chosen for memory only: the whole fast path where segments do not apply
-    if note is not None:
-        trace.notes.append(note)
-    return trace

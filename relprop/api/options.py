@@ -9,7 +9,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
-from ..engine import check_options as check_engine_options
+from ..engine import Tuning, check_options as check_engine_options
 from ..errors import MethodError, OptionError
 from ..methods import MethodInfo, get_method
 from ..methods.aggregation import HEAD_FUSIONS, LAYER_AGGREGATIONS
@@ -128,12 +128,15 @@ def check_records_budget(records_budget: Any) -> None:
 
 
 def check_arguments(*, eps: Any, unsupported: Any, memory: Any, fast_path: Any, keep_blocks: Any = True,
-                    precision: Any = "float32", records_budget: Any = None) -> None:
+                    precision: Any = "float32", records_budget: Any = None, tuning: Any = None) -> None:
     """The engine options of :func:`relprop.explain` (OptionError naming the choices)."""
     check_engine_options(eps=eps, unsupported=unsupported, memory=memory, precision=precision)
     check_fast_path(fast_path)
     check_keep_blocks(keep_blocks)
     check_records_budget(records_budget)
+    if tuning is not None and not isinstance(tuning, Tuning):
+        raise OptionError(f"tuning={tuning!r} is not a choice here: None, or a relprop.engine.Tuning "
+                          "(e.g. Tuning(chunks=RowChunks(rows=128)))")
 
 
 def method_options(infos: Sequence[MethodInfo], options: Dict[str, Any], many: bool) -> Dict[str, Dict[str, Any]]:

@@ -1,5 +1,5 @@
 """An attention core evaluated in chunks of query rows, with autograd (step 2 of the row-chunked
-walk; used by a folded run when :data:`ROW_CHUNK` is set, :mod:`relprop.engine.chunked_walk`).
+walk; used by a segmented run whose schedule has ``cores``, :mod:`relprop.engine.chunked_walk`).
 
 :func:`core_in_row_chunks` evaluates a block's row-local core (:func:`relprop.graph.attention_core.find_core`:
 Q·Kᵀ, scale, mask, softmax, A·V) one chunk of query rows at a time and returns A·V; its backward
@@ -11,6 +11,7 @@ order of the sums of ∇Kᵀ and ∇V changes, over the chunks).
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
@@ -21,15 +22,14 @@ from ..graph.fused_attention import sdpa_form, sdpa_rows
 from ..graph.key_bounds import key_bounds, rows_open
 
 
-#: query rows per chunk of the row-chunked walk in a folded run (None: off, the cores are evaluated
-#: whole, as before). On by default: a folded run is the long-input path, where the whole cores'
-#: heads x tokens^2 tensors are the peak; the chunked walk gives the same numbers to float rounding.
-ROW_CHUNK: Optional[int] = 256
+#: query rows per chunk of a row-chunked core: a segmented run's long-input path, where the whole cores'
+#: heads x tokens^2 tensors are the peak; the chunked walk gives the same numbers to float rounding
+ROW_CHUNK = 256
 #: the most bytes a chunk's heads × rows × keys tensor may take on an accelerator: where the keys are
-#: many, a chunk has fewer rows than :data:`ROW_CHUNK` (at least :data:`MIN_ROWS`). The recomputation
-#: of a chunk holds about four such tensors (scores, softmax, their gradients) on top of what
-#: forward+backward holds: 32 MiB is 128 rows of 8 heads × 8192 keys (256 rows gave 1.15× the peak of a
-#: fused forward+backward pass there on an H200, 64 rows 1.04×).
+#: many, a chunk has fewer rows than ``rows`` (at least ``min_rows``). The recomputation of a chunk holds
+#: about four such tensors (scores, softmax, their gradients) on top of what forward+backward holds:
+#: 32 MiB is 128 rows of 8 heads × 8192 keys (256 rows gave 1.15× the peak of a fused forward+backward
+#: pass there on an H200, 64 rows 1.04×).
 CHUNK_BYTES = 32 * 2 ** 20
 #: the same on the CPU: 16 MiB. glibc serves a block of at most 32 MiB (its largest mmap threshold)
 #: from its heap once such blocks were freed, and reuses that memory; a 32 MiB tensor is a fresh mapping
@@ -39,23 +39,40 @@ CPU_CHUNK_BYTES = 16 * 2 ** 20
 MIN_ROWS = 16
 
 
+@dataclasses.dataclass(frozen=True)
+class RowChunks:
+    """How a row-local attention core is cut into chunks of query rows (``Tuning(chunks=...)``; a field
+    of the engine's schedule): ``rows`` per chunk, fewer where a chunk's batch × heads × rows × keys tensor
+    would exceed ``bytes`` (``cpu_bytes`` on the CPU), but at least ``min_rows``. ``small``: also chunk a
+    core whose query rows fit one chunk of ``rows`` (else it is evaluated whole, as chunking it would only
+    recompute it). No chunk holds a heads × tokens² tensor: the long-input path's peak is one chunk's
+    scores, softmax and their gradients (CVPR 2021 Eq. 1–3 unchanged, the sums over the chunks reordered)."""
+
+    rows: int = ROW_CHUNK
+    bytes: int = CHUNK_BYTES
+    cpu_bytes: int = CPU_CHUNK_BYTES
+    min_rows: int = MIN_ROWS
+    small: bool = False
+
+    def __post_init__(self):
+        if not (isinstance(self.rows, int) and self.rows >= 1 and self.min_rows >= 1):
+            raise ValueError(f"RowChunks: rows={self.rows!r} and min_rows={self.min_rows!r} must be ints >= 1")
+
+    def rows_for(self, lead: int, keys: int, itemsize: int = 4, cpu: bool = False) -> int:
+        """Rows per chunk of a core with ``lead`` (batch × heads) and ``keys`` keys (class docstring)."""
+        limit = self.cpu_bytes if cpu else self.bytes
+        return min(self.rows, max(self.min_rows, limit // max(1, lead * keys * itemsize)))
+
+
 def row_chunks(queries: int, chunk: int) -> List[tuple]:
     """(lo, hi) of each chunk of ``chunk`` query rows (the last one shorter)."""
     return [(lo, min(lo + chunk, queries)) for lo in range(0, queries, max(1, chunk))]
 
 
-def chunk_rows(chunk: int, lead: int, keys: int, itemsize: int = 4, cpu: bool = False) -> int:
-    """Rows per chunk: ``chunk`` (:data:`ROW_CHUNK`), fewer where a chunk's ``lead`` (batch × heads)
-    × rows × ``keys`` tensor would exceed :data:`CHUNK_BYTES` (:data:`CPU_CHUNK_BYTES` for a tensor on
-    the ``cpu``), but at least :data:`MIN_ROWS`."""
-    limit = CPU_CHUNK_BYTES if cpu else CHUNK_BYTES
-    return min(chunk, max(MIN_ROWS, limit // max(1, lead * keys * itemsize)))
-
-
 def chunk_plan(core: AttentionCore, value: Callable[[torch.fx.Node], torch.Tensor], queries: int,
-               chunk: int) -> List[tuple]:
-    """(lo, hi, (kept keys, all keys)) of each chunk of query rows: ``chunk`` rows or fewer
-    (:func:`chunk_rows`), and the keys each chunk attends to
+               chunks: RowChunks) -> List[tuple]:
+    """(lo, hi, (kept keys, all keys)) of each chunk of query rows: ``chunks.rows`` rows or fewer
+    (:meth:`RowChunks.rows_for`), and the keys each chunk attends to
     (:func:`relprop.graph.key_bounds.key_bounds`; on a causal decoder the keys before ``hi``), so
     that it is evaluated on those only. The forward pass, the backward pass and the walk of a core
     get the same chunks."""
@@ -64,27 +81,23 @@ def chunk_plan(core: AttentionCore, value: Callable[[torch.fx.Node], torch.Tenso
     lead = max(1, q.numel() // max(1, q.shape[-1] * q.shape[-2])) if torch.is_tensor(q) and q.dim() >= 2 else 1
     itemsize = max(4, q.element_size()) if torch.is_tensor(q) else 4
     cpu = not torch.is_tensor(q) or q.device.type == "cpu"
-    chunks = row_chunks(queries, chunk_rows(chunk, lead, keys, itemsize, cpu))
-    return [(lo, hi, (kept, keys)) for (lo, hi), kept in zip(chunks, key_bounds(core, value, chunks))]
+    cut = row_chunks(queries, chunks.rows_for(lead, keys, itemsize, cpu))
+    return [(lo, hi, (kept, keys)) for (lo, hi), kept in zip(cut, key_bounds(core, value, cut))]
 
 
-#: evaluate a core recognized as softmax(Q·Kᵀ·s + M)·V by torch's fused attention kernel in the
-#: forward pass without autograd (:mod:`relprop.graph.fused_attention`); False: node by node
-FUSED_FORWARD = False
-
-
-def core_forward(core: AttentionCore, value: Callable[[torch.fx.Node], torch.Tensor], chunk: int,
-                 compute: Optional[torch.dtype] = None) -> torch.Tensor:
-    """A·V of ``core`` without autograd, ``chunk`` query rows at a time (``value(n)``: the whole value
-    of each operand): the forward pass of a folded run evaluates the row-local cores so. A chunk
+def core_forward(core: AttentionCore, value: Callable[[torch.fx.Node], torch.Tensor], chunks: RowChunks,
+                 compute: Optional[torch.dtype] = None, fused: bool = False) -> torch.Tensor:
+    """A·V of ``core`` without autograd, in ``chunks`` of query rows (``value(n)``: the whole value
+    of each operand): the forward pass of a segmented run evaluates the row-local cores so. With
+    ``fused`` (:attr:`relprop.engine.schedule.Schedule.fused_forward`) a chunk
     of a core of the form softmax(Q·Kᵀ·s + M)·V whose every row has an open key is evaluated by
     :func:`torch.nn.functional.scaled_dot_product_attention` (:func:`relprop.graph.fused_attention.sdpa_rows`:
     the same values to float rounding, as the model's own SDPA computes them), the others node by node
     (then equal to the forward of :func:`core_in_row_chunks` bit for bit: the same chunks)."""
     queries = value(core.rows[0]).shape[-2]  # (the captured size may be another: sizes are dynamic)
-    form = sdpa_form(core) if FUSED_FORWARD and compute is None else None
+    form = sdpa_form(core) if fused and compute is None else None
     with torch.no_grad():
-        plan = chunk_plan(core, value, queries, chunk)
+        plan = chunk_plan(core, value, queries, chunks)
         fused = rows_open(core, value, [(lo, hi) for lo, hi, _ in plan]) if form is not None else [False] * len(plan)
         outs = []
         for (lo, hi, keys), fuse in zip(plan, fused):
@@ -97,15 +110,15 @@ def core_forward(core: AttentionCore, value: Callable[[torch.fx.Node], torch.Ten
 
 class _CoreInRowChunks(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, core, nodes, chunk, compute, known, rows_hook, fns, *tensors):
+    def forward(ctx, core, nodes, chunks, compute, known, rows_hook, fns, *tensors):
         env = dict(zip(nodes, tensors))
         queries = env[core.rows[0]].shape[-2]  # (the captured size may be another: sizes are dynamic)
-        ctx.core, ctx.nodes, ctx.chunk, ctx.compute, ctx.queries = core, nodes, chunk, compute, queries
+        ctx.core, ctx.nodes, ctx.chunks, ctx.compute, ctx.queries = core, nodes, chunks, compute, queries
         ctx.rows_hook, ctx.fns = rows_hook, fns
         ctx.save_for_backward(*tensors)
         if known is not None:  # the forward pass's own result (core_forward: the same chunks, the same values)
             return known if known._base is None else known.clone()
-        return core_forward(core, env.__getitem__, chunk, compute)
+        return core_forward(core, env.__getitem__, chunks, compute)
 
     @staticmethod
     def backward(ctx, grad_out):
@@ -115,7 +128,7 @@ class _CoreInRowChunks(torch.autograd.Function):
         grads: List[Optional[torch.Tensor]] = [None] * len(nodes)
         row_grads: Dict[int, List[torch.Tensor]] = {i: [] for i, n in enumerate(nodes) if wants[i] and n in split}
         env = dict(zip(nodes, tensors))
-        for lo, hi, keys in chunk_plan(core, env.__getitem__, ctx.queries, ctx.chunk):
+        for lo, hi, keys in chunk_plan(core, env.__getitem__, ctx.queries, ctx.chunks):
             with torch.enable_grad():
                 leaves = {}
                 for n, t in zip(nodes, tensors):
@@ -149,11 +162,11 @@ class _CoreInRowChunks(torch.autograd.Function):
         return (None, None, None, None, None, None, None, *grads)
 
 
-def core_in_row_chunks(core: AttentionCore, values: Dict[torch.fx.Node, torch.Tensor], chunk: int,
+def core_in_row_chunks(core: AttentionCore, values: Dict[torch.fx.Node, torch.Tensor], chunks: RowChunks,
                        compute: Optional[torch.dtype] = None, known: Optional[torch.Tensor] = None,
                        rows_hook: Optional[tuple] = None, fns: Optional[dict] = None) -> torch.Tensor:
     """A·V of ``core`` from the whole values of its operands (``values``: each node of ``core.rows``
-    and ``core.whole``), computed ``chunk`` query rows at a time forward and backward (see the
+    and ``core.whole``), computed in ``chunks`` of query rows forward and backward (see the
     module docstring). Differentiable in every floating-point operand.
 
     ``known``: A·V as :func:`core_forward` gave it on these operands (then the forward is not
@@ -164,4 +177,4 @@ def core_in_row_chunks(core: AttentionCore, values: Dict[torch.fx.Node, torch.Te
     ops in the backward's recomputation (the modified gradients of :mod:`relprop.engine.fast_path`:
     the chunks' backward then gives the modified gradient, :mod:`relprop.engine.fast_low`)."""
     nodes: Sequence[torch.fx.Node] = tuple(core.rows) + tuple(core.whole)
-    return _CoreInRowChunks.apply(core, nodes, chunk, compute, known, rows_hook, fns, *(values[n] for n in nodes))
+    return _CoreInRowChunks.apply(core, nodes, chunks, compute, known, rows_hook, fns, *(values[n] for n in nodes))

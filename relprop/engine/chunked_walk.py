@@ -1,5 +1,5 @@
 """The reverse walk through an attention core in chunks of query rows (the row-chunked walk, steps
-3–4; off unless :data:`relprop.engine.chunked_core.ROW_CHUNK` is set).
+3–4; a segmented run whose :class:`relprop.engine.schedule.Schedule` has ``cores``).
 
 In a folded run (:mod:`relprop.engine.fold_hooks`) a block whose core is row-local
 (:func:`relprop.graph.attention_core.find_core`: Q·Kᵀ, scale, mask, softmax, A·V) is evaluated by
@@ -27,18 +27,17 @@ from typing import Callable, Dict, List, Optional
 
 import torch
 import torch.fx
-import torch.utils._pytree as pytree
 
 from ..errors import UnsupportedOperation
 from ..graph.aliasing import shares_memory
 from ..graph.attention_core import AttentionCore, evaluate_rows, find_core, first_keys, keys_padded
-from ..graph.nodes import is_live, module_path, module_type
+from ..graph.nodes import module_path, module_type
 from ..rules.context import RuleContext
 from ..rules.preset_table import BUILTIN
 from ..rules.stabilize import fit_to_shape, promote
-from .chunked_core import chunk_plan
+from .chunked_core import RowChunks, chunk_plan
 from .deferred_shares import CannotDefer, CoreShares, Deferral
-from .ledger import STABILIZER
+from .rule_apply import apply_rule
 
 
 def plan_cores(analysis) -> Dict[torch.fx.Node, tuple]:
@@ -50,6 +49,46 @@ def plan_cores(analysis) -> Dict[torch.fx.Node, tuple]:
         if core is not None and b.attention in core.nodes and b.attention is not core.nodes[-1]:
             out[core.nodes[-1]] = (core, b)
     return out
+
+
+class ChunkedCores:
+    """The row-chunked walk as a strategy of the reverse walk (:class:`relprop.engine.walk.Walker`'s
+    ``steps``), hooked at the output A·V of each core of ``cores`` ({A·V node: (core, block)}): the walk
+    hands that node's complete relevance to this strategy (:meth:`__call__`), which walks the core in
+    ``chunks`` of query rows (:func:`walk_core`) reading the gradient at the core's output from
+    ``gradients``, and skips the core's other nodes (:meth:`covers`). ``hooks``: the folded run's
+    :class:`relprop.engine.fold_hooks.BlockFolder`, handed each chunk's A, dA and R_A."""
+
+    def __init__(self, cores: Dict[torch.fx.Node, tuple], gradients: Dict[torch.fx.Node, torch.Tensor],
+                 chunks: RowChunks, hooks=None):
+        self.cores, self.gradients, self.chunks, self.hooks = cores, gradients, chunks, hooks
+        #: the nodes at which the walk calls this strategy
+        self.nodes = frozenset(cores)
+        self.inside = frozenset(n for core, _ in cores.values() for n in core.nodes[:-1])
+        self.walked: set = set()  # the cores' outputs walked before the walk visited them (walk_with)
+
+    def covers(self, node) -> bool:
+        """Whether the walk skips ``node``: inside a core, or a core output walked already."""
+        return node in self.inside or node in self.walked
+
+    def __call__(self, walker, node, relevance) -> None:
+        core, block = self.cores[node]
+        walk_core(walker, node, relevance, core, block, self.gradients.pop(node, None), self.chunks, self.hooks)
+
+    def walk_with(self, walker, node, dout, source) -> None:
+        """Walk the core whose output is ``node`` now, before the walk visits it: its chunks (values and
+        dA) come from ``source`` (:class:`relprop.engine.chunk_gradients.ChunkGradients`, the segment's
+        backward pass computing them once for both, :mod:`relprop.engine.fused_segment`) and ``dout`` is
+        the gradient at its output. The hooks close the block at :meth:`done`."""
+        core, block = self.cores[node]
+        self.walked.add(node)
+        walk_core(walker, node, walker.take(node), core, block, dout, self.chunks, self.hooks, source, close=False)
+
+    def done(self, node) -> None:
+        """The segment of the core walked by :meth:`walk_with` has its gradients: the hooks close its
+        block (a fold may read the gradients of the block's records)."""
+        if self.hooks is not None:
+            self.hooks.rows_done(self.cores[node][1])
 
 
 def chunk_values(core: AttentionCore, attention, value: Callable, lo: int, hi: int, compute=None,
@@ -123,7 +162,7 @@ class _ChunkContext(RuleContext):
         return None
 
 
-def walk_core(walker, product, r, core: AttentionCore, block, dout, chunk: int, hooks=None, source=None,
+def walk_core(walker, product, r, core: AttentionCore, block, dout, chunks: RowChunks, hooks=None, source=None,
               close: bool = True) -> None:
     """The walk's step at ``product``, the output of a row-local ``core`` with relevance ``r``
     (None: none reaches it) and gradient ``dout``: every core node's rule run chunk by chunk
@@ -135,7 +174,7 @@ def walk_core(walker, product, r, core: AttentionCore, block, dout, chunk: int, 
     computes those a counting path did not ask for). ``close=False``: the caller calls
     ``hooks.rows_done`` itself (once the segment's gradients are complete)."""
     queries = walker.values.value(core.rows[0]).shape[-2]
-    chunks = chunk_plan(core, walker.values.value, queries, chunk)
+    chunks = chunk_plan(core, walker.values.value, queries, chunks)
     if r is not None and len(chunks) > 1:
         try:  # one pass, normalizations deferred
             _walk_chunks(walker, r, core, block, dout, chunks, _Sums(), hooks, False, Deferral(), source)
@@ -278,33 +317,18 @@ def _rule(walker, node, r, value, sums, counting: bool, out: CoreShares, deferra
     relevance ``r`` (of tag ``tag``); keep what its stabilizer keeps in ``out``. ``dead``: the
     node's value is not read after its rule (:func:`_dead_after`). Returns (shares, spec, the
     shares whose factors the rule deferred or None)."""
-    a = walker.a
     spec = walker.rule_of(node)
     if spec is None:
         raise UnsupportedOperation(node.target, module_path(node), module_type(node), walker.preset.name)
     if deferral is not None and tag is not None and not _relprops_own(spec):
         deferral.cannot(f"the rule of {node.name} is not one of relprop's (whose rules are linear in the relevance)")
-    arg_nodes, kw_nodes = (node.args, node.kwargs) if spec.operands is None else (spec.operands, {})
-    args, kw = torch.fx.node.map_arg((arg_nodes, kw_nodes), lambda n: promote(value(n)) if n in a.live else value(n))
-    live = tuple(is_live(x, a.live) for x in arg_nodes)
-    out_val = value(node)
-    ctx = _ChunkContext(node=node, args=tuple(args), kwargs=kw, out=pytree.tree_map(promote, out_val), live=live,
-                        batch_dim=walker.bdim.get(node), batch_size=walker.batch, eps=walker.eps,
-                        preset=walker.preset, options=walker.options, sums=sums,
-                        out_writable=dead and not counting and spec.writes_out
-                        and (spec.gradient_form is None or spec.gradient_form.lost is None),
-                        deferral=deferral, tag=tag)
-    shares = spec.fn(ctx, r)
-    if shares is None:
-        raise UnsupportedOperation(node.target, module_path(node), module_type(node), walker.preset.name,
-                                   detail="Its rule does not apply to these operands.")
-    lost = spec.gradient_form.lost if spec.gradient_form is not None else None
-    if lost is not None and not counting:  # an ε-rule: book what its stabilizer keeps
-        kept = lost(node, ctx.args, ctx.out, r, walker.eps)
-        if kept is not None:
-            label, share = kept if isinstance(kept, tuple) else (STABILIZER, kept)
-            out.absorb(label, share, node, None, out_val, tag)
-    return shares, spec, ctx.deferred
+    applied = apply_rule(spec, node, r, value, walker.a.live, batch=walker.batch, batch_dim=walker.bdim.get(node),
+                         eps=walker.eps, preset=walker.preset, options=walker.options,
+                         dead=lambda: dead and not counting, book=not counting, context=_ChunkContext, sums=sums,
+                         deferral=deferral, tag=tag)
+    if applied.kept is not None:  # an ε-rule: book what its stabilizer keeps
+        out.absorb(applied.kept[0], applied.kept[1], node, None, value(node), tag)
+    return applied.shares, spec, applied.deferred
 
 
 def _relprops_own(spec) -> bool:

@@ -8,8 +8,8 @@ attention unfused, every block's heads × tokens² maps. Here, as in ``memory="l
 cross from one block to the next, then, from the output back, each segment is recomputed with
 autograd under the preset's modified-gradient replacements, the modified gradient arriving at its
 outgoing values is propagated through it, and its values are freed. Each row-local attention core
-(:func:`relprop.graph.attention_core.find_core`) is evaluated in chunks of
-:data:`relprop.engine.chunked_core.ROW_CHUNK` query rows, forward and backward
+(:func:`relprop.graph.attention_core.find_core`) is evaluated in the schedule's chunks of query rows
+(:attr:`relprop.engine.schedule.Schedule.cores`), forward and backward
 (:func:`relprop.engine.chunked_core.core_in_row_chunks` with the replacements): AttnLRP's rules of
 the core (Achtibat et al., ICML 2024, Eq. 8–13: the softmax, the bilinear products, the ε-rule's
 stabilizer) are row-local, so a chunk's modified gradient is that of the whole core on its rows. The
@@ -26,7 +26,6 @@ import torch.fx
 
 from ..graph.nodes import live_outputs
 from ..graph.run_memo import once_per_run
-from . import chunked_core
 from .chunked_walk import plan_cores
 from .fast_path import FastPathUnavailable, fast_trace, output_gradient, plan, run_fast
 from .forward import forward, output_seed
@@ -37,12 +36,12 @@ from .trace import Trace
 
 
 @once_per_run()  # (each mask's key bounds and boolean tests read once per run)
-def run_fast_low(request: Request) -> Trace:
+def run_fast_low(request: Request, schedule) -> Trace:
     """Input relevance under ``request.preset`` as :func:`relprop.engine.fast_path.run_fast` gives
-    it, segment by segment with row-chunked attention cores (module docstring). A model with window
-    attention (Swin) takes :func:`~relprop.engine.fast_path.run_fast` (its windows are not
+    it, segment by segment with the attention cores in ``schedule.cores`` (module docstring). A model
+    with window attention (Swin) takes :func:`~relprop.engine.fast_path.run_fast` (its windows are not
     segmented). Raises :class:`~relprop.engine.fast_path.FastPathUnavailable` as ``run_fast`` does."""
-    captured, compute = request.captured, request.compute
+    captured, compute, chunks = request.captured, request.compute, schedule.cores
     p = plan(captured, request.preset, request.eps)
     a = captured.analysis
     if not a.sources:
@@ -53,9 +52,9 @@ def run_fast_low(request: Request) -> Trace:
     kept = crossing(captured)
     keep = kept | sources | {a.primary}
     # cores with a node explained as a whole (an element-wise function) are evaluated whole
-    planned = {n: cb for n, cb in (plan_cores(a) if chunked_core.ROW_CHUNK else {}).items()
+    planned = {n: cb for n, cb in (plan_cores(a) if chunks is not None else {}).items()
                if not set(cb[0].nodes) & set(p.functions)}
-    computed, skip = cores_in_the_forward(planned, keep, compute)
+    computed, skip = cores_in_the_forward(planned, keep, compute, chunks, schedule.fused_forward)
     discard = {n for n in captured.graph.nodes if n.op == "call_function" and n not in keep | set(computed)}
     with torch.no_grad():
         env, outputs = forward(captured, request.model, request.kwargs, discard=discard, compute=compute,
@@ -73,7 +72,8 @@ def run_fast_low(request: Request) -> Trace:
     known = {n: env[n] for n in cores}  # A·V from the forward pass, in the chunks the segments use
     grad: Dict[torch.fx.Node, torch.Tensor] = {}
     for seg in reversed(segments(captured)):
-        backward_segment(captured, env, seg, gbuf, grad, sources, kept, compute, cores, known, None, p)
+        backward_segment(captured, env, seg, gbuf, grad, sources, kept, compute, cores, known, None, p,
+                         chunks=chunks)
         for n in cores:
             grad.pop(n, None)  # (the gradient at a core's output: only the row-chunked walk reads it)
         for node in seg:

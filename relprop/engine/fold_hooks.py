@@ -40,7 +40,7 @@ def foldable(analysis) -> bool:
 class BlockFolder:
     """Hands every attention block of a segmented run (:func:`relprop.engine.low_memory.run_low`) to
     the folds of ``request.folds``, from the output block back, and frees the block's records (with
-    no fold, ``Request.keep_records=False``: frees them only).
+    no fold, a schedule with ``records="dropped"``: frees them only).
 
     With the relevance walk (whose hooks it is: :class:`relprop.engine.walk.Walker` calls
     :meth:`reached` at each of :attr:`nodes` and frees the values of :attr:`droppable` when it
@@ -66,13 +66,13 @@ class BlockFolder:
         self.token_count = None
         self.walked = False
 
-    def attach(self, env, grad, batch: int, walked: bool, chunked=None, compute=None) -> None:
+    def attach(self, env, grad, batch: int, walked: bool, cores=None, compute=None) -> None:
         """Called by the run once its forward values ``env`` and gradients ``grad`` exist; ``walked``:
         a relevance walk runs (a :class:`relprop.engine.walk.Walker` given this folder as its hooks);
-        ``chunked``: (cores, gradients, rows) of the row-chunked walk
-        (:mod:`relprop.engine.chunked_walk`), whose blocks arrive by :meth:`reached_rows`."""
+        ``cores``: the row-chunked cores (:class:`relprop.engine.chunked_walk.ChunkedCores`), whose
+        blocks arrive by :meth:`reached_rows`."""
         self.env, self.grad, self.batch, self.walked = env, grad, batch, walked
-        self.cores, _, self.rows = chunked if chunked is not None else ({}, None, 0)
+        self.cores, self.rows = (cores.cores, cores.chunks) if cores is not None else ({}, None)
         self.compute = compute
         self.chunked_blocks = {b.index: p for p, (_, b) in self.cores.items()}
         self.pending = None

@@ -34,10 +34,11 @@ from .chunk_gradients import ChunkGradients
 
 class SegmentWalk:
     """Steps 2–3 of the module docstring for segment ``seg`` and its core whose output is ``product``
-    (called by :func:`relprop.engine.low_memory.backward_segment` once step 1 is done)."""
+    (called by :func:`relprop.engine.low_memory.backward_segment` once step 1 is done); ``cores``: the
+    walk's :class:`relprop.engine.chunked_walk.ChunkedCores`."""
 
-    def __init__(self, walker, seg: List[torch.fx.Node], product: torch.fx.Node, compute=None):
-        self.walker, self.product, self.compute = walker, product, compute
+    def __init__(self, walker, cores, seg: List[torch.fx.Node], product: torch.fx.Node, compute=None):
+        self.walker, self.cores, self.product, self.compute = walker, cores, product, compute
         i = seg.index(product)
         self.after, self.left = seg[i + 1:], seg[:i + 1]
 
@@ -45,7 +46,7 @@ class SegmentWalk:
         """Walk the nodes after the core and the core, its chunks giving the core's gradients;
         returns {operand: gradient at it} (the operands whose recomputed value requires grad)."""
         walker, product = self.walker, self.product
-        core, block = walker.cores[product]
+        core, block = self.cores.cores[product]
         values = walker.values
         with values.no_overwrites():  # (autograd still reads the segment's values in step 4)
             for node in reversed(self.after):
@@ -58,13 +59,13 @@ class SegmentWalk:
             needs = {n: torch.is_tensor(senv.get(n)) and senv[n].requires_grad for n in nodes}
             source = ChunkGradients(core, block.attention, operands, needs, dout, self.compute,
                                     _detached(senv.get(product)))
-            walker.walk_core_with(product, dout, source)
+            self.cores.walk_with(walker, product, dout, source)
             return source.gradients()
 
     def done(self) -> None:
         """Step 4 is done: the segment's gradients are complete, the block is closed (its folds may
         read the gradients of its records)."""
-        self.walker.core_done(self.product)
+        self.cores.done(self.product)
 
     def rest(self) -> List[torch.fx.Node]:
         """The segment's nodes the walk visits after the backward pass (the core's output and those
@@ -76,14 +77,14 @@ def _detached(v):
     return v.detach() if torch.is_tensor(v) else v
 
 
-def segment_walk(seg: List[torch.fx.Node], cores: Dict[torch.fx.Node, tuple], walker,
-                 compute=None) -> Optional[SegmentWalk]:
+def segment_walk(seg: List[torch.fx.Node], cores, walker, compute=None) -> Optional[SegmentWalk]:
     """The :class:`SegmentWalk` of segment ``seg``, or None where its backward pass and walk take two
-    passes: no walk, or not exactly one row-chunked core of ``cores`` in it."""
-    if walker is None:
+    passes: no walk, or not exactly one row-chunked core of ``cores`` (the walk's
+    :class:`relprop.engine.chunked_walk.ChunkedCores`, or None) in it."""
+    if walker is None or cores is None:
         return None
     inside = set(seg)
-    products = [p for p in cores if p in inside]
+    products = [p for p in cores.cores if p in inside]
     if len(products) != 1:
         return None
-    return SegmentWalk(walker, seg, products[0], compute)
+    return SegmentWalk(walker, cores, seg, products[0], compute)

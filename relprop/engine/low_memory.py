@@ -21,7 +21,7 @@ from ..graph.nodes import ancestors, evaluate
 from ..graph.run_memo import once_per_run
 from ..graph.tokens import token_positions
 from . import chunked_core
-from .chunked_walk import plan_cores
+from .chunked_walk import ChunkedCores, plan_cores
 from .forward import forward, output_seed, relevance_seed
 from .fused_segment import segment_walk
 from .memory import crossing, last_uses, read_after_walk, rematerializable, segments
@@ -30,13 +30,8 @@ from .trace import Pass
 from .walk import Walker
 
 
-#: walk each segment's row-chunked core with its backward pass, each chunk computed once for both
-#: (:mod:`relprop.engine.fused_segment`); False: the backward pass, then the walk, as two passes
-FUSED = True
-
-
 @once_per_run()  # (each mask's key bounds and boolean tests read once per run)
-def run_low(request: Request, out_nodes: List[torch.fx.Node], wrt: List[torch.fx.Node], remat,
+def run_low(request: Request, schedule, out_nodes: List[torch.fx.Node], wrt: List[torch.fx.Node], remat,
             folder: Optional[Any] = None) -> Pass:
     """``memory="low"``: gradient checkpointing at the attention blocks, for the walk as well.
 
@@ -58,18 +53,22 @@ def run_low(request: Request, out_nodes: List[torch.fx.Node], wrt: List[torch.fx
     ``folder`` (a folded run, :class:`relprop.engine.fold_hooks.BlockFolder`) is the walk's hooks
     (the walker calls its ``reached`` at each attention map, and it hands the block to the methods'
     folds) and is called after each segment (``after_segment``, which returns the nodes whose values
-    and gradients it dropped): then the peak holds the crossing values and one segment. With
-    :data:`relprop.engine.chunked_core.ROW_CHUNK` set, a folded run evaluates each row-local
-    attention core in chunks of that many query rows, forward, backward and in the walk
-    (:mod:`relprop.engine.chunked_walk`): then no heads × tokens² tensor is held whole.
+    and gradients it dropped): then the peak holds the crossing values and one segment. Where
+    ``schedule.cores`` (:class:`relprop.engine.schedule.Schedule`) is set, such a run evaluates each
+    row-local attention core in those chunks of query rows, forward, backward and in the walk
+    (:mod:`relprop.engine.chunked_walk`): then no heads × tokens² tensor is held whole;
+    ``schedule.fused_segment`` walks a segment's chunked core with its backward pass
+    (:mod:`relprop.engine.fused_segment`), ``schedule.fused_forward`` evaluates the chunks of the
+    forward pass with torch's fused attention kernel where it may.
     """
     captured = request.captured
     a = captured.analysis
     sources = set(a.sources)
     kept = crossing(captured)
     keep = kept | sources | {a.primary} | _token_trace_reads(a)
-    planned = plan_cores(a) if folder is not None and chunked_core.ROW_CHUNK else {}
-    computed, skip = cores_in_the_forward(planned, keep, request.compute)
+    chunks = schedule.cores
+    planned = plan_cores(a) if folder is not None and chunks is not None else {}
+    computed, skip = cores_in_the_forward(planned, keep, request.compute, chunks, schedule.fused_forward)
     discard = {n for n in captured.graph.nodes if n.op == "call_function" and n not in keep | set(computed)}
     with torch.no_grad():
         env, outputs = forward(captured, request.model, request.kwargs, discard=discard, compute=request.compute,
@@ -86,25 +85,25 @@ def run_low(request: Request, out_nodes: List[torch.fx.Node], wrt: List[torch.fx
     grad_nodes = set(wrt) - (set(out_nodes) - records)
     gbuf: Dict[torch.fx.Node, torch.Tensor] = dict(seed)  # gradient arriving at each crossing value
     grad: Dict[torch.fx.Node, torch.Tensor] = {}
-    cores = {p: (c, b) for p, (c, b) in planned.items() if _rows_exceed_a_chunk(c, tokens)}
+    cores = {p: (c, b) for p, (c, b) in planned.items() if _rows_exceed_a_chunk(c, tokens, chunks)}
     known = {p: env[p] for p in cores if p in computed}  # A·V from the forward pass, as the segment would compute it
     for p in set(computed) - set(known):
         env.pop(p, None)
-    chunked = (cores, grad, chunked_core.ROW_CHUNK) if cores else None
+    steps = ChunkedCores(cores, grad, chunks, folder) if cores else None
     walker = None
-    if request.relevance:  # (no memo of |W| here: memory="high" only)
+    if schedule.relevance == "walk":  # (no memo of |W| here: memory="high" only)
         walker = Walker(request, env, relevance_seed(seed, env, request.preset.seed), out_nodes, batch,
-                        remat, hooks=folder, chunked=chunked)
+                        remat, hooks=folder, steps=steps)
     needed_later = read_after_walk(a)
     dropped: set = set()
     if folder is not None:
-        folder.attach(env, grad, batch, walked=walker is not None, chunked=chunked, compute=request.compute)
+        folder.attach(env, grad, batch, walked=walker is not None, cores=steps, compute=request.compute)
     hooks = {p: (b.attention, folder.rows_hook(b)) for p, (_, b) in cores.items()} \
         if folder is not None and walker is None else {}
     for seg in reversed(segments(captured)):
-        fused = segment_walk(seg, cores, walker, request.compute) if FUSED else None
+        fused = segment_walk(seg, steps, walker, request.compute) if schedule.fused_segment else None
         backward_segment(captured, env, seg, gbuf, grad, grad_nodes, kept, request.compute, cores, known, hooks,
-                         walk=fused)
+                         walk=fused, chunks=chunks)
         if walker is not None:
             with torch.no_grad():
                 for node in reversed(seg if fused is None else fused.rest()):
@@ -133,34 +132,37 @@ def _token_trace_reads(a) -> set:
     return {a.tokens.start} | set(a.tokens.reads)
 
 
-def cores_in_the_forward(planned, keep, compute) -> tuple:
+def cores_in_the_forward(planned, keep, compute, chunks, fused: bool = False) -> tuple:
     """({A·V node: fn}, inner nodes): the row-local cores of ``planned``
     (:func:`relprop.engine.chunked_walk.plan_cores`) that the forward pass without autograd evaluates
-    in chunks of query rows (:func:`relprop.engine.chunked_core.core_forward`), so that it holds no
-    heads × tokens² tensor either, and whose inner values it then never has (none of them is kept)."""
+    in ``chunks`` of query rows (:func:`relprop.engine.chunked_core.core_forward`; ``fused``: with torch's
+    fused attention kernel where it may), so that it holds no heads × tokens² tensor either, and whose
+    inner values it then never has (none of them is kept)."""
     computed, skip = {}, set()
     for product, (core, _) in planned.items():
         inner = set(core.nodes[:-1])
         inner |= {u for n in inner for u in n.users if u.target in CHECKS}
         if inner & keep:
             continue
-        computed[product] = functools.partial(chunked_core.core_forward, core, chunk=chunked_core.ROW_CHUNK,
-                                              compute=compute)
+        computed[product] = functools.partial(chunked_core.core_forward, core, chunks=chunks, compute=compute,
+                                              fused=fused)
         skip |= inner
     return computed, frozenset(skip)
 
 
-def _rows_exceed_a_chunk(core, tokens) -> bool:
-    """Whether ``core``'s block has more query rows than one chunk on these inputs (its tokens as
-    traced, else the captured size when it is a number): a core of one chunk is evaluated whole, as
-    chunking it would only recompute it."""
+def _rows_exceed_a_chunk(core, tokens, chunks) -> bool:
+    """Whether ``core``'s block has more query rows than one chunk of ``chunks`` on these inputs (its
+    tokens as traced, else the captured size when it is a number): a core of one chunk is evaluated
+    whole, as chunking it would only recompute it (unless ``chunks.small``)."""
+    if chunks.small:
+        return True
     rows = tokens.get(core.block)
     n = rows.shape[1] if rows is not None else core.queries
-    return not isinstance(n, int) or n > chunked_core.ROW_CHUNK
+    return not isinstance(n, int) or n > chunks.rows
 
 
 def backward_segment(captured, env, seg, gbuf, grad, grad_nodes, kept, compute=None, cores=None, known=None,
-                      hooks=None, plan=None, walk=None):
+                      hooks=None, plan=None, walk=None, chunks=None):
     """Recompute one segment with autograd from its inputs in ``env``, propagate the gradients in
     ``gbuf`` (at its outgoing values) back to its incoming values (added to ``gbuf``) and to the
     nodes of ``grad_nodes`` it holds (into ``grad``); leave its values, detached, in ``env``.
@@ -168,7 +170,8 @@ def backward_segment(captured, env, seg, gbuf, grad, grad_nodes, kept, compute=N
     (:func:`relprop.engine.chunked_core.core_in_row_chunks`), their inner nodes get no value and
     no gradient, and the gradient at their output goes into ``grad``; their operands stay in
     ``env``. ``known`` ({A·V node: value}): a core's output as the forward pass computed it in the
-    same chunks (not computed again); ``hooks`` ({A·V node: rows hook}): the rows hook of
+    same chunks (not computed again); ``chunks``: the :class:`relprop.engine.chunked_core.RowChunks`
+    of ``cores``; ``hooks`` ({A·V node: rows hook}): the rows hook of
     :func:`relprop.engine.chunked_core.core_in_row_chunks` for that core. ``plan``: a
     :class:`relprop.engine.fast_path.Plan` whose modified-gradient replacements the recomputation
     uses (the segmented fast path, :mod:`relprop.engine.fast_low`).
@@ -215,11 +218,11 @@ def backward_segment(captured, env, seg, gbuf, grad, grad_nodes, kept, compute=N
                     val(m)  # (each live operand a leaf or a value of the segment, to be differentiated)
                 out = (known or {}).pop(node, None)
                 if out is None:
-                    out = chunked_core.core_forward(core, val, chunked_core.ROW_CHUNK, compute)
+                    out = chunked_core.core_forward(core, val, chunks, compute)
                 out = out.detach().requires_grad_(True)
             elif core is not None:
                 out = chunked_core.core_in_row_chunks(core, {n: val(n) for n in core.rows + core.whole},
-                                                     chunked_core.ROW_CHUNK, compute, (known or {}).pop(node, None),
+                                                     chunks, compute, (known or {}).pop(node, None),
                                                      (hooks or {}).get(node), plan.replacements if plan else None)
             else:
                 out = evaluate(node, val, plan.replacements.get(node) if plan else None, compute=compute)

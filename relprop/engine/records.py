@@ -1,5 +1,5 @@
 """One attention block's :class:`relprop.engine.trace.BlockRecord` from the values of a run (shared by
-the full-record path, :func:`relprop.engine.run.build_trace`, and the folded one,
+the full-record path, :func:`relprop.engine.execute.build_trace`, and the folded one,
 :mod:`relprop.engine.fold_hooks`)."""
 from __future__ import annotations
 

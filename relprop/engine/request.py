@@ -26,7 +26,7 @@ PRECISIONS = ("float32", "model")
 
 @dataclasses.dataclass(frozen=True)
 class Request:
-    """One run of the engine over a captured graph.
+    """What one run of the engine explains (how it runs is a :class:`relprop.engine.schedule.Schedule`).
 
     Attributes
     ----------
@@ -37,18 +37,12 @@ class Request:
     preset : the :class:`relprop.rules.Preset` whose rules the walk applies, resolved once by the
         caller (:func:`relprop.explain` hands down the object it checked); a name given here is
         resolved when the Request is made, and the engine never looks a preset up again.
-    relevance : walk the relevance back (else only the forward pass and the gradients).
     eps : the rules' denominator stabilizer.
     unsupported : ``"error"`` or ``"z_rule"`` (:data:`UNSUPPORTED_MODES`).
-    memory : ``"default"``, ``"low"`` or ``"high"`` (:data:`MEMORY_MODES`).
-    folds : folds, each called with every block's :class:`relprop.engine.trace.BlockRecord` from
-        the output block back, as soon as the reverse walk has its A, dA and R_A; the records are
-        dropped after the calls (:func:`relprop.engine.run.run`; each fold's ``result()`` goes to
-        ``Trace.folded``). Empty: every block's records are kept in ``Trace.blocks``.
-    keep_records : False: no block's records are kept (``Trace.blocks`` is empty, as on the fast
-        path) and the run is the segmented one of a folded run, with no fold: attention cores in
-        chunks of query rows, each block's A, dA and R_A freed as the walk leaves it. For methods
-        that read only the input relevance (``lrp`` under a preset without a fast path).
+    folds : the folds of a schedule with ``records="folded"``, each called with every block's
+        :class:`relprop.engine.trace.BlockRecord` from the output block back, as soon as the reverse
+        walk has its A, dA and R_A; the records are dropped after the calls
+        (:func:`relprop.engine.execute.execute`; each fold's ``result()`` goes to ``Trace.folded``).
     input_gradient : take the gradient at the input (``Trace.input_gradient``). False (no method
         reads it) lets the gradient pass stop at the first block's input, below which only the
         input gradient needs it: e.g. a vision transformer's patch embedding is not back-propagated.
@@ -60,12 +54,9 @@ class Request:
     kwargs: Mapping[str, Any]
     target: Target
     preset: Union[Preset, str] = "chefer2021"
-    relevance: bool = True
     eps: float = DEFAULT_EPS
     unsupported: str = "error"
-    memory: str = "default"
     folds: tuple = ()
-    keep_records: bool = True
     input_gradient: bool = True
     precision: str = "float32"
 

@@ -20,20 +20,18 @@ from typing import Any, Dict, Optional, Union
 
 import torch
 import torch.fx
-import torch.utils._pytree as pytree
 
 from ..errors import UnsupportedOperation
 from ..graph.analysis import INDEX_ROUTING
 from ..graph.capture import Captured
-from ..graph.nodes import is_live, module_path, module_type, relevance_path
-from ..rules.context import RuleContext
+from ..graph.nodes import module_path, module_type, relevance_path
 from ..rules.pa_lrp import is_positional
 from ..rules.rule_registry import Preset, get_preset
 from ..rules.stabilize import fit_to_shape, promote, relevance_dtype
-from .chunked_walk import walk_core
 from .ledger import STABILIZER, Ledger
 from .node_rules import rule_finder
 from .position_relevance import LABEL as POSITIONS, PositionRelevance
+from .rule_apply import apply_rule
 from .stream_relevance import per_stream, primary_parts
 from .trace import Conservation
 from .value_store import ValueStore
@@ -90,19 +88,21 @@ class Walker:
     ``hooks`` (a folded run, :class:`relprop.engine.fold_hooks.BlockFolder`) is told when the walk
     reaches each of its ``nodes`` (:meth:`~relprop.engine.fold_hooks.BlockFolder.reached`, before the
     node's rule runs); the walk then keeps no relevance there and lets the values of its
-    ``droppable`` nodes go when it leaves them. ``chunked`` (the row-chunked walk,
-    :mod:`relprop.engine.chunked_walk`): (cores, gradients, rows): at the output of each core of
-    ``cores`` ({A·V node: (core, block)}) one step walks the core in chunks of ``rows`` query rows,
-    reading the gradient at the core's output from ``gradients``; the core's other nodes are skipped.
+    ``droppable`` nodes go when it leaves them. ``steps`` (a strategy hooked at some nodes: the
+    row-chunked attention cores, :class:`relprop.engine.chunked_walk.ChunkedCores`): at each node of
+    ``steps.nodes`` the walk hands the node's complete relevance (:meth:`take`) to ``steps(walker, node,
+    relevance)`` instead of applying its rule, and it skips the nodes ``steps.covers``.
+    ``weight_memo``: keep a memo of |W| with the captured graph (``memory="high"``).
     """
 
-    def __init__(self, request, env, seed, out_nodes, batch: int, remat=frozenset(), hooks=None, chunked=None):
+    def __init__(self, request, env, seed, out_nodes, batch: int, remat=frozenset(), hooks=None, steps=None,
+                 weight_memo: bool = False):
         captured = request.captured
         a = captured.analysis
         self.a, self.preset, self.eps, self.batch = a, request.preset, request.eps, batch
         self.rule_of = rule_finder(captured, request.preset, request.unsupported)
         # (no memo of |W| for offloaded weights: it would hold them all, keyed by reused addresses)
-        weight_cache = captured.weight_cache if request.memory == "high" and not captured.offloaded else None
+        weight_cache = captured.weight_cache if weight_memo and not captured.offloaded else None
         self.options = {"reads_pixels": a.pixel_convs, "weight_cache": weight_cache}
         self.sources = set(a.sources)
         self.bdim = a.batch_dim
@@ -126,9 +126,7 @@ class Walker:
             self.ledger.inject(n, self.R[n])
         self.input_parts = []
         self.positions = PositionRelevance(self.placeholders, batch) if is_positional(request.preset) else None
-        self.cores, self.core_grad, self.core_rows = chunked if chunked is not None else ({}, {}, 0)
-        self.inside_cores = {n for core, _ in self.cores.values() for n in core.nodes[:-1]}
-        self.walked: set = set()  # the cores' outputs whose cores were walked (:meth:`take_core`)
+        self.steps = steps
 
     def held_label(self, arg, consumer) -> str:
         """The ledger's label of a share ``consumer``'s rule holds constant (a selection parameter)."""
@@ -146,23 +144,20 @@ class Walker:
 
     def visit(self, node):
         """Apply the rule of ``node`` to its (complete) relevance and pass the shares to its arguments."""
-        a, R, batch, bdim = self.a, self.R, self.batch, self.bdim
+        a, R = self.a, self.R
         self.values.entering(node)
-        if node in self.inside_cores or node in self.walked:  # walked by the step at the core's output
-            return
-        if node in self.cores:
-            self._core_step(node, self.take_core(node))
-            return
+        steps = self.steps
+        if steps is not None:
+            if steps.covers(node):  # walked by the step at the core's output
+                return
+            if node in steps.nodes:
+                steps(self, node, self.take(node))
+                return
         if node not in R:
             if node in self.hooked:  # no relevance reaches it (e.g. attention held constant): say so
                 self.hooks.reached(node, None)
             return
-        r = R.pop(node)
-        if node in self.keep:
-            self.rel_at[node] = r
-        if node in self.hooked:
-            self.hooks.reached(node, r)
-        self.ledger.passing(node, r)
+        r = self.take(node)
         if node in self.sources:
             self.input_parts.append((node, r))
             return
@@ -179,35 +174,19 @@ class Walker:
             r = [r.get(i, torch.zeros(v.shape, dtype=relevance_dtype(v.dtype), device=v.device)) if isinstance(r, dict)
                  else r[i]
                  for i, v in enumerate(out_val)]
-        preset = self.preset
         spec = self.rule_of(node)
         if spec is None:
-            raise UnsupportedOperation(node.target, module_path(node), module_type(node), preset.name)
+            raise UnsupportedOperation(node.target, module_path(node), module_type(node), self.preset.name)
         # rules compute in float32 at least: half-precision activations are upcast, float64 kept
-        # a rule explaining a subgraph as a whole names its operands (an element-wise function: its input)
-        operands = spec.operands
-        arg_nodes, kw_nodes = (node.args, node.kwargs) if operands is None else (operands, {})
-        args, kw = torch.fx.node.map_arg((arg_nodes, kw_nodes),
-                                         lambda n: promote(value(n)) if n in a.live else value(n))
-        live = tuple(is_live(x, a.live) for x in arg_nodes)
-        lost = spec.gradient_form.lost if spec.gradient_form is not None else None
-        ctx = RuleContext(node=node, args=tuple(args), kwargs=kw, out=pytree.tree_map(promote, out_val), live=live,
-                          batch_dim=bdim.get(node), batch_size=batch, eps=self.eps, preset=preset,
-                          options=self.options,
-                          out_writable=lost is None and spec.writes_out and self.values.dead_after(node))
-        shares = spec.fn(ctx, r)
-        if lost is not None and shares is not None:  # an ε-rule: book what its stabilizer keeps
-            kept = lost(node, ctx.args, ctx.out, r, self.eps)
-            if isinstance(kept, tuple):  # (label, share): what a rule does not pass on, under its own label
-                self.absorb(kept[0], kept[1], node, None)
-            elif kept is not None:
-                self.absorb(STABILIZER, kept, node, None)
-        del ctx, args, kw, r
-        if shares is None:
-            raise UnsupportedOperation(node.target, module_path(node), module_type(node), preset.name,
-                                       detail="Its rule does not apply to these operands.")
+        applied = apply_rule(spec, node, r, value, a.live, batch=self.batch, batch_dim=self.bdim.get(node),
+                             eps=self.eps, preset=self.preset, options=self.options,
+                             dead=lambda: self.values.dead_after(node))
+        del r
+        if applied.kept is not None:  # what an ε-rule's stabilizer keeps, or a rule's own label
+            self.absorb(applied.kept[0], applied.kept[1], node, None)
         held = spec.constant_positions  # arguments a rule holds constant (selection parameters)
-        for i, arg in enumerate(arg_nodes):
+        shares = applied.shares
+        for i, arg in enumerate(applied.operands):
             share = shares[i] if i < len(shares) else None
             if share is None:
                 continue
@@ -221,12 +200,12 @@ class Walker:
             else:
                 self.deliver(arg, share, node)
 
-    def take_core(self, node):
-        """The complete relevance at the output ``node`` of a row-chunked core (None: none reaches it),
-        taken as :meth:`visit` takes a node's (kept, handed to the hooks, passed through the ledger);
-        the core is then walked and a later :meth:`visit` of ``node`` does nothing more."""
-        self.walked.add(node)
+    def take(self, node):
+        """The complete relevance at ``node`` (None: none reaches it), taken off the walk: kept where the
+        Trace records it, handed to the hooks at their nodes, passed through the ledger."""
         if node not in self.R:
+            if node in self.hooked:
+                self.hooks.reached(node, None)
             return None
         r = self.R.pop(node)
         if node in self.keep:
@@ -235,25 +214,6 @@ class Walker:
             self.hooks.reached(node, r)
         self.ledger.passing(node, r)
         return r
-
-    def _core_step(self, node, r) -> None:
-        core, block = self.cores[node]
-        walk_core(self, node, r, core, block, self.core_grad.pop(node, None), self.core_rows, self.hooks)
-
-    def walk_core_with(self, node, dout, source) -> None:
-        """Walk the row-chunked core whose output is ``node`` now, before the walk visits it: its
-        chunks (values and dA) come from ``source`` (:class:`relprop.engine.chunk_gradients.ChunkGradients`,
-        the segment's backward pass computing them once for both, :mod:`relprop.engine.fused_segment`)
-        and ``dout`` is the gradient at its output. The hooks close the block at :meth:`core_done`."""
-        core, block = self.cores[node]
-        walk_core(self, node, self.take_core(node), core, block, dout, self.core_rows, self.hooks, source,
-                  close=False)
-
-    def core_done(self, node) -> None:
-        """The segment of the core walked by :meth:`walk_core_with` has its gradients: the hooks
-        close its block (a fold may read the gradients of the block's records)."""
-        if self.hooks is not None:
-            self.hooks.rows_done(self.cores[node][1])
 
     def deliver(self, arg, share, consumer):
         """Add ``share`` to the relevance of ``arg`` (a live node), or book it as absorbed by ``consumer``

@@ -46,7 +46,8 @@ from .identity import flat_cause, fold_step, merge_rows, with_identity
 from .rollout_utils import check_mixing, check_neighbours, check_square
 
 #: a block's map is built and multiplied into the row in chunks of query rows whose per-head maps
-#: take at most this many bytes (below glibc's mmap threshold, so the heap reuses them)
+#: take at most this many bytes by default (below glibc's mmap threshold, so the heap reuses them;
+#: ``explain(..., tuning=Tuning(fold_chunk_bytes=...))``)
 FOLD_CHUNK_BYTES = 16 << 20
 
 #: the aggregation of Eq. 13–14 (every block, E_h of the positive part, nothing discarded, rollout, rows
@@ -98,8 +99,9 @@ class RowFold:
     """
 
     def __init__(self, info, options: Dict[str, Any], n_blocks: int, attention_mask: Optional[torch.Tensor],
-                 preset: Optional[str], token_mixing: Optional[str] = None):
+                 preset: Optional[str], token_mixing: Optional[str] = None, chunk_bytes: int = FOLD_CHUNK_BYTES):
         s = settings(info, options)
+        self.chunk_bytes = chunk_bytes
         self.name, self.preset, self.needs_relevance = info.name, preset, info.needs_relevance
         self.head_maps = info.folds
         self.agg = Aggregation(*(s.get(k, EQ13[k]) for k in ("head_fusion", "positive", "discard_ratio", "start_block",
@@ -196,7 +198,8 @@ class RowFold:
         rollouts, their positive part, the head fusion, the identity, ``normalize_rows``) is row by
         row, so a chunk's rows are those of the whole map; only the order of the sums of the
         product differs (float rounding). The maps of one chunk take at most
-        :data:`FOLD_CHUNK_BYTES`, so no per-head tensor as large as the attention map is formed."""
+        ``chunk_bytes`` (:data:`FOLD_CHUNK_BYTES`), so no per-head tensor as large as the attention map
+        is formed."""
         state = self._rows_begin()
         self._rows_add(state, rec, 0)
         return self._rows_end(state)
@@ -213,7 +216,7 @@ class RowFold:
         a = rec.attention
         n, total = a.shape[-2], self.row.shape[-1]
         per_row = max(1, a.numel() // n) * a.element_size()
-        step = max(1, FOLD_CHUNK_BYTES // per_row)
+        step = max(1, self.chunk_bytes // per_row)
         for start in range(0, n, step):
             stop = min(n, start + step)
             lo, hi = offset + start, offset + stop
