@@ -1,7 +1,9 @@
 """Kernels and host syncs of one warm ``explain()`` call, per method, against one forward+backward pass.
 
 Counted, not timed (:mod:`relprop.tools.launch_count`: every aten op the call dispatches, views and
-metadata reads left out; a host sync is an op whose result the host waits for). Random weights, 1
+metadata reads left out; a host sync is an op whose result the host waits for), as on an accelerator
+(``Tuning(host_reads="end")``, the default there; on the CPU relprop reads values where that saves
+memory, as a host read costs no round trip there). Random weights, 1
 thread, batch 1, after the capture and two warm-up calls. The models: a LLaMA-style decoder (4 layers,
 width 512, 8 heads, 4 key-value heads), BERT (4 layers, width 768) and timm ViT-B/16 (4 blocks), at
 ``--tokens`` tokens (the ViT at 224 × 224: 197). LXT 2.1's AttnLRP (``benchmarks/peers.py``) is
@@ -70,10 +72,15 @@ def lxt_call(name, model, x, target):
     return None
 
 
-def explain_call(model, x, target, spec):
+#: the calls as on an accelerator: every host read at the end of the call (the CPU's default reads values
+#: where they save memory, as a host read costs no round trip there: relprop.Tuning(host_reads="auto"))
+ON_A_DEVICE = relprop.Tuning(host_reads="end")
+
+
+def explain_call(model, x, target, spec, tuning=ON_A_DEVICE):
     method, _, preset = spec.partition("@")
     kw = {"preset": preset} if preset else {}
-    return lambda: relprop.explain(model, x, target=target, method=method, **kw)
+    return lambda: relprop.explain(model, x, target=target, method=method, tuning=tuning, **kw)
 
 
 def main():

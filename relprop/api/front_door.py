@@ -9,14 +9,17 @@ applied and the Explanations built.
 """
 from __future__ import annotations
 
+import itertools
 from typing import Any, Dict, Optional, Sequence
 
 import torch
+import torch.utils._pytree as pytree
 
 from . import options as opt
 from . import raw_inputs, vlm_batches
 from ..errors import MethodError, OptionError
-from ..graph import progress_line
+from ..engine import Tuning
+from ..graph import host_reads, progress_line
 from ..rules.stabilize import DEFAULT_EPS
 from .checked_call import check_call, reported
 from .method_runs import run_methods
@@ -121,31 +124,61 @@ def explain(model: torch.nn.Module, inputs: Any, target: Any = None, method: Any
     """
     opt.check_progress(progress)
     with progress_line.line(f"explaining {type(model).__name__}", progress):
-        given_target = target
-        if raw_inputs.is_pipeline(model) and image_processor is None:
-            image_processor = getattr(model, "image_processor", None)
-        model, inputs, tokenizer, target, wrt = raw_inputs.adapt(model, inputs, tokenizer, image_processor, target, wrt)
-        infos, many = opt.check_methods(method)
-        preset = opt.check_preset(preset)
-        per_method = opt.method_options(infos, options, many)
-        jobs = opt.check_jobs([(i, per_method[i.name]) for i in infos], preset)
-        if vlm_batches.is_batch(model, inputs):  # Qwen-VL, LLaVA-NeXT/-OneVision: sample by sample (vlm_batches)
-            with reported(model, jobs):
-                samples, length = vlm_batches.split(model, inputs, target, special_tokens_mask)
-            rest = dict(eps=eps, unsupported=unsupported, tokenizer=tokenizer, fast_path=fast_path, memory=memory,
-                        wrt=wrt, image_processor=image_processor, keep_blocks=keep_blocks, precision=precision,
-                        records_budget=records_budget, progress=progress, tuning=tuning, **options)
-            runs = [explain(model, s.inputs, s.target, method, preset, special_tokens_mask=s.special_tokens_mask,
-                            **rest) for s in samples]
-            with reported(model, jobs):
-                return vlm_batches.joined(runs, samples, length, many, model)
-        call = check_call(model, inputs, target, jobs, many, preset, tokenizer=tokenizer,
-                          special_tokens_mask=special_tokens_mask, wrt=wrt, eps=eps, unsupported=unsupported,
-                          memory=memory, fast_path=fast_path, keep_blocks=keep_blocks, precision=precision,
-                          records_budget=records_budget, image_processor=image_processor, given_target=given_target,
-                          tuning=tuning)
-        with reported(call.model, call.jobs):
-            return run_methods(call)
+        def body():
+            return _explain(model, inputs, target, method, preset, eps=eps, unsupported=unsupported,
+                            special_tokens_mask=special_tokens_mask, tokenizer=tokenizer, fast_path=fast_path,
+                            memory=memory, wrt=wrt, image_processor=image_processor, keep_blocks=keep_blocks,
+                            precision=precision, records_budget=records_budget, progress=progress, tuning=tuning,
+                            **options)
+        return _with_one_read(body, model, inputs, tuning)
+
+
+def _with_one_read(body, model, inputs, tuning):
+    """``body()``; where the call reads values on the host once (``Tuning.host_reads``: by default on an
+    accelerator), with its host reads deferred to its end and read together
+    (:func:`relprop.graph.host_reads.one_read`), and, where an assumption it was computed under did not
+    hold, computed again carefully, with a note."""
+    opt.check_tuning(tuning)
+    if not (tuning or Tuning()).reads_once(_device(model, inputs)):
+        return body()
+    result, retried = host_reads.one_read(body)
+    if retried:
+        note = (f"relprop computed this call twice: the first run assumed that {'; '.join(retried)}, which did not "
+                "hold on these inputs; the second read the values it needed on the host (the same results, about "
+                "one more run of time)")
+        for r in result if isinstance(result, list) else [result]:
+            r.notes.append(note)
+    return result
+
+
+def _explain(model, inputs, target, method, preset, *, eps, unsupported, special_tokens_mask, tokenizer, fast_path,
+             memory, wrt, image_processor, keep_blocks, precision, records_budget, progress, tuning, **options):
+    """The body of :func:`explain`, within one call's scope of host reads."""
+    given_target = target
+    if raw_inputs.is_pipeline(model) and image_processor is None:
+        image_processor = getattr(model, "image_processor", None)
+    model, inputs, tokenizer, target, wrt = raw_inputs.adapt(model, inputs, tokenizer, image_processor, target, wrt)
+    infos, many = opt.check_methods(method)
+    preset = opt.check_preset(preset)
+    per_method = opt.method_options(infos, options, many)
+    jobs = opt.check_jobs([(i, per_method[i.name]) for i in infos], preset)
+    if vlm_batches.is_batch(model, inputs):  # Qwen-VL, LLaVA-NeXT/-OneVision: sample by sample (vlm_batches)
+        with reported(model, jobs):
+            samples, length = vlm_batches.split(model, inputs, target, special_tokens_mask)
+        rest = dict(eps=eps, unsupported=unsupported, tokenizer=tokenizer, fast_path=fast_path, memory=memory,
+                    wrt=wrt, image_processor=image_processor, keep_blocks=keep_blocks, precision=precision,
+                    records_budget=records_budget, progress=progress, tuning=tuning, **options)
+        runs = [explain(model, s.inputs, s.target, method, preset, special_tokens_mask=s.special_tokens_mask,
+                        **rest) for s in samples]
+        with reported(model, jobs):
+            return vlm_batches.joined(runs, samples, length, many, model)
+    call = check_call(model, inputs, target, jobs, many, preset, tokenizer=tokenizer,
+                      special_tokens_mask=special_tokens_mask, wrt=wrt, eps=eps, unsupported=unsupported,
+                      memory=memory, fast_path=fast_path, keep_blocks=keep_blocks, precision=precision,
+                      records_budget=records_budget, image_processor=image_processor, given_target=given_target,
+                      tuning=tuning)
+    with reported(call.model, call.jobs):
+        return run_methods(call)
 
 
 def explain_settings(model: torch.nn.Module, inputs: Any, settings: Sequence[Dict[str, Any]], target: Any = None,
@@ -168,8 +201,24 @@ def explain_settings(model: torch.nn.Module, inputs: Any, settings: Sequence[Dic
     preset = opt.check_preset(preset)
     info = infos[0]
     jobs = opt.check_jobs([(info, opt.method_options(infos, s, False)[info.name]) for s in settings], preset)
-    call = check_call(model, inputs, target, jobs, True, preset, tokenizer=tokenizer,
-                      special_tokens_mask=special_tokens_mask, wrt=wrt, eps=eps, unsupported=unsupported, memory=memory,
-                      fast_path=None, keep_blocks=True, precision="float32", records_budget=None)
-    with reported(call.model, call.jobs):
-        return run_methods(call)
+
+    def body():
+        call = check_call(model, inputs, target, jobs, True, preset, tokenizer=tokenizer,
+                          special_tokens_mask=special_tokens_mask, wrt=wrt, eps=eps, unsupported=unsupported,
+                          memory=memory, fast_path=None, keep_blocks=True, precision="float32", records_budget=None)
+        with reported(call.model, call.jobs):
+            return run_methods(call)
+    return _with_one_read(body, model, inputs, None)
+
+
+def _device(model, inputs) -> torch.device:
+    """Where the call computes: the device of its first input tensor, else of the model's first parameter
+    or buffer (not an offloaded one's meta device), else the CPU."""
+    for t in pytree.tree_leaves(inputs):
+        if torch.is_tensor(t):
+            return t.device
+    tensors = itertools.chain(model.parameters(), model.buffers()) if isinstance(model, torch.nn.Module) else ()
+    for t in tensors:
+        if t.device.type != "meta":
+            return t.device
+    return torch.device("cpu")

@@ -134,9 +134,14 @@ def check_arguments(*, eps: Any, unsupported: Any, memory: Any, fast_path: Any, 
     check_fast_path(fast_path)
     check_keep_blocks(keep_blocks)
     check_records_budget(records_budget)
+    check_tuning(tuning)
+
+
+def check_tuning(tuning: Any) -> None:
+    """``explain(..., tuning=...)``: None or a :class:`relprop.Tuning` (OptionError otherwise)."""
     if tuning is not None and not isinstance(tuning, Tuning):
-        raise OptionError(f"tuning={tuning!r} is not a choice here: None, or a relprop.engine.Tuning "
-                          "(e.g. Tuning(chunks=RowChunks(rows=128)))")
+        raise OptionError(f"tuning={tuning!r} is not a choice here: None, or a relprop.Tuning "
+                          "(e.g. relprop.Tuning(chunks=relprop.RowChunks(rows=128)))")
 
 
 def method_options(infos: Sequence[MethodInfo], options: Dict[str, Any], many: bool) -> Dict[str, Dict[str, Any]]:

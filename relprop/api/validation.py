@@ -17,6 +17,7 @@ import torch
 
 from ..errors import CaptureError, InputError, RelpropError, warn
 from ..graph.dispatch import offloaded_weights
+from ..graph.host_reads import deferring, later, refuse_if
 from ..graph.state import eval_mode
 
 #: inputs that hold one row per sample and one column per token, like ``input_ids``
@@ -48,11 +49,11 @@ def check_inputs(model: torch.nn.Module, kwargs: Dict[str, Any], primary: str) -
     device = offloaded.device if offloaded is not None else (param.device if param is not None else None)
     embeddings = _input_embeddings(model)
     if primary == "input_ids" or (embeddings is not None and not x.is_floating_point()):
-        _check_token_ids(primary, x, embeddings)
+        kwargs[primary] = _check_token_ids(primary, x, embeddings)
     elif not x.is_floating_point() and x.dtype != torch.bool and _any_embedding(model) is not None:
         # integer ids under another name (Perceiver's text preprocessor takes `inputs`): the model has an
         # embedding table, but get_input_embeddings() does not name it; ids beyond every table are refused
-        _check_token_ids(primary, x, _any_embedding(model))
+        kwargs[primary] = _check_token_ids(primary, x, _any_embedding(model))
     elif not x.is_floating_point():
         raise InputError(f"input '{primary}' has dtype {x.dtype}; the model has no embedding table to look integer "
                          f"ids up in and takes floating-point values (e.g. normalized pixels): pass {primary}.float()")
@@ -74,18 +75,20 @@ def check_inputs(model: torch.nn.Module, kwargs: Dict[str, Any], primary: str) -
                                  f"{tuple(x.shape)}; they must match (one entry per token)")
     mask = kwargs.get("attention_mask")
     if torch.is_tensor(mask) and mask.dim() == 2 and mask.shape[0] == x.shape[0]:
-        empty = (mask == 0).all(dim=1)
-        if bool(empty.any()):
-            rows = torch.nonzero(empty).flatten().tolist()
-            raise InputError(f"sample(s) {rows} have an attention mask of all zeros (only padding): there is no "
-                             "token to explain; drop those rows from the batch")
+        def empty_rows(flags, _):
+            rows = [i for i, f in enumerate(flags) if f]
+            return InputError(f"sample(s) {rows} have an attention mask of all zeros (only padding): there is no "
+                              "token to explain; drop those rows from the batch")
+        refuse_if((mask == 0).all(dim=1), empty_rows)
 
 
 def warn_left_padding(model: torch.nn.Module, kwargs: Dict[str, Any]) -> bool:
     """Warn (:class:`relprop.RelpropWarning`) when a causal decoder (GPT-2, LLaMA, ...: ``config.is_decoder``
     or a model that generates) is given a left-padded batch without ``position_ids``: HuggingFace decoders
     number positions 0..n-1 whatever the mask, so a left-padded text is not the computation it is alone and
-    its explanation is not the text's. Returns True when it warned."""
+    its explanation is not the text's. The mask is read with the call's other checks
+    (:func:`relprop.graph.host_reads.later`); returns True when it was handed over (a causal decoder with a
+    mask and no ``position_ids``)."""
     mask = kwargs.get("attention_mask")
     config = getattr(model, "config", None)
     can = getattr(model, "can_generate", None)
@@ -98,17 +101,22 @@ def warn_left_padding(model: torch.nn.Module, kwargs: Dict[str, Any]) -> bool:
     if not causal or not torch.is_tensor(mask) or mask.dim() != 2 or "position_ids" in kwargs:
         return False
     m = mask != 0
-    left = (~m[:, 0]) & m.any(1)
-    if not bool(left.any()):
-        return False
-    warn(f"{type(model).__name__}: samples {left.nonzero().flatten().tolist()} are left-padded; this "
-         "decoder numbers positions 0..n-1 whatever the mask, so a left-padded text is not computed as it "
-         "is alone and its explanation is not the text's. Pad on the right (tokenizer.padding_side = "
-         "'right') or pass position_ids")
+    name = type(model).__name__
+
+    def left_padded(flags):
+        rows = [i for i, f in enumerate(flags) if f]
+        if rows:
+            warn(f"{name}: samples {rows} are left-padded; this decoder numbers positions 0..n-1 whatever the mask, "
+                 "so a left-padded text is not computed as it is alone and its explanation is not the text's. Pad "
+                 "on the right (tokenizer.padding_side = 'right') or pass position_ids")
+    later((~m[:, 0]) & m.any(1), left_padded)
     return True
 
 
-def _check_token_ids(name: str, ids: torch.Tensor, embeddings) -> None:
+def _check_token_ids(name: str, ids: torch.Tensor, embeddings) -> torch.Tensor:
+    """The ids to run with: ``ids``, after refusing ids outside the vocabulary (read with the call's other
+    checks); on an accelerator, clamped into it until then (an id out of range there is a device-side
+    assertion that leaves the device unusable, not an error relprop could report)."""
     if ids.is_floating_point() or ids.dtype == torch.bool:
         raise InputError(f"input '{name}' has dtype {ids.dtype}; token ids must be integers "
                          f"(e.g. a tokenizer's output, or {name}.long())")
@@ -118,21 +126,30 @@ def _check_token_ids(name: str, ids: torch.Tensor, embeddings) -> None:
     if ids.shape[-1] == 0:
         raise InputError(f"input '{name}' has shape {tuple(ids.shape)}: the texts have no token")
     n = getattr(embeddings, "num_embeddings", None)
-    low, high = int(ids.min()), int(ids.max())
-    if low < 0 or (n is not None and high >= n):
+    bounds = torch.stack([ids.min(), ids.max()])
+
+    def outside(_, values):
+        low, high = values
         bad = low if low < 0 else high
-        raise InputError(f"input '{name}' holds token id {bad}, outside the model's vocabulary of "
-                         f"{n if n is not None else '?'} ids (0..{(n - 1) if n is not None else '?'}): "
-                         "was it made by another model's tokenizer?")
+        return InputError(f"input '{name}' holds token id {bad}, outside the model's vocabulary of "
+                          f"{n if n is not None else '?'} ids (0..{(n - 1) if n is not None else '?'}): "
+                          "was it made by another model's tokenizer?")
+    flag = bounds[0] < 0 if n is None else (bounds[0] < 0) | (bounds[1] >= n)
+    refuse_if(flag, outside, bounds)
+    if deferring() and ids.device.type != "cpu":
+        return ids.clamp(0, None if n is None else n - 1)
+    return ids
 
 
 def _check_finite(name: str, v: torch.Tensor) -> None:
-    bad = ~torch.isfinite(v)
-    if bool(bad.any()):
-        rows = torch.nonzero(bad.reshape(v.shape[0], -1).any(1)).flatten().tolist() if v.dim() else []
-        kind = "NaN" if bool(torch.isnan(v).any()) else "inf"
-        raise InputError(f"input '{name}' contains {kind} values (sample(s) {rows}); relevance cannot be "
-                         "computed from non-finite inputs: clean or drop those samples")
+    bad = ~torch.isfinite(v.reshape(v.shape[0], -1) if v.dim() else v.reshape(1, 1))
+
+    def non_finite(rows_bad, nan):
+        rows = [i for i, f in enumerate(rows_bad) if f] if v.dim() else []
+        kind = "NaN" if nan[0] else "inf"
+        return InputError(f"input '{name}' contains {kind} values (sample(s) {rows}); relevance cannot be "
+                          "computed from non-finite inputs: clean or drop those samples")
+    refuse_if(bad.any(1), non_finite, torch.isnan(v).any().reshape(1))
 
 
 def capture_checked(cache, model: torch.nn.Module, kwargs: Dict[str, Any], primary: str, events=None):
@@ -171,15 +188,18 @@ def describe(kwargs: Dict[str, Any]) -> str:
 
 
 def check_result(explanations: Iterable[Any]) -> None:
-    """Raise :class:`RelpropError` if a result holds NaN or ±inf (never handed to the user)."""
+    """Raise :class:`RelpropError` if a result holds NaN or ±inf (never handed to the user); read with the
+    call's other checks."""
     for exp in explanations:
         for field in ("scores", "map"):
             t = getattr(exp, field, None)
-            if torch.is_tensor(t) and t.is_floating_point() and not bool(torch.isfinite(t).all()):
-                raise RelpropError(
-                    f"method '{exp.method}' produced non-finite {field} on these inputs (target scores "
-                    f"{exp.target_scores.tolist()}). The model's own outputs may overflow in its dtype; "
-                    "try the model in float32. If they do not, please report this as a relprop bug.")
+            if torch.is_tensor(t) and t.is_floating_point():
+                def non_finite(_, scores, method=exp.method, field=field):
+                    return RelpropError(
+                        f"method '{method}' produced non-finite {field} on these inputs (target scores {scores}). "
+                        "The model's own outputs may overflow in its dtype; try the model in float32. If they do "
+                        "not, please report this as a relprop bug.")
+                refuse_if(~torch.isfinite(t).all(), non_finite, exp.target_scores.detach().float())
 
 
 def _first_parameter(model: torch.nn.Module):

@@ -23,6 +23,7 @@ import torch
 import torch.fx
 
 from ..graph.attention_core import PRODUCTS, AttentionCore, add_on_first_keys, evaluate_rows, first_keys
+from ..graph.host_reads import deferring
 
 
 class ChunkGradients:
@@ -56,7 +57,7 @@ class ChunkGradients:
             return self._values(lo, hi, keys), None
         d = self.dout[..., lo:hi, :]
         self.done.add(lo)
-        if not self.wanted or not bool(d.any()):
+        if not self.wanted or not deferring() and not bool(d.any()):  # (read on the host: not within a one-read call)
             vals = self._values(lo, hi, keys)
             for n in self.row_parts:
                 self.row_parts[n][lo] = torch.zeros_like(self.whole_values[n][..., lo:hi, :])

@@ -31,6 +31,7 @@ import torch.fx
 from ..errors import UnsupportedOperation
 from ..graph.aliasing import shares_memory
 from ..graph.attention_core import AttentionCore, evaluate_rows, find_core, first_keys, keys_padded
+from ..graph.host_reads import deferring
 from ..graph.nodes import module_path, module_type
 from ..rules.context import RuleContext
 from ..rules.preset_table import BUILTIN
@@ -222,11 +223,12 @@ def _walk_chunks(walker, r, core, block, dout, chunks, sums, hooks, counting: bo
             vals, grad = chunk_values(core, block.attention, values.value, lo, hi, values.compute,
                                       None if counting else dout, keys)
         R: Dict[torch.fx.Node, torch.Tensor] = {} if r is None else {product: r[..., lo:hi, :]}
-        if linear and k > 0 and not bool(R[product].any()):
+        if linear and k > 0 and not deferring() and not bool(R[product].any()):
             # no relevance on these rows (a decoder explained at its last position, in the block next
             # to the output): every rule is linear in R, so every share is 0 (CoreShares gives the
             # rows 0) and so is R_A; the folds still get A and dA. (Never the first chunk: its rules
-            # say what is deferred and what the ledger books.)
+            # say what is deferred and what the ledger books; never within a call that reads nothing on
+            # the host until its end, relprop.graph.host_reads: there every chunk is walked.)
             if hooks is not None:
                 hooks.reached_rows(block, lo, hi, chunks[-1][1], vals[block.attention], grad,
                                    torch.zeros_like(promote(vals[block.attention])), keys[1])

@@ -25,6 +25,7 @@ import torch
 import torch.fx
 
 from ..graph.nodes import live_outputs
+from ..rules.gradient_forms import rows_read
 from ..graph.run_memo import once_per_run
 from .chunked_walk import plan_cores
 from .fast_path import FastPathUnavailable, fast_trace, output_gradient, plan, run_fast
@@ -66,14 +67,15 @@ def run_fast_low(request: Request, schedule) -> Trace:
     scores, seeds = output_seed(captured, env, request.target.score, out_nodes, with_scores=True)
     with torch.no_grad():
         target = request.target.classes(outputs)
-    gbuf: Dict[torch.fx.Node, torch.Tensor] = {n: output_gradient(s, env[n], request.preset.seed)
+    gbuf: Dict[torch.fx.Node, torch.Tensor] = {n: output_gradient(s, env[n], request.preset.seed, request.target.rows)
                                                for n, s in seeds.items()}
     cores = {n: cb for n, cb in planned.items() if n in computed}
     known = {n: env[n] for n in cores}  # A·V from the forward pass, in the chunks the segments use
     grad: Dict[torch.fx.Node, torch.Tensor] = {}
     for seg in reversed(segments(captured)):
-        backward_segment(captured, env, seg, gbuf, grad, sources, kept, compute, cores, known, None, p,
-                         chunks=chunks)
+        with rows_read(request.target.rows):  # (a language model's head: the rows the target reads)
+            backward_segment(captured, env, seg, gbuf, grad, sources, kept, compute, cores, known, None, p,
+                             chunks=chunks)
         for n in cores:
             grad.pop(n, None)  # (the gradient at a core's output: only the row-chunked walk reads it)
         for node in seg:

@@ -32,6 +32,7 @@ from ..graph.dispatch import saving_by_name
 from ..graph.nodes import evaluate, is_live, live_outputs, module_path, output_leaves, relevance_path
 from ..graph.run_memo import once_per_run
 from ..rules import rule_registry as registry
+from ..rules.gradient_forms import rows_read
 from ..rules.pa_lrp import is_positional
 from ..rules.rule_registry import Preset
 from ..rules.stabilize import on_nonzero_rows, promote, relevance_dtype, safe_divide
@@ -161,7 +162,8 @@ def run_fast(request: Request) -> Trace:
         for s in a.sources:  # a second stream's float input (two-stream models)
             if s.op == "placeholder" and s is not a.primary:
                 env[s] = env[s].detach().requires_grad_(True)
-        with saving_by_name(env):  # offloaded weights: autograd saves their names, not their values
+        # (the rows the target reads, for the backward of a language model's head: rows_read)
+        with saving_by_name(env), rows_read(request.target.rows):
             for node in captured.graph.nodes:
                 if node.op != "call_function":
                     continue
@@ -190,19 +192,19 @@ def run_fast(request: Request) -> Trace:
             if seed is None:
                 continue
             roots.append(env[n])
-            grad_outputs.append(output_gradient(seed, env[n], request.preset.seed))
+            grad_outputs.append(output_gradient(seed, env[n], request.preset.seed, request.target.rows))
         grads = torch.autograd.grad(roots, src_vals, grad_outputs, allow_unused=True)
     return fast_trace(request, outputs, scores, target, src_vals, grads)
 
 
-def output_gradient(seed: torch.Tensor, y: torch.Tensor, kind: str) -> torch.Tensor:
+def output_gradient(seed: torch.Tensor, y: torch.Tensor, kind: str, rows=None) -> torch.Tensor:
     """The gradient that starts the modified backward pass at output ``y``, from ``seed`` = ∂s/∂y:
     exact R / y (the ε of the ε-rule enters at each ε-rule node, as in the interpreter), on the rows
-    the seed reaches (a decoder's logits are seeded at one position); with the ``"score"`` seed
-    (``kind``, :attr:`relprop.rules.Preset.seed`) R = y ⊙ ∂s/∂y, so R / y is the derivative itself
-    where y ≠ 0."""
+    the seed reaches (a decoder's logits are seeded at one position; ``rows``: at most how many, the
+    target's); with the ``"score"`` seed (``kind``, :attr:`relprop.rules.Preset.seed`) R = y ⊙ ∂s/∂y,
+    so R / y is the derivative itself where y ≠ 0."""
     fn = _score_seed if kind == "score" else _gradient_seed
-    return on_nonzero_rows(fn, seed, y.detach()).to(y.dtype)
+    return on_nonzero_rows(fn, seed, y.detach(), bound=rows).to(y.dtype)
 
 
 def fast_trace(request: Request, outputs, scores, target, src_vals, grads) -> Trace:

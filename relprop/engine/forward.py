@@ -111,7 +111,7 @@ def bind(captured: Captured, model, kwargs, compute: Optional[torch.dtype] = Non
 
 
 def output_seed(captured: Captured, env, score_fn, out_nodes: List[torch.fx.Node], with_scores: bool = False,
-                seed: str = "gradient"):
+                seed: str = "gradient", rows: Optional[int] = None):
     """The relevance seed at each output: the partial derivative of the target score with respect to
     that output, the other outputs held fixed (``seed="gradient"``, CVPR 2021 §3.3: the one-hot of
     the target logit), or that derivative times the output (``seed="score"``: the target logit's
@@ -122,7 +122,8 @@ def output_seed(captured: Captured, env, score_fn, out_nodes: List[torch.fx.Node
     It differs from the gradient at the output node when one output is computed from another
     (CLIP returns the image and text embeddings and the similarity logits computed from them):
     seeding the total gradient there would inject the relevance of the logits twice. Returns
-    {node: seed}, or (scores, {node: seed}) with ``with_scores``.
+    {node: seed}, or (scores, {node: seed}) with ``with_scores``. ``rows``: at most how many rows of an
+    output the score reads (``Target.rows``).
     """
     leaves, values = [], []
     for n in output_leaves(captured.graph):
@@ -142,21 +143,23 @@ def output_seed(captured: Captured, env, score_fn, out_nodes: List[torch.fx.Node
     for (n, v), g in zip(leaves, grads):
         g = torch.zeros_like(v) if g is None else g
         out[n] = out[n] + g if n in out else g
-    out = relevance_seed(out, env, seed)
+    out = relevance_seed(out, env, seed, rows)
     return (scores.detach(), out) if with_scores else out
 
 
-def relevance_seed(gradients: Dict[torch.fx.Node, torch.Tensor], env, seed: str) -> Dict[torch.fx.Node, torch.Tensor]:
+def relevance_seed(gradients: Dict[torch.fx.Node, torch.Tensor], env, seed: str,
+                   rows: Optional[int] = None) -> Dict[torch.fx.Node, torch.Tensor]:
     """The relevance at each output from the score's partial derivatives there (:func:`output_seed`
     with ``seed="gradient"``): those derivatives themselves, or for ``seed="score"`` the derivatives
-    times the outputs' values (:func:`times_output`)."""
+    times the outputs' values (:func:`times_output`; ``rows``: the target's bound on the rows they reach)."""
     if seed == "gradient":
         return gradients
-    return {n: times_output(g, env[n].detach()) for n, g in gradients.items()}
+    return {n: times_output(g, env[n].detach(), rows) for n, g in gradients.items()}
 
 
-def times_output(gradient: torch.Tensor, output: torch.Tensor) -> torch.Tensor:
+def times_output(gradient: torch.Tensor, output: torch.Tensor, rows: Optional[int] = None) -> torch.Tensor:
     """``gradient ⊙ output`` (the ``"score"`` seed), computed on the rows the gradient reaches only
-    (a language model's vocabulary-sized logits are seeded at one position per sample)."""
-    return on_nonzero_rows(lambda g, y: torch.where(g != 0, g * y, torch.zeros_like(g)), gradient, output)
+    (a language model's vocabulary-sized logits are seeded at one position per sample: at most ``rows``)."""
+    return on_nonzero_rows(lambda g, y: torch.where(g != 0, g * y, torch.zeros_like(g)), gradient, output,
+                           bound=rows)
 

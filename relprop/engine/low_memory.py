@@ -92,8 +92,8 @@ def run_low(request: Request, schedule, out_nodes: List[torch.fx.Node], wrt: Lis
     steps = ChunkedCores(cores, grad, chunks, folder) if cores else None
     walker = None
     if schedule.relevance == "walk":  # (no memo of |W| here: memory="high" only)
-        walker = Walker(request, env, relevance_seed(seed, env, request.preset.seed), out_nodes, batch,
-                        remat, hooks=folder, steps=steps)
+        walker = Walker(request, env, relevance_seed(seed, env, request.preset.seed, request.target.rows), out_nodes,
+                        batch, remat, hooks=folder, steps=steps)
     needed_later = read_after_walk(a)
     dropped: set = set()
     if folder is not None:

@@ -32,6 +32,8 @@ from .fast_path import supports
 
 #: how the relevance of a run is obtained
 RELEVANCE = ("walk", "gradient", "none")
+#: when a call reads values on the host (``Tuning.host_reads``)
+HOST_READS = ("auto", "end", "as_needed")
 #: what becomes of each block's records
 RECORDS = ("kept", "folded", "dropped")
 
@@ -125,18 +127,34 @@ class Tuning:
     fold_chunk_bytes
         a folded method builds each block's map in chunks of query rows of at most this many bytes of
         per-head maps.
+    host_reads
+        when the call reads values on the host: ``"end"``, once, at its end (its checks, warnings and
+        the assumptions it computed under, verified on the device; at most one host synchronization per
+        call); ``"as_needed"``, where a value decides (what saves memory on long inputs: a mask that
+        selects one operand everywhere, rows without relevance); ``"auto"`` (default): ``"end"`` on an
+        accelerator, where every host read stalls the device's queue, ``"as_needed"`` on the CPU, where
+        it costs no round trip.
     """
 
     chunks: Optional[RowChunks] = RowChunks()
     fused_segment: bool = True
     fused_forward: bool = False
     fold_chunk_bytes: int = 16 << 20
+    host_reads: str = "auto"
 
     def __post_init__(self):
+        if self.host_reads not in HOST_READS:
+            raise ValueError(f"Tuning.host_reads={self.host_reads!r}: choices {list(HOST_READS)}")
         if self.chunks is not None and not isinstance(self.chunks, RowChunks):
             raise ValueError(f"Tuning.chunks must be a RowChunks or None, not {type(self.chunks).__name__}")
         if not (isinstance(self.fold_chunk_bytes, int) and self.fold_chunk_bytes >= 1):
             raise ValueError(f"Tuning.fold_chunk_bytes={self.fold_chunk_bytes!r} must be an int >= 1")
+
+    def reads_once(self, device: torch.device) -> bool:
+        """Whether a call on ``device`` reads values on the host once, at its end (``host_reads``)."""
+        if self.host_reads == "auto":
+            return device.type != "cpu"
+        return self.host_reads == "end"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -31,6 +31,7 @@ from ..rules.stabilize import fit_to_shape, promote, relevance_dtype
 from .ledger import STABILIZER, Ledger
 from .node_rules import rule_finder
 from .position_relevance import LABEL as POSITIONS, PositionRelevance
+from .row_bounds import joined, operand_bound
 from .rule_apply import apply_rule
 from .stream_relevance import per_stream, primary_parts
 from .trace import Conservation
@@ -124,6 +125,8 @@ class Walker:
             self.R[n] = promote(seed[n].detach())
         for n in out_nodes:
             self.ledger.inject(n, self.R[n])
+        #: at most how many positions of a node's relevance are not zero (relprop.engine.row_bounds)
+        self.bounds: Dict[torch.fx.Node, Optional[int]] = {n: request.target.rows for n in out_nodes}
         self.input_parts = []
         self.positions = PositionRelevance(self.placeholders, batch) if is_positional(request.preset) else None
         self.steps = steps
@@ -158,6 +161,7 @@ class Walker:
                 self.hooks.reached(node, None)
             return
         r = self.take(node)
+        bound = self.bounds.pop(node, None)
         if node in self.sources:
             self.input_parts.append((node, r))
             return
@@ -180,7 +184,8 @@ class Walker:
         # rules compute in float32 at least: half-precision activations are upcast, float64 kept
         applied = apply_rule(spec, node, r, value, a.live, batch=self.batch, batch_dim=self.bdim.get(node),
                              eps=self.eps, preset=self.preset, options=self.options,
-                             dead=lambda: self.values.dead_after(node))
+                             dead=lambda: self.values.dead_after(node), relevant_rows=bound)
+        out_shape = getattr(r, "shape", ())
         del r
         if applied.kept is not None:  # what an ε-rule's stabilizer keeps, or a rule's own label
             self.absorb(applied.kept[0], applied.kept[1], node, None)
@@ -198,7 +203,7 @@ class Walker:
                     if sh is not None:
                         self.deliver(el, sh, node)
             else:
-                self.deliver(arg, share, node)
+                self.deliver(arg, share, node, (spec, i, bound, out_shape))
 
     def take(self, node):
         """The complete relevance at ``node`` (None: none reaches it), taken off the walk: kept where the
@@ -215,14 +220,21 @@ class Walker:
         self.ledger.passing(node, r)
         return r
 
-    def deliver(self, arg, share, consumer):
+    def deliver(self, arg, share, consumer, rows=None):
         """Add ``share`` to the relevance of ``arg`` (a live node), or book it as absorbed by ``consumer``
-        (a constant)."""
+        (a constant). ``rows``: (the consumer's rule, the operand's position, the bound on the consumer's
+        relevance and its shape), from which the bound on ``arg``'s follows (:mod:`relprop.engine.row_bounds`)."""
         if isinstance(arg, torch.fx.Node) and arg in self.a.live:
             val = self.values.value(arg)
             share = fit_to_shape(promote(share), val.shape)
             R = self.R
-            R[arg] = R[arg] + share if arg in R else share
+            bound = operand_bound(consumer, rows[0], rows[1], rows[2], rows[3], val.shape) if rows else None
+            if arg in R:
+                R[arg] = R[arg] + share
+                self.bounds[arg] = joined(self.bounds.get(arg), bound)
+            else:
+                R[arg] = share
+                self.bounds[arg] = bound
             return
         if not torch.is_tensor(share):
             return

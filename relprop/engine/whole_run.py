@@ -56,7 +56,7 @@ def run_whole(request: Request, schedule, out_nodes: List[torch.fx.Node], remat)
     if schedule.relevance == "walk":
         with torch.no_grad():
             seed = {**grad, **output_seed(captured, env, request.target.score, out_nodes,
-                                          seed=request.preset.seed)}
+                                          seed=request.preset.seed, rows=request.target.rows)}
             walker = Walker(request, env, seed, out_nodes, batch, remat, weight_memo=schedule.weight_memo)
             walked = walk(walker, captured.graph)
             result.rel_at, result.conservation = walked.relevance_at, walked.conservation

@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import MethodError, RelpropError
+from ..graph.host_reads import refuse_if
 from ..methods.layout import positions as token_positions
 from ..rules.stabilize import promote
 from . import flatness
@@ -91,7 +92,7 @@ def _heads_on_positions(heads, trace, method: str, mask, pixels: bool):
     if heads is None or pixels:
         return None
     if trace.modality == "vision" and trace.grid is not None:
-        return torch.stack([on_grid(heads[:, h], trace, method)[0] for h in range(heads.shape[1])], 1)
+        return on_grid(heads, trace, method)[0]
     if mask is not None and tuple(mask.shape) == (heads.shape[0], heads.shape[-1]):
         return torch.where(mask[:, None, :], heads, torch.zeros((), dtype=heads.dtype, device=heads.device))
     return heads
@@ -100,11 +101,14 @@ def _heads_on_positions(heads, trace, method: str, mask, pixels: bool):
 def on_grid(tokens: torch.Tensor, trace, method: str):
     """(scores [batch, gh·gw] in row-major patch order, mask [batch, gh·gw] True at patches some
     token holds, number of tokens that hold no patch) from per-token scores of the first block's
-    tokens, placed by the traced token positions (``trace.token_map``); without them the tokens are
-    the constants first, then the patches row-major."""
+    tokens ([batch, tokens], or [batch, heads, tokens] for per-head rows), placed by the traced token
+    positions (``trace.token_map``); without them the tokens are the constants first, then the patches
+    row-major. Placed on the device: the number of tokens without a patch is a 0-d tensor there (read
+    when ``Explanation.prefix_tokens`` is), two tokens of one patch are refused with the call's other
+    checks (:func:`relprop.graph.host_reads.refuse_if`)."""
     gh, gw = trace.grid
     cells = gh * gw
-    b, n = tokens.shape
+    b, n = tokens.shape[0], tokens.shape[-1]
     positions = token_positions(trace, n)
     if positions is None:
         if getattr(trace, "token_map", None) is not None:
@@ -115,18 +119,21 @@ def on_grid(tokens: torch.Tensor, trace, method: str):
         prefix = n - cells
         if prefix < 0:
             raise RelpropError(f"{n} tokens cannot hold a {gh}x{gw} patch grid")
-        return tokens[:, prefix:], torch.ones(b, cells, dtype=torch.bool, device=tokens.device), prefix
+        return tokens[..., prefix:], torch.ones(b, cells, dtype=torch.bool, device=tokens.device), prefix
     positions = positions.to(tokens.device)
     holds = positions >= 0
-    scores = tokens.new_zeros(b, cells)
-    count = torch.zeros(b, cells, dtype=torch.long, device=tokens.device)
-    for i in range(b):
-        scores[i, positions[i][holds[i]]] = tokens[i][holds[i]]
-        count[i, positions[i][holds[i]]] += 1
-    if bool((count > 1).any()):
-        raise RelpropError(f"two tokens of the first attention block come from the same patch; relprop cannot place "
-                           f"the scores of method '{method}' on the {gh}x{gw} patch grid")
-    return scores, count == 1, int((~holds).sum(1).max())
+    cell = torch.where(holds, positions, cells)  # (a token that holds no patch: a spare cell, dropped)
+    count = torch.zeros(b, cells + 1, dtype=torch.long, device=tokens.device)
+    count = count.scatter_add_(1, cell, torch.ones_like(cell))[:, :cells]
+    lead = tokens.shape[1:-1]
+    index = cell.reshape((b,) + (1,) * len(lead) + (n,)).expand(tokens.shape)
+    scores = tokens.new_zeros(tokens.shape[:-1] + (cells + 1,)).scatter_add_(-1, index, tokens)[..., :cells]
+
+    def shared(*_):
+        return RelpropError(f"two tokens of the first attention block come from the same patch; relprop cannot "
+                            f"place the scores of method '{method}' on the {gh}x{gw} patch grid")
+    refuse_if((count > 1).any(), shared)
+    return scores, count == 1, (~holds).sum(1).amax()
 
 
 def patch_sums(pixel_map: torch.Tensor, gh: int, gw: int) -> torch.Tensor:

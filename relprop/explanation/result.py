@@ -129,6 +129,9 @@ class Explanation:
         value = object.__getattribute__(self, name)
         if type(value) is NotKept:  # a folded explanation: blocks / matrix were not kept
             value._refuse()
+        if name == "prefix_tokens" and isinstance(value, torch.Tensor):  # counted on the device: read once, now
+            value = int(value)
+            object.__setattr__(self, name, value)
         return value
 
     @property

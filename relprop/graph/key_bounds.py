@@ -25,6 +25,7 @@ import torch
 import torch.fx
 
 from .attention_core import AttentionCore
+from .host_reads import expect, speculating
 from .run_memo import remembered
 
 aten = torch.ops.aten
@@ -85,7 +86,42 @@ def _reading(core: AttentionCore, value, chunks: List[tuple]) -> Optional[List[t
             and keys > 1):
         return None
     key = ("key_bounds", mask_source(node), mask.dtype, keys, tuple(chunks))
-    return list(remembered(key, lambda: _read(mask, keys, chunks)))
+    return list(remembered(key, lambda: _read_or_assume(node, mask, keys, chunks)))
+
+
+def _read_or_assume(node: torch.fx.Node, mask: torch.Tensor, keys: int, chunks: List[tuple]) -> List[tuple]:
+    """(bound, every row open) of each chunk: read from the mask (:func:`_read`), or, within a call that
+    reads nothing on the host until its end (:mod:`relprop.graph.host_reads`), as the last careful read at
+    this size found it, kept in the node's ``meta``: a chunk whose every row had an open key and no key at
+    or after its last row open (a causal mask) is assumed so again, verified on the device
+    (:func:`_not_causal`); the other chunks keep every key. The first such call at a size reads."""
+    memo = node.meta.setdefault("relprop_causal_chunks", {})
+    at = (mask.dtype, keys, tuple(chunks))
+    causal = memo.get(at)
+    if not speculating() or causal is None:
+        out = _read(mask, keys, chunks)
+        memo[at] = tuple(b == min(hi, keys) and every for (lo, hi), (b, every) in zip(chunks, out))
+        return out
+    assumed = [(lo, hi) for (lo, hi), c in zip(chunks, causal) if c]
+    if assumed:
+        expect(_not_causal(mask, keys, assumed), "the attention mask is causal on the chunks of query rows where "
+                                                 "it was at the last call of this size")
+    return [(min(hi, keys), True) if c else (keys, False) for (lo, hi), c in zip(chunks, causal)]
+
+
+def _not_causal(mask: torch.Tensor, keys: int, chunks: List[tuple]) -> torch.Tensor:
+    """True (a 0-d tensor) unless, on each chunk (lo, hi) of query rows, every mask value is closed or open
+    (:data:`CLOSED`, :data:`OPEN`), every row has an open key and no key at or after ``hi`` is open."""
+    split = mask.shape[-2] > 1
+    bad = torch.zeros((), dtype=torch.bool, device=mask.device)
+    with torch.no_grad():
+        for lo, hi in chunks:
+            m = mask[..., lo:hi, :] if split else mask
+            opened = m >= OPEN
+            bad = bad | ~(opened | (m <= CLOSED)).all() | ~opened.any(-1).all()
+            if hi < keys:
+                bad = bad | opened[..., hi:].any()
+    return bad
 
 
 def mask_source(node: torch.fx.Node):
@@ -113,18 +149,20 @@ def _number(a):
 
 
 def _read(mask: torch.Tensor, keys: int, chunks: List[tuple]) -> List[tuple]:
-    """(bound, every row open) of each chunk (:func:`key_bounds`, :func:`rows_open`), read from
-    ``mask`` one chunk of rows at a time (no temporary as large as the mask)."""
+    """(bound, every row open) of each chunk (:func:`key_bounds`, :func:`rows_open`), from ``mask`` one
+    chunk of rows at a time (no temporary as large as the mask), read on the host once for all chunks."""
     split = mask.shape[-2] > 1
-    out = []
+    facts = []
     with torch.no_grad():
+        cols = torch.arange(1, keys + 1, device=mask.device)
         for lo, hi in chunks:
             m = mask[..., lo:hi, :] if split else mask
             opened = m >= OPEN
-            every_row = bool(opened.any(-1).all())
-            if not bool((opened | (m <= CLOSED)).all()) or not every_row:
-                out.append((keys, every_row))
-                continue
-            cols = opened.reshape(-1, keys).any(0)
-            out.append((int(cols.nonzero().max()) + 1, True))
+            every_row = opened.any(-1).all()
+            classified = (opened | (m <= CLOSED)).all()
+            last = torch.where(opened.reshape(-1, keys).any(0), cols, 0).amax()  # (last open key) + 1
+            facts.append(torch.stack([every_row.long(), classified.long(), last]))
+    out = []
+    for every_row, classified, last in torch.stack(facts).tolist() if facts else []:
+        out.append((keys, bool(every_row)) if not (classified and every_row) else (int(last), True))
     return out

@@ -27,6 +27,7 @@ from typing import Dict, List, Optional, Set, Tuple
 import torch
 import torch.fx
 
+from .host_reads import expect, speculating
 from .nodes import ancestors, evaluate
 
 aten = torch.ops.aten
@@ -185,7 +186,10 @@ def token_positions(plan: Optional[TokenPlan], env: Dict[torch.fx.Node, object],
         if not torch.is_tensor(t) or t.dim() < 2 or t.shape[0] != batch:
             continue
         if t.dim() > 2:
-            if not bool((t == t[..., :1]).all()):  # a channel map mixed positions: not traced
+            mixed = (t != t[..., :1]).any()  # a channel map mixed positions: not traced
+            if speculating():  # (assumed not, verified with the call's other reads: relprop.graph.host_reads)
+                expect(mixed, f"no channel map of block {index} mixes token positions")
+            elif bool(mixed):
                 continue
             t = t[..., 0]
         out[index] = t.reshape(batch, -1).round().long() - 1

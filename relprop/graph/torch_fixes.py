@@ -35,6 +35,7 @@ from typing import Callable, Optional
 import torch
 from torch.autograd import Function
 
+from .host_reads import deferring
 from .run_memo import about_tensor
 
 aten = torch.ops.aten
@@ -69,8 +70,9 @@ def _native_batch_norm(*args, **kwargs):
 
 def _safe_softmax(x, dim, dtype=None):
     """``aten._safe_softmax`` with one reduction to find the rows that are entirely −inf (module
-    docstring)."""
-    if x.numel() == 0 or bool((x.amax(dim) == float("-inf")).any()):
+    docstring); the op itself within a call that reads nothing on the host
+    (:func:`relprop.graph.host_reads.deferring`)."""
+    if x.numel() == 0 or deferring() or bool((x.amax(dim) == float("-inf")).any()):
         return aten._safe_softmax.default(x, dim, dtype)
     return aten._softmax.default(x if dtype is None else x.to(dtype), dim, False)
 
@@ -104,8 +106,9 @@ def selects_everywhere(cond) -> Optional[int]:
     """For ``where(cond, a, b)``: 1 when the boolean ``cond`` is True everywhere (every element comes
     from ``a``, argument 1), 2 when it is False everywhere (from ``b``), else None. Read once per
     engine run for each ``cond`` tensor (:func:`relprop.graph.run_memo.about_tensor`: the blocks of a
-    decoder each turn the same boolean mask into their own float mask)."""
-    if not (torch.is_tensor(cond) and cond.dtype == torch.bool):
+    decoder each turn the same boolean mask into their own float mask). None within a call that reads
+    nothing on the host (:func:`relprop.graph.host_reads.deferring`): the ``where`` is computed."""
+    if not (torch.is_tensor(cond) and cond.dtype == torch.bool) or deferring():
         return None
     return about_tensor("selects_everywhere", cond, _selects_everywhere)
 
@@ -194,10 +197,12 @@ def any_pending(b, dim, keepdim=False):
     if not b.negated or not isinstance(dim, int) or b.x.dim() == 0 or b.x.shape[dim] == 0:
         return aten.any.dim(b.tensor(), dim, keepdim)
     # a row whose first element differs from c passes: where every row's does (a causal mask opens
-    # each row's first key), that is the answer, from one element per row
-    first = b.x.select(dim, 0) != b.c
-    if bool(first.all()):
-        return first.unsqueeze(dim) if keepdim else first
+    # each row's first key), that is the answer, from one element per row (read on the host: not within
+    # a call that reads nothing there, relprop.graph.host_reads)
+    if not deferring():
+        first = b.x.select(dim, 0) != b.c
+        if bool(first.all()):
+            return first.unsqueeze(dim) if keepdim else first
     # (two reductions, or one when c is an infinity, cost a quarter of torch.aminmax on CPU:
     # 2048-token maps, 1 thread; every x >= -inf, so max = -inf says every element is -inf, NaN aside,
     # and a NaN makes max NaN, which equals nothing, as eq gives False there)

@@ -37,6 +37,7 @@ import torch
 from ..engine.trace import NotKept
 from ..errors import MethodError
 from ..graph.aliasing import shares_memory
+from ..graph.host_reads import deferring
 from ..graph.attention_core import pad_keys
 from .aggregation import Aggregation, block_range, fuse_heads, per_head_maps
 from .apply import no_relevance
@@ -147,10 +148,18 @@ class RowFold:
             self.weights = self.real[:, None, :].float()
             return
         read = support_of(rec.gradient).to(device)
-        self.causal = n >= 2
-        if row_zero_only(read):
+        self._candidates(read, n, device)
+
+    def _candidates(self, read: torch.Tensor, n: int, device) -> None:
+        """The query candidates [non-causal reading, causal reading] of the rows the gradient of the block
+        next to the output reaches (one reading where there is one row); the blocks decide, on the device,
+        which one holds (``causal``, a 0-d bool tensor: nothing is read on the host)."""
+        self.causal = torch.full((), n >= 2, dtype=torch.bool, device=device)
+        # (row 0 alone, the class token's row either way: one reading; decided on the host where the call
+        # reads values as needed, relprop.graph.host_reads)
+        if n < 2 or not deferring() and bool(row_zero_only(read)):
             self.weights = weights_of(read, self.real, False)[:, None, :]
-        else:  # [non-causal reading, causal reading]; the blocks decide which one holds
+        else:
             self.weights = torch.stack([weights_of(read, self.real, False), weights_of(read, self.real, True)], 1)
 
     def __call__(self, rec) -> None:
@@ -162,8 +171,8 @@ class RowFold:
         self.seen += 1
         if rec.index == 0:
             self.tokens0 = rec.attention.shape[-1]
-        if self.causal and self.weights.shape[1] > 1:
-            self.causal = causal_block(rec.attention, self.real)
+        if self.weights.shape[1] > 1 and (deferring() or bool(self.causal)):  # (skipped once a block is not)
+            self.causal = self.causal & causal_block(rec.attention, self.real)
         if rec.index not in self.range:
             return
         check_square(rec, self.name)
@@ -282,8 +291,8 @@ class RowFold:
         if self.first is not None:
             self.first[1].add(part, lo)
             return
-        if self.causal and self.weights.shape[1] > 1:
-            self.causal = causal_rows(part.attention, self.real, lo)
+        if self.weights.shape[1] > 1 and (deferring() or bool(self.causal)):
+            self.causal = self.causal & causal_rows(part.attention, self.real, lo)
         if self.rows_state is not None:
             self._rows_add(self.rows_state, part, lo)
 
@@ -302,16 +311,12 @@ class RowFold:
         n = meta.attention.shape[-2]
         self.real, self.first_tokens = first.real, n
         read = first.read()
-        self.causal = n >= 2
-        if row_zero_only(read):
-            self.weights = weights_of(read, self.real, False)[:, None, :]
-        else:
-            self.weights = torch.stack([weights_of(read, self.real, False), weights_of(read, self.real, True)], 1)
+        self._candidates(read, n, self.real.device)
         self.seen += 1
         if meta.index == 0:
             self.tokens0 = meta.attention.shape[-1]
-        if self.causal and self.weights.shape[1] > 1:
-            self.causal = first.causal
+        if self.weights.shape[1] > 1:
+            self.causal = self.causal & first.causal
         if meta.index not in self.range:
             return
         check_square(meta, self.name)
@@ -344,10 +349,14 @@ class RowFold:
         if self.used_mask and self.tokens0 != self.first_tokens:
             raise MethodError(f"{self.name}: the first and the last attention block have different token counts; "
                               f"explain with keep_blocks=True")
-        pick = 1 if self.weights.shape[1] > 1 and self.causal else 0
-        row, w = self.row[:, pick], self.weights[:, pick].to(self.row.dtype)
-        excluded = self.excluded[:, pick]
-        heads = None if self.heads is None else self.heads[:, pick]
+        row, w, excluded = self.row, self.weights.to(self.row.dtype), self.excluded
+        heads = self.heads
+        if self.weights.shape[1] > 1:  # the causal reading where every block was causal (chosen on the device)
+            row, w, excluded = (torch.where(self.causal, t[:, 1], t[:, 0]) for t in (row, w, excluded))
+            heads = None if heads is None else torch.where(self.causal, heads[:, 1], heads[:, 0])
+        else:
+            row, w, excluded = row[:, 0], w[:, 0], excluded[:, 0]
+            heads = None if heads is None else heads[:, 0]
         if self.query == "mean":
             total = w.sum(1, keepdim=True).clamp_min(1)
             row, w, excluded = row / total, w / total, excluded / total

@@ -26,7 +26,7 @@ The methods that re-run the model (SmoothGrad, Integrated Gradients, and ViT-CX 
 """
 from __future__ import annotations
 
-from typing import List, Optional, Sequence, Tuple, Union
+from typing import List, Optional, Sequence, Union
 
 import torch
 
@@ -75,6 +75,19 @@ def _valid_positions(trace, source: torch.Tensor) -> Optional[torch.Tensor]:
     return None
 
 
+class Run:
+    """One re-run of :class:`Reruns`: which sample each row copies (``rows``), which of its copies
+    (``copies``), whether the row is one (``valid``; a filler row is not), as host lists and as tensors;
+    ``whole``: the rows are the explained batch in order."""
+
+    def __init__(self, rows: List[int], copies: List[int], valid: List[bool], whole: bool):
+        self.rows_list, self.copies_list, self.valid_list, self.whole = rows, copies, valid, whole
+        self.rows = torch.tensor(rows, dtype=torch.long)
+        self.copies = torch.tensor(copies, dtype=torch.long)
+        self.valid = torch.tensor(valid, dtype=torch.bool)
+        self.count = sum(valid)
+
+
 class Reruns:
     """Re-runs of the cached captured graph on *rows*: row r is a copy of sample ``rows[r]`` of the
     explained batch (whose input a method then perturbs: noise, a path point, a mask).
@@ -98,31 +111,29 @@ class Reruns:
         captured = self.session.captured
         self.packed = self.target is not None and bool(getattr(captured, "batch_dynamic", False))
 
-    def plan(self, counts: Sequence[int]) -> List[Tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-        """Runs covering ``counts[i]`` copies of each sample i: a list of (rows, copies, valid), each
-        [k]; ``valid`` is False for filler rows (only in the unpacked mode, when counts differ)."""
+    def plan(self, counts: Sequence[int]) -> List["Run"]:
+        """Runs covering ``counts[i]`` copies of each sample i (:class:`Run`: rows, copies, valid, each
+        [k]; ``valid`` is False for filler rows, only in the unpacked mode, when counts differ). The plan
+        is made on the host from the counts: nothing of it is read back from a device."""
         counts = [int(c) for c in counts]
         runs = []
         if self.packed:
             pairs = [(i, c) for i in range(self.batch) for c in range(counts[i])]
             for start in range(0, len(pairs), self.batch_size):
                 chunk = pairs[start:start + self.batch_size]
-                rows = torch.tensor([p[0] for p in chunk], dtype=torch.long)
-                copies = torch.tensor([p[1] for p in chunk], dtype=torch.long)
-                runs.append((rows, copies, torch.ones(len(chunk), dtype=torch.bool)))
+                rows, copies = [p[0] for p in chunk], [p[1] for p in chunk]
+                runs.append(Run(rows, copies, [True] * len(chunk), rows == list(range(self.batch))))
         else:
-            rows = torch.arange(self.batch)
-            n = torch.tensor(counts, dtype=torch.long)
             for c in range(max(counts, default=0)):
-                valid = c < n
-                copies = torch.minimum(torch.full_like(n, c), (n - 1).clamp(min=0))
-                runs.append((rows, copies, valid))
+                runs.append(Run(list(range(self.batch)), [min(c, max(n - 1, 0)) for n in counts],
+                                [c < n for n in counts], True))
         return runs
 
-    def session_for(self, rows: torch.Tensor) -> Session:
-        """A session whose batch is ``rows`` of the explained batch, scoring each row's own target."""
-        if rows.numel() == self.batch and bool((rows == torch.arange(self.batch)).all()):
+    def session_for(self, run: "Run") -> Session:
+        """A session whose batch is the run's rows of the explained batch, scoring each row's own target."""
+        if run.whole:
             return self.session
+        rows = run.rows
         return self.session.subset(rows, self.target[rows.to(self.target.device)], self.batch)
 
     def progress(self, total: int, desc: str):
@@ -226,9 +237,9 @@ def smoothgrad(trace, n_samples: int = 16, noise_level: float = 0.15, multiply_b
     acc = torch.zeros_like(x)
     runs = reruns.plan([n_samples] * b)
     with reruns.progress(n_samples * b, "smoothgrad") as bar:
-        for rows, copies, ok in runs:
-            session = reruns.session_for(rows)
-            r, c = rows.to(x.device), copies.to(x.device)
+        for run in runs:
+            session = reruns.session_for(run)
+            r, c, ok = run.rows.to(x.device), run.copies.to(x.device), run.valid
 
             def perturb(v, r=r, c=c):
                 return v + _per_sample(sigma[r], v) * eps[c].to(v.dtype)
@@ -237,7 +248,7 @@ def smoothgrad(trace, n_samples: int = 16, noise_level: float = 0.15, multiply_b
             m = z * g if multiply_by_input else g
             m = m * _per_sample(ok.to(x.device).float(), m)
             acc.index_add_(0, r, m.to(acc))
-            bar.update(int(ok.sum()))
+            bar.update(run.count)
     return reduce_source(trace, acc / n_samples)
 
 
@@ -293,9 +304,9 @@ def integrated_gradients(trace, baseline: Union[str, torch.Tensor] = "zero", n_s
     reruns = Reruns(trace, batch_size)
     acc = torch.zeros_like(x)
     with reruns.progress(n_steps * b, "integrated_gradients") as bar:
-        for rows, copies, ok in reruns.plan([n_steps] * b):
-            session = reruns.session_for(rows)
-            r, c = rows.to(x.device), copies.to(x.device)
+        for run in reruns.plan([n_steps] * b):
+            session = reruns.session_for(run)
+            r, c, ok = run.rows.to(x.device), run.copies.to(x.device), run.valid
 
             def perturb(v, r=r, c=c):
                 base = x0[r].to(v.dtype)
@@ -304,7 +315,7 @@ def integrated_gradients(trace, baseline: Union[str, torch.Tensor] = "zero", n_s
             _, g = session.source_gradient(perturb)
             g = g * _per_sample(ok.to(x.device).float(), g)
             acc.index_add_(0, r, g.to(acc))
-            bar.update(int(ok.sum()))
+            bar.update(run.count)
     attributions = (x - x0) * acc / n_steps
     out = reduce_source(trace, attributions)
     # completeness (the paper's Prop. 1): Σ IG = f(x) − f(x₀); captum's convergence delta is the difference

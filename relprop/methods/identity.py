@@ -127,13 +127,20 @@ def merge_rows(row: torch.Tensor, excluded: torch.Tensor, w: torch.Tensor) -> to
     return torch.where(w != 0, excluded, row)
 
 
-def flat_cause(identity: str, w: torch.Tensor) -> str:
+def flat_cause(identity: str, w: torch.Tensor) -> tuple:
     """In words, why a rollout's scores can be uniform (for the flat-map warning of
     :mod:`relprop.explanation.flatness`): with ``identity="keep"`` and a query spread over several
-    rows, the identity share q dominates; otherwise the blocks' maps give every token the same share."""
-    spread = int((w != 0).sum(-1).max()) if w.numel() else 0
-    if identity == "keep" and spread > 1:
-        return (f"identity='keep' carries the query weights (spread over {spread} rows: the model pools over tokens) "
-                "through each block's identity to the scores unchanged, and the blocks' maps add too little to that "
-                "to show; identity='exclude' (the default) leaves that share out")
-    return "the blocks' aggregated maps give every token the same share (e.g. maps near zero for this target)"
+    rows, the identity share q dominates; otherwise the blocks' maps give every token the same share.
+    Returns ``(describe, spread)``: ``spread`` the most rows a sample's query weights spread over (a
+    tensor, read with the call's other checks only when the warning is given), ``describe(values)`` the
+    words from its value."""
+    spread = (w != 0).sum(-1).amax() if w.numel() else torch.zeros((), dtype=torch.long, device=w.device)
+
+    def describe(values) -> str:
+        rows = int(values[0])
+        if identity == "keep" and rows > 1:
+            return (f"identity='keep' carries the query weights (spread over {rows} rows: the model pools over "
+                    "tokens) through each block's identity to the scores unchanged, and the blocks' maps add too "
+                    "little to that to show; identity='exclude' (the default) leaves that share out")
+        return "the blocks' aggregated maps give every token the same share (e.g. maps near zero for this target)"
+    return describe, spread

@@ -116,15 +116,16 @@ def _vz_maps(trace, chosen, batch_size: int = 32) -> List[torch.Tensor]:
             ones = torch.ones((bsz, 1, tokens, 1), dtype=v.dtype, device=v.device)
             ref = session.block_output_with_value_scaled(env, blk.index, ones)  # [batch, tokens, hidden]
             dist = torch.zeros((bsz, tokens, tokens), dtype=torch.float64, device=ref.device)
-            received = blk.attention.sum(dim=(1, 2))  # [batch, tokens]: attention token j receives
-            read = [j for j in range(tokens) if not bool((received[:, j] == 0).all())]  # others change nothing
-            bar.update(tokens - len(read))
+            # a token no query attends to changes nothing when its values are zeroed: its distances are 0
+            # (set after the loop, decided on the device: nothing is read on the host)
+            unread = (blk.attention.sum(dim=(1, 2)) == 0).all(0)  # [tokens]
             step = max(1, batch_size // bsz)
-            for start in range(0, len(read), step):
-                js = read[start:start + step]
+            for start in range(0, tokens, step):
+                js = list(range(start, min(tokens, start + step)))
                 outs = _zeroed_outputs(session, env, blk.index, ones, js)  # [len(js), batch, tokens, hidden]
                 dist[:, :, js] = cosine_distance(outs, ref.expand_as(outs)).permute(1, 2, 0)
                 bar.update(len(js))
+            dist = dist.masked_fill_(unread, 0.0)
             total = dist.sum(-1, keepdim=True)
             vz = torch.where(total > 0, dist / total.clamp_min(1e-300), torch.zeros_like(dist))
             maps.append(vz)
@@ -282,17 +283,18 @@ def vit_cx(trace, distance_threshold: float = 0.1, baseline: Union[str, float] =
     scores = [x.new_zeros(c) for c in counts]
     reruns = Reruns(trace, batch_size)
     with progress_bar(sum(counts), "vit_cx") as bar:
-        for rows, copies, ok in reruns.plan(counts):
-            keep = [k for k in range(rows.numel()) if bool(ok[k])]
+        for run in reruns.plan(counts):
+            rows, copies, ok = run.rows_list, run.copies_list, run.valid_list
+            keep = [k for k in range(len(rows)) if ok[k]]
             if not keep:
                 continue
-            mk = torch.stack([masks[int(rows[k])][int(copies[k])] if bool(ok[k]) else x.new_ones(size)
-                              for k in range(rows.numel())])[:, None]  # [rows, 1, H, W]
-            r = rows.to(x.device)
+            mk = torch.stack([masks[rows[k]][copies[k]] if ok[k] else x.new_ones(size)
+                              for k in range(len(rows))])[:, None]  # [rows, 1, H, W]
+            r = run.rows.to(x.device)
             masked = x[r] * mk + base[r] * (1 - mk)
-            s = reruns.session_for(rows).target_scores(primary=masked)
+            s = reruns.session_for(run).target_scores(primary=masked)
             for k in keep:
-                scores[int(rows[k])][int(copies[k])] = s[k]
+                scores[rows[k]][copies[k]] = s[k]
             bar.update(len(keep))
 
     out = x.new_zeros((bsz,) + tuple(size))

@@ -28,32 +28,35 @@ from __future__ import annotations
 import torch
 
 from ..errors import MethodError
+from ..graph.host_reads import deferring
 
 
-def is_causal(trace) -> bool:
-    """True when every block's attention is causal: no real (non-padding) query attends to a
-    later position (the strict upper triangle of A is exactly zero), as a causal mask makes it."""
+def is_causal(trace) -> torch.Tensor:
+    """True (a 0-d bool tensor on the maps' device, read by no one on the host) when every block's
+    attention is causal: no real (non-padding) query attends to a later position (the strict upper
+    triangle of A is exactly zero), as a causal mask makes it."""
     blocks = getattr(trace, "blocks", None) or []
-    if not blocks:
-        return False
+    if not blocks or blocks[0].attention.shape[-1] < 2:
+        return torch.zeros((), dtype=torch.bool)
     n = blocks[0].attention.shape[-1]
-    if n < 2:
-        return False
     device = blocks[0].attention.device
     real = real_tokens(trace, n, device)  # [B, N]
-    return all(causal_block(b.attention, real) for b in blocks)
+    causal = torch.ones((), dtype=torch.bool, device=device)
+    for b in blocks:
+        causal = causal & causal_block(b.attention, real)
+    return causal
 
 
-def causal_block(a: torch.Tensor, real: torch.Tensor) -> bool:
+def causal_block(a: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
     """Whether one block's attention ``a`` ([batch, heads, N, N] or [batch, N, N]) is causal on the
     real queries ``real`` ([batch, N] bool, :func:`real_tokens`): its strict upper triangle is
-    exactly zero there. A map of another size than ``real`` is not."""
+    exactly zero there (a 0-d bool tensor). A map of another size than ``real`` is not."""
     n = real.shape[-1]
     if tuple(a.shape[-2:]) != (n, n):
-        return False
+        return torch.zeros((), dtype=torch.bool, device=a.device)
     upper = torch.ones(n, n, dtype=torch.bool, device=a.device).triu(1)
     rows = real[:, None, :, None] if a.dim() == 4 else real[:, :, None]
-    return not bool(((a != 0) & upper & rows).any())
+    return ~((a != 0) & (upper & rows)).any()
 
 
 def support(trace) -> torch.Tensor:
@@ -73,39 +76,49 @@ def support_of(gradient: torch.Tensor) -> torch.Tensor:
 
 def query_weights(trace) -> torch.Tensor:
     """[batch, rows of the last block's attention]: the weights of each sample's query row (the mean
-    of the support's rows; see the module docstring)."""
+    of the support's rows; see the module docstring). Chosen on the device: nothing is read on the host."""
     last = trace.blocks[-1].attention
     n, device = last.shape[-2], last.device
     read = support(trace).to(device)
-    causal = not row_zero_only(read) and is_causal(trace)  # (row 0 alone: the class token's row either way)
-    return weights_of(read, real_tokens(trace, n, device), causal)
+    real = real_tokens(trace, n, device)
+    if not deferring() and bool(row_zero_only(read)):  # (row 0 alone either way: no causality test)
+        return weights_of(read, real, False)
+    return weights_of(read, real, is_causal(trace))
 
 
-def row_zero_only(read: torch.Tensor) -> bool:
-    """True when every sample's support (``read`` [batch, rows]) is row 0 alone, or there is one row:
-    the query is the class token's row whether the model is causal or not."""
-    return read.shape[1] < 2 or bool((read[:, 0] & (read.sum(1) == 1)).all())
+def row_zero_only(read: torch.Tensor) -> torch.Tensor:
+    """True (a 0-d bool tensor) when every sample's support (``read`` [batch, rows]) is row 0 alone, or
+    there is one row: the query is the class token's row whether the model is causal or not."""
+    if read.shape[1] < 2:
+        return torch.ones((), dtype=torch.bool, device=read.device)
+    return (read[:, 0] & (read.sum(1) == 1)).all()
 
 
-def weights_of(read: torch.Tensor, real: torch.Tensor, causal: bool) -> torch.Tensor:
+def weights_of(read: torch.Tensor, real: torch.Tensor, causal) -> torch.Tensor:
     """[batch, rows]: the query weights from the support ``read`` and the real tokens ``real``
-    ([batch, rows] bool each) of a causal or a non-causal model (see the module docstring)."""
+    ([batch, rows] bool each) of a causal or a non-causal model (``causal``: a bool, or a 0-d bool tensor
+    decided on the device; see the module docstring): row 0 where every sample reads row 0 alone; a
+    causal model's last row read (its last real token where it reads none); else the mean of the rows
+    read (row 0 where it reads none)."""
     batch, n = read.shape
     device = read.device
-    weights = torch.zeros(batch, n, device=device)
-    weights[:, 0] = 1.0
-    if row_zero_only(read):
-        return weights  # every sample reads row 0 alone: the class token's row
-    idx = torch.arange(n, device=device)
-    if causal:
+    first = torch.zeros(batch, n, device=device)
+    first[:, 0] = 1.0
+    if n < 2:
+        return first
+    if causal is True or torch.is_tensor(causal):
+        idx = torch.arange(n, device=device)
         last_real = torch.where(real, idx, -1).amax(1).clamp_min(0)
         last_read = torch.where(read, idx, -1).amax(1)
         q = torch.where(last_read >= 0, last_read, last_real)
-        return torch.nn.functional.one_hot(q, n).float()
-    for b in range(batch):
-        if bool(read[b].any()):
-            weights[b] = read[b].float() / read[b].sum()
-    return weights
+        latest = (idx[None, :] == q[:, None]).float()  # (a one-hot without one_hot's range check on the host)
+        if causal is True:
+            return torch.where(row_zero_only(read), first, latest)
+    count = read.sum(1, keepdim=True)
+    mean = torch.where(count > 0, read.float() / count.clamp_min(1), first)
+    if torch.is_tensor(causal):
+        mean = torch.where(causal, latest, mean)
+    return torch.where(row_zero_only(read), first, mean)
 
 
 def query_vector(trace, rows: int, device=None, dtype=torch.float32) -> torch.Tensor:

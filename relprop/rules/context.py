@@ -54,6 +54,12 @@ class RuleContext:
         (an argument, a value read after the walk or returned by the program). A rule may then
         compute into its buffer after its last read of it (one attention-sized allocation fewer on
         long inputs). Given only to rules registered with ``writes_out=True``; False otherwise.
+    relevant_rows
+        at most how many positions (all axes but the last) of the relevance given to the rule are
+        not zero, as the walk knows it from the target (the rows the target reads, carried through the
+        layers that keep each position's row apart: a linear layer, a norm over the last axis, an
+        element-wise op), or None (unknown). A rule that computes on those positions only
+        (``relprop.rules.stabilize.on_relevant_rows``) finds them on the device within this bound.
     """
 
     node: torch.fx.Node
@@ -67,6 +73,7 @@ class RuleContext:
     preset: Union[str, Preset] = "chefer2021"
     options: dict = dataclasses.field(default_factory=dict)
     out_writable: bool = False
+    relevant_rows: Optional[int] = None
 
     @property
     def module_path(self) -> str:

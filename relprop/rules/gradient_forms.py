@@ -41,11 +41,14 @@ form), the relevance its stabilizer keeps, which the walk books as absorbed.
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 from typing import Callable, Optional
 
 import torch
 from torch.autograd import Function
 
+from ..graph.host_reads import scope
 from ..graph.torch_fixes import safe_target
 from .spec import GradientForm, RuleSpec, as_form, as_spec
 from .stabilize import SPARSE_ROW, on_nonzero_rows, safe_divide
@@ -124,17 +127,34 @@ class _Stabilize(Function):
         return g * _stabilizer(z, ctx.eps, ctx.scale), None, None
 
 
+#: the rows of a run's output the target reads (``Target.rows``), for :class:`_WideLinear`'s backward,
+#: which autograd may run on a thread of its own: set around a run's forward pass (:func:`rows_read`)
+_ROWS: contextvars.ContextVar = contextvars.ContextVar("relprop_rows_read", default=None)
+
+
+@contextlib.contextmanager
+def rows_read(rows: Optional[int]):
+    """Within this context the forward pass of the fast path knows that the target reads at most
+    ``rows`` rows of the model's output (None: not known)."""
+    token = _ROWS.set(rows)
+    try:
+        yield
+    finally:
+        _ROWS.reset(token)
+
+
 class _WideLinear(Function):
     """``linear(x, W, b)`` forward, W and b constant; backward the ε-stabilized gradient to x,
     (g · z / (z + ε·sign z)) W, on the rows where g is nonzero (see
     :func:`relprop.rules.stabilize.on_nonzero_rows`): a language model's head explained at one
-    position multiplies one row per sample by W instead of every position's."""
+    position multiplies one row per sample by W instead of every position's. The bound on those rows
+    and the call's host reads are taken in the forward pass (the backward may run on another thread)."""
 
     @staticmethod
     def forward(ctx, x, w, b, eps):
         z = torch.ops.aten.linear.default(x, w, b)
         ctx.save_for_backward(w, z)
-        ctx.eps = eps
+        ctx.eps, ctx.rows, ctx.reads = eps, _ROWS.get(), scope()
         return z
 
     @staticmethod
@@ -144,7 +164,8 @@ class _WideLinear(Function):
 
         def input_gradient(g, z):
             return (g * _stabilizer(z, eps)) @ w
-        gx = on_nonzero_rows(input_gradient, g, z) if ctx.needs_input_grad[0] else None
+        gx = on_nonzero_rows(input_gradient, g, z, bound=ctx.rows, reads=ctx.reads) \
+            if ctx.needs_input_grad[0] else None
         return gx, None, None, None
 
 

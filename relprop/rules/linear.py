@@ -31,6 +31,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import UnsupportedOperation
+from ..graph.host_reads import expect, speculating
 from ..graph.nodes import module_type
 from .rule_registry import rule
 from .stabilize import on_relevant_rows, promote, safe_divide, safe_divide_nonnegative, scratch, times_fresh
@@ -93,12 +94,14 @@ def alpha1_beta0(x: torch.Tensor, w: torch.Tensor, relevance: torch.Tensor, eps:
     small = z < (den.mul_(SMALL_Z) if scratch(den) else den * SMALL_Z)
     del den
     exact = None
-    if bool(small.any()):  # cancellation: these outputs are recomputed from the split terms
+    if speculating():  # no output cancels (checked with the call's other reads: relprop.graph.host_reads)
+        expect(small.any(), "no output of a linear layer's Eq. 5 denominator cancels in float32")
+    elif bool(small.any()):  # cancellation: these outputs are recomputed from the split terms
         s, exact = _exact_columns(x, w, relevance, eps, s, small)
     rx = times_fresh(s @ w.transpose(-1, -2), x)
     rx.addcmul_(abs_x, s @ abs_wt).mul_(0.5)
-    if s.numel() and not bool(s.amin() < 0):  # Eq. 5's terms are >= 0 for S >= 0: drop rounding below 0
-        rx.clamp_(min=0)
+    if s.numel():  # Eq. 5's terms are >= 0 for S >= 0: drop rounding below 0 (decided on the device)
+        rx.clamp_(min=torch.where(s.amin() < 0, -torch.inf, 0.0).to(rx.dtype))
     return rx if exact is None else rx.add_(exact)
 
 
@@ -170,7 +173,7 @@ def linear(ctx, relevance):
     def rule_on(r, xs, xws):  # (on the positions with relevance only: on_relevant_rows)
         return alpha1_beta0(xs, wt, r, ctx.eps, xw=xws, abs_wt=abs_w,
                             xw_scratch=xws is not None and (xws is not ctx.out or xs is not x))
-    rx = on_relevant_rows(rule_on, relevance, x, xw)
+    rx = on_relevant_rows(rule_on, relevance, x, xw, bound=ctx.relevant_rows)
     return (rx,) + (None,) * (len(ctx.args) - 1)
 
 
@@ -180,7 +183,8 @@ def linear_lrp_baseline(ctx, relevance):
     (``layers_lrp.Linear``; :func:`lrp_baseline`); bias ignored."""
     require_constant_weight(ctx, 1)
     wt = promote(ctx.args[1]).t()
-    rx = on_relevant_rows(lambda r, xs: lrp_baseline(xs, wt, r, ctx.eps), relevance, promote(ctx.args[0]))
+    rx = on_relevant_rows(lambda r, xs: lrp_baseline(xs, wt, r, ctx.eps), relevance, promote(ctx.args[0]),
+                          bound=ctx.relevant_rows)
     return (rx,) + (None,) * (len(ctx.args) - 1)
 
 

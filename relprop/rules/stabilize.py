@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from ..graph.host_reads import scope
+
 DEFAULT_EPS = 1e-9
 
 
@@ -113,10 +115,17 @@ def safe_divide_nonnegative(num: torch.Tensor, den: torch.Tensor, eps: float = D
     return _zero_undefined(num / (den + eps) if eps else num / den, den, pushed=bool(eps))
 
 
+def _row_has(flat: torch.Tensor) -> torch.Tensor:
+    """[rows] bool: the rows of the 2-d ``flat`` with an entry other than ±0 (NaN counts). Long rows by
+    their max and min (two reductions and no tensor-sized mask, a tenth of the time of
+    ``(flat != 0).any(-1)`` on CPU), short ones by the mask."""
+    if flat.shape[-1] >= SPARSE_ROW:
+        return (flat.amax(-1) != 0) | (flat.amin(-1) != 0)
+    return (flat != 0).any(-1)
+
+
 def _nonzero_rows(flat: torch.Tensor) -> torch.Tensor:
-    """The indices of the rows of the 2-d ``flat`` with an entry other than ±0 (NaN counts): those
-    whose max or min is not 0. Two reductions and no tensor-sized mask, a tenth of the time of
-    ``(flat != 0).any(-1)`` on CPU."""
+    """The indices of the rows of the 2-d ``flat`` with an entry other than ±0 (read on the host)."""
     return ((flat.amax(-1) != 0) | (flat.amin(-1) != 0)).nonzero().squeeze(1)
 
 
@@ -125,7 +134,26 @@ def _nonzero_rows(flat: torch.Tensor) -> torch.Tensor:
 SPARSE_ROW = 8192
 
 
-def on_nonzero_rows(fn, g: torch.Tensor, *others: torch.Tensor) -> torch.Tensor:
+def _on_bounded_rows(fn, flat: torch.Tensor, others, bound: int, reads) -> torch.Tensor:
+    """``fn`` on the rows of ``flat`` with an entry other than 0, at most ``bound`` of them, found on the
+    device (no host read: a fixed number of rows, the first ``bound`` by index, the ones past the last
+    such row padded with a row of zero relevance, which ``fn`` maps to zero); 0 on the other rows.
+    ``others``: tensors with ``flat``'s rows, gathered alike. That no more than ``bound`` rows have an
+    entry is the assumption of the call's ``reads`` (:meth:`relprop.graph.host_reads.Reads.expect`)."""
+    positions = flat.shape[0]
+    key = torch.where(_row_has(flat), torch.arange(positions, device=flat.device), positions)
+    first = key.topk(bound + 1, largest=False, sorted=True).values
+    reads.expect(first[bound] != positions, f"the relevance of a layer reaches at most {bound} of its positions "
+                                            "(the rows the target reads)")
+    first = first[:bound]
+    rows = first.clamp_max(positions - 1)
+    r = flat.index_select(0, rows) * (first < positions)[:, None].to(flat.dtype)
+    part = fn(r, *(t.index_select(0, rows) for t in others))
+    out = part.new_zeros((positions, part.shape[-1]))
+    return out.index_add_(0, rows, part)
+
+
+def on_nonzero_rows(fn, g: torch.Tensor, *others: torch.Tensor, bound=None, reads=None) -> torch.Tensor:
     """``fn(g, *others)`` evaluated only on the rows (along the last dimension) where ``g`` is not
     all zero, 0 on the others, when the rows are long (≥ :data:`SPARSE_ROW`) and at most half of
     them are nonzero; else ``fn`` on everything. ``fn`` maps rows to rows (its output's last
@@ -136,11 +164,22 @@ def on_nonzero_rows(fn, g: torch.Tensor, *others: torch.Tensor) -> torch.Tensor:
     fewer rows may sum in another order). It saves the passes over the rows the relevance never
     reaches: a decoder explained at its last position gets a seed that is zero at every other
     position of its [batch, positions, vocabulary] logits (Achtibat et al., ICML 2024, Eq. 8 at
-    the output layer)."""
+    the output layer).
+
+    Within a call that reads nothing on the host (``reads``: its
+    :class:`relprop.graph.host_reads.Reads`, by default the open scope's) the rows are found on the
+    device, at most ``bound`` of them (the rows the target reads: ``Target.rows``); without a bound
+    every row is computed."""
     n = g.shape[-1] if g.dim() >= 2 else 0
     if n < SPARSE_ROW or any(t.shape != g.shape for t in others):
         return fn(g, *others)
     flat = g.reshape(-1, n)
+    reads = reads if reads is not None else scope()
+    if reads is not None:
+        if bound is None or 2 * bound > flat.shape[0]:
+            return fn(g, *others)
+        part = _on_bounded_rows(fn, flat, [t.reshape(-1, n) for t in others], bound, reads)
+        return part.reshape(*g.shape[:-1], part.shape[-1])
     rows = _nonzero_rows(flat)
     if 2 * rows.numel() > flat.shape[0]:
         return fn(g, *others)
@@ -155,7 +194,7 @@ def on_nonzero_rows(fn, g: torch.Tensor, *others: torch.Tensor) -> torch.Tensor:
 RELEVANT_ROWS = 64
 
 
-def on_relevant_rows(fn, relevance: torch.Tensor, *rows) -> torch.Tensor:
+def on_relevant_rows(fn, relevance: torch.Tensor, *rows, bound=None) -> torch.Tensor:
     """``fn(relevance, *rows)`` computed only on the positions (all axes but the last) where
     ``relevance`` is not all zero, 0 at the others, when there are at least :data:`RELEVANT_ROWS`
     positions and at most half of them have relevance; else ``fn`` on everything. ``rows``: tensors
@@ -165,12 +204,27 @@ def on_relevant_rows(fn, relevance: torch.Tensor, *rows) -> torch.Tensor:
     ``fn`` on everything up to the sign of zeros and float rounding (products of fewer rows may sum
     in another order). A decoder explained at its last position has relevance at that position
     only in its head and its last block's feed-forward layers and projections (CVPR 2021 Eq. 5 on
-    one row instead of thousands)."""
+    one row instead of thousands).
+
+    Within a call that reads nothing on the host (:mod:`relprop.graph.host_reads`) the positions are
+    found on the device, at most ``bound`` of them (``RuleContext.relevant_rows``: the walk's bound on the
+    positions the target's relevance reaches at this node); without a bound every position is computed."""
     n = relevance.shape[-1] if relevance.dim() >= 2 else 0
     positions = relevance.numel() // n if n else 0
     if positions < RELEVANT_ROWS or any(t is not None and t.shape[:-1] != relevance.shape[:-1] for t in rows):
         return fn(relevance, *rows)
     flat = relevance.reshape(-1, n)
+    reads = scope()
+    if reads is not None:
+        if bound is None or 2 * bound > positions:
+            return fn(relevance, *rows)
+        given = [t for t in rows if t is not None]
+
+        def on(r, *parts):
+            it = iter(parts)
+            return fn(r, *(None if t is None else next(it) for t in rows))
+        part = _on_bounded_rows(on, flat, [t.reshape(-1, t.shape[-1]) for t in given], bound, reads)
+        return part.reshape(*relevance.shape[:-1], part.shape[-1])
     keep = _nonzero_rows(flat)
     if 2 * keep.numel() > positions:
         return fn(relevance, *rows)

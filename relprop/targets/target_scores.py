@@ -20,14 +20,39 @@ from typing import Any, Callable, Dict, NamedTuple, Optional
 import torch
 
 from ..errors import TargetError
+from ..graph.host_reads import refuse_if
 
 
 class Target(NamedTuple):
     """A resolved target: ``score(outputs)`` -> [batch] differentiable target scores, and
-    ``classes(outputs)`` -> [batch] class indices explained (None for a callable target)."""
+    ``classes(outputs)`` -> [batch] class indices explained (None for a callable target).
+
+    :attr:`rows` says how many rows of the model's output the score reads at most, where that is known."""
 
     score: Callable[[Any], torch.Tensor]
     classes: Callable[[Any], Optional[torch.Tensor]]
+
+    @property
+    def rows(self) -> Optional[int]:
+        """The most rows of the model's output (its positions of all samples, every axis but the last) the
+        score reads (a next token's logit: one per sample), or None where it is not known: the score's
+        ``rows`` attribute. The engine computes the rules of the layers next to the output on those rows
+        only, found on the device."""
+        return getattr(self.score, "rows", None)
+
+
+def rows_read(target: Any, batch: int) -> Optional[int]:
+    """The most rows of the model's output a callable ``target`` reads: its ``rows_read(batch)`` where it
+    says (:class:`NextToken`, the teacher-forced copies of generation), else None."""
+    says = getattr(target, "rows_read", None)
+    return says(batch) if callable(says) else None
+
+
+def _reading(score: Callable, rows: Optional[int]) -> Callable:
+    """``score`` with the number of rows it reads as its ``rows`` attribute (:attr:`Target.rows`)."""
+    if rows is not None:
+        score.rows = rows
+    return score
 
 
 def find_logits(outputs: Any) -> Optional[torch.Tensor]:
@@ -76,7 +101,11 @@ def resolve(target: Any, batch: int, wrt: Optional[str] = None) -> Target:
     A :class:`Contrast` scores ``score(a) − score(b)`` and, like a callable, explains no single class."""
     if isinstance(target, Contrast):
         ta, tb = resolve(target.a, batch, wrt), resolve(target.b, batch, wrt)
-        return Target(lambda outputs: ta.score(outputs) - tb.score(outputs), lambda outputs: None)
+        rows = ta.rows + tb.rows if ta.rows is not None and tb.rows is not None else None
+
+        def difference(outputs):
+            return ta.score(outputs) - tb.score(outputs)
+        return Target(_reading(difference, rows), lambda outputs: None)
     if callable(target) and not torch.is_tensor(target):
         def score_fn(outputs):
             s = target(outputs)
@@ -84,7 +113,7 @@ def resolve(target: Any, batch: int, wrt: Optional[str] = None) -> Target:
                 shape = tuple(s.shape) if torch.is_tensor(s) else type(s).__name__
                 raise TargetError(f"target callable must return one score per sample, shape [{batch}]; got {shape}")
             return s
-        return Target(score_fn, lambda outputs: None)
+        return Target(_reading(score_fn, rows_read(target, batch)), lambda outputs: None)
 
     def target_of(outputs) -> torch.Tensor:
         logits = logits_of(outputs, wrt)
@@ -120,18 +149,19 @@ def resolve(target: Any, batch: int, wrt: Optional[str] = None) -> Target:
                 t = t.expand(batch).clone()
             if t.numel() != batch:
                 raise TargetError(f"target has {t.numel()} entries but the batch has {batch} samples")
-        bad = (t < 0) | (t >= n)
-        if bool(bad.any()):
-            raise TargetError(f"target {t[bad].tolist()} out of range: valid class indices are 0..{n - 1} "
-                              f"(the model has {n} classes)")
-        return t
+        def out_of_range(flags, classes):
+            bad = [c for c, f in zip(classes, flags) if f]
+            return TargetError(f"target {bad} out of range: valid class indices are 0..{n - 1} "
+                               f"(the model has {n} classes)")
+        refuse_if((t < 0) | (t >= n), out_of_range, t)  # (read with the call's other checks)
+        return t.clamp(0, n - 1)
 
     def score_fn(outputs):
         t = target_of(outputs)
         logits = logits_of(outputs, wrt)
         return logits.gather(1, t[:, None]).squeeze(1)
 
-    return Target(score_fn, target_of)
+    return Target(_reading(score_fn, batch), target_of)
 
 
 def fixed(classes: torch.Tensor, wrt: Optional[str] = None) -> Target:
@@ -140,7 +170,7 @@ def fixed(classes: torch.Tensor, wrt: Optional[str] = None) -> Target:
     def score(outputs):
         logits = logits_of(outputs, wrt)
         return logits.gather(1, classes[:, None].to(logits.device)).squeeze(1)
-    return Target(score, lambda outputs: classes)
+    return Target(_reading(score, classes.numel()), lambda outputs: classes)
 
 
 def teacher_forced(positions: torch.Tensor, tokens: torch.Tensor,
@@ -153,6 +183,7 @@ def teacher_forced(positions: torch.Tensor, tokens: torch.Tensor,
         logits = logits_of(outputs)  # outputs.logits, or the logits themselves (a wrapper's output)
         s = logits[rows, positions, tokens]
         return s if other is None else s - logits[rows, positions, other]
+    score.rows_read = lambda batch: tokens.numel()  # one row (its position) per copy
     return score
 
 
@@ -165,11 +196,13 @@ def last_positions(attention_mask: Optional[torch.Tensor], batch: int, length: i
     if m.dim() != 2:
         raise TargetError(f"attention_mask must be [batch, positions], got shape {tuple(m.shape)}")
     real = m != 0
-    if not bool(real.any(1).all()):
-        empty = (~real.any(1)).nonzero().flatten().tolist()
-        raise TargetError(f"samples {empty} have no non-padding position (attention_mask is all 0 there)")
+
+    def empty_samples(flags, _):
+        empty = [i for i, f in enumerate(flags) if f]
+        return TargetError(f"samples {empty} have no non-padding position (attention_mask is all 0 there)")
+    refuse_if(~real.any(1), empty_samples)  # (read with the call's other checks)
     idx = torch.arange(m.shape[1], device=m.device)
-    return torch.where(real, idx, torch.full_like(idx, -1)).amax(1)
+    return torch.where(real, idx, torch.full_like(idx, -1)).amax(1).clamp_min(0)
 
 
 class PositionTarget:
@@ -217,6 +250,10 @@ class NextToken(PositionTarget):
             raise TargetError("token must be an int, one int per sample, or None, not bool")
         self.mask, self.token = attention_mask, token
 
+    def rows_read(self, batch: int) -> int:
+        """The rows of the [batch, positions, vocabulary] logits the score reads: one per sample."""
+        return batch
+
     def __call__(self, outputs):
         logits = logits_of(outputs)
         if logits.dim() != 3:
@@ -224,10 +261,17 @@ class NextToken(PositionTarget):
                               f"got shape {tuple(logits.shape)}. For a sequence classifier pass the class index.")
         b, n, vocab = logits.shape
         pos = last_positions(self.mask, b, n).to(logits.device)
-        if tuple(pos.shape) != (b,) or bool((pos >= n).any()):
-            raise TargetError(f"attention_mask of shape {tuple(torch.as_tensor(self.mask).shape)} does not "
-                              f"fit logits of shape {tuple(logits.shape)} (the mask must cover the positions of "
-                              "the logits: for an encoder-decoder, the decoder's)")
+        shape = tuple(torch.as_tensor(self.mask).shape) if self.mask is not None else None
+
+        def misfit(*_):
+            return TargetError(f"attention_mask of shape {shape} does not fit logits of shape {tuple(logits.shape)} "
+                               "(the mask must cover the positions of the logits: for an encoder-decoder, the "
+                               "decoder's)")
+        if tuple(pos.shape) != (b,):
+            raise misfit()
+        if shape is not None and shape[-1] > n:  # positions past the logits: refused where a sample's last is one
+            refuse_if((pos >= n).any(), misfit)
+            pos = pos.clamp_max(n - 1)
         rows = logits[torch.arange(b, device=logits.device), pos]  # [batch, vocabulary]
         if self.token is None:
             t = rows.detach().argmax(-1)
@@ -241,9 +285,12 @@ class NextToken(PositionTarget):
             t = t.long().reshape(-1).expand(b) if t.numel() == 1 else t.long().reshape(-1)
             if t.numel() != b:
                 raise TargetError(f"token has {t.numel()} entries but the batch has {b} samples")
-            bad = (t < 0) | (t >= vocab)
-            if bool(bad.any()):
-                raise TargetError(f"token {t[bad].tolist()} out of range: valid ids are 0..{vocab - 1}")
+
+            def out_of_range(flags, tokens):
+                bad = [tok for tok, f in zip(tokens, flags) if f]
+                return TargetError(f"token {bad} out of range: valid ids are 0..{vocab - 1}")
+            refuse_if((t < 0) | (t >= vocab), out_of_range, t)
+            t = t.clamp(0, vocab - 1)
         return rows.gather(1, t[:, None]).squeeze(1)
 
 
