@@ -157,6 +157,9 @@ class Trace:
     merged: bool = False
     #: a folded run (``Request.folds``): each fold's result, in the order of ``Request.folds``
     folded: List[Any] = dataclasses.field(default_factory=list)
+    #: facts the methods derive from this trace and several of them read (the query's weights), computed
+    #: once per trace (``relprop.methods.query``)
+    memo: Dict[str, Any] = dataclasses.field(default_factory=dict, repr=False, compare=False)
 
 
 @dataclasses.dataclass

@@ -25,6 +25,8 @@ Methods return the weights they used as ``"query"`` ([batch, rows]); the Explana
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from ..errors import MethodError
@@ -41,22 +43,29 @@ def is_causal(trace) -> torch.Tensor:
     n = blocks[0].attention.shape[-1]
     device = blocks[0].attention.device
     real = real_tokens(trace, n, device)  # [B, N]
+    above = _above_real(real)
     causal = torch.ones((), dtype=torch.bool, device=device)
     for b in blocks:
-        causal = causal & causal_block(b.attention, real)
+        causal = causal & causal_block(b.attention, real, above)
     return causal
 
 
-def causal_block(a: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
+def _above_real(real: torch.Tensor) -> torch.Tensor:
+    """[batch, N, N] bool: the strict upper triangle on the real queries' rows."""
+    n = real.shape[-1]
+    return torch.ones(n, n, dtype=torch.bool, device=real.device).triu(1) & real[:, :, None]
+
+
+def causal_block(a: torch.Tensor, real: torch.Tensor, above: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Whether one block's attention ``a`` ([batch, heads, N, N] or [batch, N, N]) is causal on the
     real queries ``real`` ([batch, N] bool, :func:`real_tokens`): its strict upper triangle is
-    exactly zero there (a 0-d bool tensor). A map of another size than ``real`` is not."""
+    exactly zero there (a 0-d bool tensor). A map of another size than ``real`` is not. ``above``: the
+    triangle on the real rows (:func:`_above_real`), when the caller tests several blocks."""
     n = real.shape[-1]
     if tuple(a.shape[-2:]) != (n, n):
         return torch.zeros((), dtype=torch.bool, device=a.device)
-    upper = torch.ones(n, n, dtype=torch.bool, device=a.device).triu(1)
-    rows = real[:, None, :, None] if a.dim() == 4 else real[:, :, None]
-    return ~((a != 0) & (upper & rows)).any()
+    above = _above_real(real) if above is None else above
+    return ~((a != 0) & (above[:, None] if a.dim() == 4 else above)).any()
 
 
 def support(trace) -> torch.Tensor:
@@ -76,7 +85,18 @@ def support_of(gradient: torch.Tensor) -> torch.Tensor:
 
 def query_weights(trace) -> torch.Tensor:
     """[batch, rows of the last block's attention]: the weights of each sample's query row (the mean
-    of the support's rows; see the module docstring). Chosen on the device: nothing is read on the host."""
+    of the support's rows; see the module docstring). Chosen on the device: nothing is read on the host.
+    Computed once per trace (``trace.memo``), whichever method asks."""
+    memo = getattr(trace, "memo", None)
+    if memo is not None and "query_weights" in memo:
+        return memo["query_weights"]
+    w = _query_weights(trace)
+    if memo is not None:
+        memo["query_weights"] = w
+    return w
+
+
+def _query_weights(trace) -> torch.Tensor:
     last = trace.blocks[-1].attention
     n, device = last.shape[-2], last.device
     read = support(trace).to(device)

@@ -88,18 +88,22 @@ def alpha1_beta0(x: torch.Tensor, w: torch.Tensor, relevance: torch.Tensor, eps:
     abs_x = x.abs()
     den = abs_x @ abs_wt.transpose(-1, -2)  # Σ|x||W| >= z: the scale of the rounding error of z
     # the temporaries are overwritten where they are not read again (the same values: on long
-    # inputs each new [tokens, features] tensor is memory the kernel faults in)
-    z = (xw.add_(den) if xw_scratch and scratch(xw, den) and xw.shape == den.shape else xw + den).mul_(0.5)
-    s = safe_divide_nonnegative(relevance, z, eps)  # z < 0 (rounding) is below SMALL_Z: recomputed
-    small = z < (den.mul_(SMALL_Z) if scratch(den) else den * SMALL_Z)
+    # inputs each new [tokens, features] tensor is memory the kernel faults in). The halves are
+    # not taken: with 2z = xW + |x||W| and 2ε, S/2 = R / (2z + 2ε) and the adjoint's
+    # ½(x ⊙ (S Wᵀ) + |x| ⊙ (S |W|ᵀ)) = x ⊙ ((S/2) Wᵀ) + |x| ⊙ ((S/2) |W|ᵀ) exactly (a factor 2 is exact
+    # in binary floating point): two passes fewer, the same bits.
+    z2 = xw.add_(den) if xw_scratch and scratch(xw, den) and xw.shape == den.shape else xw + den
+    half = safe_divide_nonnegative(relevance, z2, 2 * eps)  # S/2; z < 0 (rounding) is below SMALL_Z: recomputed
+    small = z2 < (den.mul_(2 * SMALL_Z) if scratch(den) else den * (2 * SMALL_Z))
     del den
     exact = None
     if speculating():  # no output cancels (checked with the call's other reads: relprop.graph.host_reads)
         expect(small.any(), "no output of a linear layer's Eq. 5 denominator cancels in float32")
     elif bool(small.any()):  # cancellation: these outputs are recomputed from the split terms
-        s, exact = _exact_columns(x, w, relevance, eps, s, small)
+        half, exact = _exact_columns(x, w, relevance, eps, half, small)
+    s = half
     rx = times_fresh(s @ w.transpose(-1, -2), x)
-    rx.addcmul_(abs_x, s @ abs_wt).mul_(0.5)
+    rx.addcmul_(abs_x, s @ abs_wt)
     if s.numel():  # Eq. 5's terms are >= 0 for S >= 0: drop rounding below 0 (decided on the device)
         rx.clamp_(min=torch.where(s.amin() < 0, -torch.inf, 0.0).to(rx.dtype))
     return rx if exact is None else rx.add_(exact)
