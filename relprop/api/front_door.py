@@ -30,7 +30,8 @@ def explain(model: torch.nn.Module, inputs: Any, target: Any = None, method: Any
             special_tokens_mask: Optional[torch.Tensor] = None, tokenizer: Any = None,
             fast_path: Optional[bool] = None, memory: str = "default", wrt: Optional[str] = None,
             image_processor: Any = None, keep_blocks: Optional[bool] = None, precision: str = "float32",
-            records_budget: Optional[float] = None, progress: Optional[bool] = None, tuning: Any = None, **options):
+            records_budget: Optional[float] = None, progress: Optional[bool] = None, tuning: Any = None,
+            compile: bool = False, **options):
     """Explain the score of class ``target`` of an unmodified ``model`` on ``inputs``.
 
     Captures the model's graph (``torch.export``, cached per model), runs it forward and back, walks
@@ -92,9 +93,13 @@ def explain(model: torch.nn.Module, inputs: Any, target: Any = None, method: Any
         a progress line on stderr once the call has lasted 2 s (first capture, many methods, SmoothGrad's
         samples); None: as ``RELPROP_PROGRESS`` says, else when stderr is a terminal. It changes no result.
     tuning
-        a ``relprop.engine.Tuning``: how the runs are carried out where that changes no number beyond
-        float rounding (the chunks of query rows of a segmented run's attention cores, fused kernels);
-        None: the defaults (docs/performance.md).
+        a ``relprop.Tuning``: how the runs are carried out where that changes no number beyond
+        float rounding (the chunks of query rows of a segmented run's attention cores, fused kernels, when
+        values are read on the host); None: the defaults (docs/performance.md).
+    compile
+        True: the relevance walk as one program per input size, compiled by ``torch.compile`` at the
+        first call of that size (minutes on a CPU; ``exp.notes`` gives the seconds), then reused: the same
+        numbers to float32 rounding, fewer kernels. The same as ``tuning=relprop.Tuning(compile=True)``.
     **options
         method options (``start_block=``, ``normalize_rows=``, ...), each given to the methods that take it.
 
@@ -123,6 +128,7 @@ def explain(model: torch.nn.Module, inputs: Any, target: Any = None, method: Any
     >>> exps = relprop.explain(vit, pixels, method=["transformer_attribution", "rollout"])
     """
     opt.check_progress(progress)
+    tuning = opt.with_compile(tuning, compile)
     with progress_line.line(f"explaining {type(model).__name__}", progress):
         def body():
             return _explain(model, inputs, target, method, preset, eps=eps, unsupported=unsupported,

@@ -137,6 +137,16 @@ def check_arguments(*, eps: Any, unsupported: Any, memory: Any, fast_path: Any, 
     check_tuning(tuning)
 
 
+def with_compile(tuning: Any, compile: Any):
+    """``tuning`` (checked) with ``compile`` set where ``explain(..., compile=True)`` asks for it."""
+    check_tuning(tuning)
+    if not isinstance(compile, bool):
+        raise OptionError(f"compile={compile!r} is not a choice here: True or False")
+    if not compile:
+        return tuning
+    return dataclasses.replace(tuning or Tuning(), compile=True)
+
+
 def check_tuning(tuning: Any) -> None:
     """``explain(..., tuning=...)``: None or a :class:`relprop.Tuning` (OptionError otherwise)."""
     if tuning is not None and not isinstance(tuning, Tuning):

@@ -39,8 +39,8 @@ _OPTIONS = {
 METHOD_OPTIONS: Dict[str, Tuple[str, ...]] = {name: tuple(text.split()) for name, text in _OPTIONS.items()}
 
 #: the settings of relprop.explain() that --option also takes (they apply to the whole call, every method)
-EXPLAIN_SETTINGS: Tuple[str, ...] = ("eps", "fast_path", "keep_blocks", "memory", "precision", "records_budget",
-                                     "unsupported")
+EXPLAIN_SETTINGS: Tuple[str, ...] = ("compile", "eps", "fast_path", "keep_blocks", "memory", "precision",
+                                     "records_budget", "unsupported")
 
 #: every registered preset (relprop.presets())
 PRESETS: Tuple[str, ...] = ('base', 'chefer2021', 'lrp', 'attnlrp', 'cp_lrp', 'pa_lrp')

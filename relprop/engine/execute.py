@@ -79,7 +79,7 @@ def execute(request: Request, schedule: Schedule = WHOLE_WALK) -> Trace:
         result = run_low(request, schedule, out_nodes, gradient_nodes(a, out_nodes), remat)
     else:
         result = run_whole(request, schedule, out_nodes, remat)
-    return build_trace(request, schedule, result, notes)
+    return build_trace(request, schedule, result, notes + result.notes)
 
 
 def build_trace(request: Request, schedule: Schedule, result: Pass, notes: List[str]) -> Trace:

@@ -63,6 +63,8 @@ class Schedule:
     fused_forward : the forward pass without autograd evaluates a chunk recognized as
         softmax(Q·Kᵀ·s + M)·V by torch's fused attention kernel (:mod:`relprop.graph.fused_attention`).
     weight_memo : keep a memo of |W| with the captured graph for later calls (``memory="high"``).
+    compiled : the walk of a whole run by its compiled program for this input size
+        (:mod:`relprop.engine.compiled_walk`, ``explain(..., compile=True)``).
     notes : what the chooser decided that the Explanations say (``exp.notes``).
     warnings : what it decided that is also a :class:`relprop.RelpropWarning` (already among ``notes``).
     """
@@ -74,6 +76,7 @@ class Schedule:
     fused_segment: bool = True
     fused_forward: bool = False
     weight_memo: bool = False
+    compiled: bool = False
     notes: Tuple[str, ...] = ()
     warnings: Tuple[str, ...] = ()
 
@@ -91,6 +94,9 @@ class Schedule:
         if self.cores is not None and self.records == "kept":
             raise ValueError("row-chunked attention cores hold no whole attention map to keep: records='folded' "
                              "or 'dropped'")
+        if self.compiled and (self.segmented or self.relevance != "walk" or self.weight_memo):
+            raise ValueError("a compiled walk is the walk of a whole run without a memo of |W|: relevance='walk', "
+                             "segmented=False, weight_memo=False")
 
     def but(self, **changes) -> "Schedule":
         """A copy with some fields changed (checked again)."""
@@ -134,6 +140,10 @@ class Tuning:
         selects one operand everywhere, rows without relevance); ``"auto"`` (default): ``"end"`` on an
         accelerator, where every host read stalls the device's queue, ``"as_needed"`` on the CPU, where
         it costs no round trip.
+    compile
+        the relevance walk of a whole run as one program per input size, traced and compiled by
+        ``torch.compile`` at the first call of a size (``explain(..., compile=True)``; the seconds in
+        ``exp.notes``), the host read at the call's end. Runs that the chooser segments walk eagerly.
     """
 
     chunks: Optional[RowChunks] = RowChunks()
@@ -141,6 +151,7 @@ class Tuning:
     fused_forward: bool = False
     fold_chunk_bytes: int = 16 << 20
     host_reads: str = "auto"
+    compile: bool = False
 
     def __post_init__(self):
         if self.host_reads not in HOST_READS:
@@ -151,7 +162,10 @@ class Tuning:
             raise ValueError(f"Tuning.fold_chunk_bytes={self.fold_chunk_bytes!r} must be an int >= 1")
 
     def reads_once(self, device: torch.device) -> bool:
-        """Whether a call on ``device`` reads values on the host once, at its end (``host_reads``)."""
+        """Whether a call on ``device`` reads values on the host once, at its end (``host_reads``; always
+        with ``compile``, whose traced program takes no decision from a value)."""
+        if self.compile:
+            return True
         if self.host_reads == "auto":
             return device.type != "cpu"
         return self.host_reads == "end"
@@ -186,6 +200,15 @@ class Asked:
 
 def choose(captured: Captured, preset, eps: float, asked: Asked, batch: int, device: torch.device,
            compute: Optional[torch.dtype] = None) -> Schedule:
+    """The :class:`Schedule` of one run under ``preset`` (None: a run without relevance) for a call that
+    asks ``asked``, on ``batch`` samples on ``device`` (``compute``: the request's evaluation dtype): see
+    :func:`_choose`; with ``compile=True`` the walk of a whole run is compiled, and any other run says that
+    it ran eagerly."""
+    return _not_compiled(_choose(captured, preset, eps, asked, batch, device, compute), asked.tuning)
+
+
+def _choose(captured: Captured, preset, eps: float, asked: Asked, batch: int, device: torch.device,
+            compute: Optional[torch.dtype] = None) -> Schedule:
     """The :class:`Schedule` of one run under ``preset`` (None: a run without relevance) for a call that
     asks ``asked``, on ``batch`` samples on ``device`` (``compute``: the request's evaluation dtype).
 
@@ -227,8 +250,20 @@ def choose(captured: Captured, preset, eps: float, asked: Asked, batch: int, dev
         if segmented:
             return Schedule(relevance="walk", segmented=True, records="dropped", cores=t.chunks,
                             notes=_notes(*notes, note, fold_note), warnings=tuple(warnings), **kernels)
-    return fit(Schedule(relevance=relevance, segmented=memory == "low", weight_memo=memory == "high",
-                        notes=_notes(*notes, fold_note), warnings=tuple(warnings), **kernels), a)
+    schedule = fit(Schedule(relevance=relevance, segmented=memory == "low", weight_memo=memory == "high",
+                            notes=_notes(*notes, fold_note), warnings=tuple(warnings), **kernels), a)
+    if t.compile and relevance == "walk" and not schedule.segmented and not schedule.weight_memo:
+        return schedule.but(compiled=True)
+    return schedule
+
+
+def _not_compiled(schedule: Schedule, tuning: Tuning) -> Schedule:
+    """``schedule`` with a note where ``compile=True`` was asked of a run it does not apply to."""
+    if not tuning.compile or schedule.compiled:
+        return schedule
+    return schedule.but(notes=schedule.notes + (
+        f"compile=True compiles the relevance walk of a whole run; this run ({schedule.describe()}"
+        f"{', a memo of |W|' if schedule.weight_memo else ''}) ran eagerly",))
 
 
 def _notes(*notes: Optional[str]) -> Tuple[str, ...]:

@@ -151,6 +151,8 @@ class Trace:
     stream_relevance: Dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
     #: a folded run: the number of tokens of the first block (its records are gone)
     token_count: Optional[int] = None
+    #: what the run says about itself (e.g. a compiled walk's first call)
+    notes: List[str] = dataclasses.field(default_factory=list)
     stream_masks: Dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
     #: the streams are merged into one token sequence (a vision-language model's image tokens written
     #: into the prompt; ``GraphAnalysis.merges``), not connected by cross-attention
@@ -182,3 +184,5 @@ class Pass:
     stream_relevance: Dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
     #: a folded run: the number of tokens of the first block (its records are gone)
     token_count: Optional[int] = None
+    #: what the run says about itself (e.g. a compiled walk's first call)
+    notes: List[str] = dataclasses.field(default_factory=list)

@@ -17,6 +17,7 @@ import torch.fx
 from ..graph.tokens import token_positions
 from ..graph.window_attention import locate_windows
 from ..targets import require_input_dependence
+from .compiled_walk import compiled_walk
 from .forward import forward, output_seed
 from .request import Request
 from .trace import Pass
@@ -57,8 +58,13 @@ def run_whole(request: Request, schedule, out_nodes: List[torch.fx.Node], remat)
         with torch.no_grad():
             seed = {**grad, **output_seed(captured, env, request.target.score, out_nodes,
                                           seed=request.preset.seed, rows=request.target.rows)}
-            walker = Walker(request, env, seed, out_nodes, batch, remat, weight_memo=schedule.weight_memo)
-            walked = walk(walker, captured.graph)
+            if schedule.compiled:  # the program of this input size (relprop.engine.compiled_walk)
+                walked, note = compiled_walk(request, env, seed, out_nodes, batch, remat)
+                if note is not None:
+                    result.notes.append(note)
+            else:
+                walker = Walker(request, env, seed, out_nodes, batch, remat, weight_memo=schedule.weight_memo)
+                walked = walk(walker, captured.graph)
             result.rel_at, result.conservation = walked.relevance_at, walked.conservation
             result.input_relevance, result.stream_relevance = walked.input_relevance, walked.stream_relevance
     return result

@@ -11,8 +11,13 @@ import torch
 
 def shares_memory(t, *others) -> bool:
     """Whether the tensor ``t`` has the same storage as any tensor among ``others`` (a view of it,
-    the tensor itself, or a tensor it is a view of); anything that is not a tensor shares nothing."""
+    the tensor itself, or a tensor it is a view of); anything that is not a tensor shares nothing.
+    A tensor without storage of its own to compare (a functional tensor of a program being traced,
+    :mod:`relprop.engine.compiled_walk`) may share with any other: True, so nothing is overwritten."""
     if not torch.is_tensor(t):
         return False
+    if torch._is_functional_tensor(t):
+        return any(torch.is_tensor(o) for o in others)
     ptr = t.untyped_storage().data_ptr()
-    return any(torch.is_tensor(o) and o.untyped_storage().data_ptr() == ptr for o in others)
+    return any(torch.is_tensor(o) and (torch._is_functional_tensor(o) or o.untyped_storage().data_ptr() == ptr)
+               for o in others)
