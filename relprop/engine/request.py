@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import math
 from typing import Any, Mapping, Optional, Union
@@ -64,12 +65,12 @@ class Request:
         if not isinstance(self.preset, Preset):
             object.__setattr__(self, "preset", get_preset(self.preset))
 
-    @property
+    @functools.cached_property
     def compute(self) -> Optional[torch.dtype]:
         """The dtype the graph is evaluated in when it is not the model's own: float32 for a model
         whose floating parameters or buffers are float16/bfloat16 under ``precision="float32"``
         (every forward value, gradient and relevance in float32; the weights are cast as the graph
-        reads them, never all at once), else None (the model's own dtype)."""
+        reads them, never all at once), else None (the model's own dtype). Read once per request."""
         if self.precision != "float32":
             return None
         return torch.float32 if model_in_half(self.model) else None

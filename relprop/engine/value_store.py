@@ -16,7 +16,7 @@ import torch
 import torch.fx
 
 from ..errors import RelpropError
-from ..graph.aliasing import shares_memory
+from ..graph.aliasing import shares_memory, storage_of
 from ..graph.nodes import evaluate, output_leaves
 from ..rules.stabilize import promote
 from .memory import read_after_walk
@@ -36,6 +36,7 @@ class ValueStore:
         outputs = {n for n in output_leaves(captured.graph) if isinstance(n, torch.fx.Node)}
         self.untouchable = self.needed_later | outputs
         self.previous = None
+        self.kept_storages = None  # (dead_after: the storages of the untouchable values, once)
         #: no rule may compute into a value's buffer (values autograd may still read: a segment
         #: walked before its backward pass is done, :mod:`relprop.engine.fused_segment`)
         self.frozen = False
@@ -94,4 +95,9 @@ class ValueStore:
             return False
         if node in self.untouchable:
             return False
-        return not shares_memory(v, *(self.env.get(m) for m in (*node.all_input_nodes, *self.untouchable)))
+        if self.kept_storages is None:  # (the storages of the values no rule may overwrite, gathered once)
+            self.kept_storages = {storage_of(self.env.get(m)) for m in self.untouchable} - {None}
+        ptr = storage_of(v)
+        if ptr is None or ptr in self.kept_storages:
+            return False
+        return not shares_memory(v, *(self.env.get(m) for m in node.all_input_nodes))

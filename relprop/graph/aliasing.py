@@ -6,6 +6,8 @@ this is the one test they use for "is this the same memory as that".
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 
@@ -16,8 +18,19 @@ def shares_memory(t, *others) -> bool:
     :mod:`relprop.engine.compiled_walk`) may share with any other: True, so nothing is overwritten."""
     if not torch.is_tensor(t):
         return False
-    if torch._is_functional_tensor(t):
+    try:
+        ptr = t.untyped_storage().data_ptr()
+        return any(torch.is_tensor(o) and o.untyped_storage().data_ptr() == ptr for o in others)
+    except RuntimeError:  # (no storage to compare: a functional tensor)
         return any(torch.is_tensor(o) for o in others)
-    ptr = t.untyped_storage().data_ptr()
-    return any(torch.is_tensor(o) and (torch._is_functional_tensor(o) or o.untyped_storage().data_ptr() == ptr)
-               for o in others)
+
+
+def storage_of(t) -> Optional[int]:
+    """The address of ``t``'s storage (None for what is not a tensor with one), for a set of the storages
+    of many values that one test is made against (:func:`shares_memory` against each is slower)."""
+    if not torch.is_tensor(t):
+        return None
+    try:
+        return t.untyped_storage().data_ptr()
+    except RuntimeError:
+        return None

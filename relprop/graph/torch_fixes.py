@@ -35,6 +35,7 @@ from typing import Callable, Optional
 import torch
 from torch.autograd import Function
 
+from .broadcasting import broadcast_shape
 from .host_reads import deferring
 from .run_memo import about_tensor
 
@@ -128,8 +129,8 @@ def _selected(cond, a, b):
     if pick is None:
         return None
     chosen = a if pick == 1 else b
-    shape = torch.broadcast_shapes(cond.shape, a.shape, b.shape)
-    return chosen if chosen.shape == shape and chosen.dtype == torch.result_type(a, b) else None
+    shape = broadcast_shape(cond.shape, a.shape, b.shape)
+    return chosen if tuple(chosen.shape) == shape and chosen.dtype == torch.result_type(a, b) else None
 
 
 def _where(cond, a, b):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from ..graph.broadcasting import broadcast_shape
 from ..graph.host_reads import scope
 
 DEFAULT_EPS = 1e-9
@@ -62,7 +63,7 @@ def times_fresh(fresh: torch.Tensor, other) -> torch.Tensor:
     """``fresh ⊙ other`` for a temporary ``fresh`` the rule made itself: into ``fresh``'s buffer where
     it has the result's shape and dtype and autograd records neither (the same values: IEEE
     multiplication commutes), else a new tensor."""
-    if torch.is_tensor(other) and scratch(fresh, other) and fresh.shape == torch.broadcast_shapes(
+    if torch.is_tensor(other) and scratch(fresh, other) and tuple(fresh.shape) == broadcast_shape(
             fresh.shape, other.shape) and fresh.dtype == torch.promote_types(fresh.dtype, other.dtype):
         return fresh.mul_(other)
     return fresh * other
@@ -73,7 +74,7 @@ def _in_place_ok(num: torch.Tensor, den: torch.Tensor) -> bool:
     broadcasts to ``den``'s shape, and autograd records neither."""
     if num.dtype != den.dtype or not den.is_floating_point() or not scratch(num, den):
         return False
-    return torch.broadcast_shapes(num.shape, den.shape) == den.shape
+    return broadcast_shape(num.shape, den.shape) == tuple(den.shape)
 
 
 def _stabilized_quotient(num: torch.Tensor, den: torch.Tensor, eps: float) -> torch.Tensor:
