@@ -14,8 +14,9 @@
   made dynamic, then nothing (:data:`ATTEMPTS`); :class:`relprop.graph.program.Program` records
   which axes came out dynamic. A module whose ``static_sizes_only`` is True (it holds constants made
   for one input size, e.g. ``relprop.api.qwen_images.QwenImage``) is exported at its sizes only.
-* ``run_decompositions`` with torch's default table *minus* the ops the rules treat as units
-  (:data:`KEEP_WHOLE`): fused scaled-dot-product attention becomes matmul → scale → mask →
+* torch's default decompositions *minus* the ops the rules treat as units (:data:`KEEP_WHOLE`),
+  applied node by node (:mod:`relprop.graph.node_decompose`: only the nodes they rewrite are traced;
+  a program that pass does not take gets ``run_decompositions``, which traces it whole): fused scaled-dot-product attention becomes matmul → scale → mask →
   softmax → matmul, so the attention probabilities are a node of the graph. Masks built by
   HuggingFace are large finite negatives, never ``-inf``; where a model does use ``-inf``, it is
   replaced by the dtype's most negative finite value (:func:`finite_masks`).
@@ -34,6 +35,7 @@ from torch.export.graph_signature import InputKind
 from ..errors import CaptureError
 from .decompositions import extra_decompositions
 from .inputs import batch_size_of
+from .node_decompose import decompose_nodes
 from .program import InputPattern, Program, describe, symbol_ranges
 from .state import eval_mode
 
@@ -70,7 +72,8 @@ def export_program(model: torch.nn.Module, kwargs: Dict[str, Any], primary: str,
     """Export ``model`` called with ``kwargs`` (explained onto ``primary``) with the most dynamic
     axes it allows (the first of ``attempts`` that succeeds, :data:`ATTEMPTS`), decompose it, and
     describe it as a :class:`Program`. ``timings`` receives the seconds spent in ``"export"`` and
-    ``"decompose"``; ``failed``, when given, the labels of the attempts that failed."""
+    ``"decompose"`` (``"decompose (whole program)"`` where the node-by-node pass did not take the
+    program); ``failed``, when given, the labels of the attempts that failed."""
     errors = []
     table = decomposition_table()
     if getattr(model, "static_sizes_only", False) is True:  # constants of one input size (api/qwen_images.py)
@@ -82,8 +85,11 @@ def export_program(model: torch.nn.Module, kwargs: Dict[str, Any], primary: str,
                 ep, names, hint = _export(model, kwargs, primary, dynamic_batch, dynamic_rest)
                 t1 = time.perf_counter()
                 timings["export"] = timings.get("export", 0.0) + t1 - t0
-                ep = ep.run_decompositions(table)
-                timings["decompose"] = timings.get("decompose", 0.0) + time.perf_counter() - t1
+                stage = "decompose"
+                if not decompose_nodes(ep, table):  # node by node where it can, else the whole program
+                    ep = ep.run_decompositions(table)
+                    stage = "decompose (whole program)"
+                timings[stage] = timings.get(stage, 0.0) + time.perf_counter() - t1
                 break
             except Exception as e:  # noqa: BLE001 - torch raises many kinds; we report them all
                 timings["export"] = timings.get("export", 0.0) + time.perf_counter() - t0
