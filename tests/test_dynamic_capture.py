@@ -18,7 +18,7 @@ import torch
 import models
 import relprop
 from relprop.graph import export
-from relprop.graph.capture import CACHE, CaptureCache
+from relprop.graph.capture import CACHE, CaptureCache, capture_notes
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "golden"))
 import generate  # noqa: E402
@@ -105,11 +105,40 @@ def test_a_fixed_sequence_axis_is_said_in_the_notes():
     assert any("sequence length to 6 tokens" in n for n in other.notes)
 
 
-def test_the_dynamic_capture_says_nothing():
+def test_the_dynamic_capture_says_its_stages_and_nothing_about_sizes():
+    """The first call's note gives each stage's seconds; a new size of its program says nothing."""
     model = models.hf_bert()
     relprop.clear_cache(model)
     exp = relprop.explain(model, models.text_batch(lengths=(9, 7)), target=0)
     assert not any("captured" in n or "sequence length" in n for n in exp.notes)
+    (stages,) = [n for n in exp.notes if n.startswith("first call on inputs like these")]
+    for stage in ("torch.export", "decomposition node by node", "relprop's analysis of the graph", "first run"):
+        assert stage in stages, stages
+    other = relprop.explain(model, models.text_batch(lengths=(5, 4)), target=0)
+    assert not any("export" in n or "first call" in n for n in other.notes), other.notes
+
+
+def test_a_static_first_capture_takes_only_its_sizes_then_exports_for_every_size():
+    """CaptureCache(first_export="static"): the first program is the call's sizes only; the first call
+    of other sizes exports the dynamic one (and says why in exp.notes through capture_notes)."""
+    model = models.hf_bert()
+    cache = CaptureCache(disk=False, first_export="static")
+    batch = models.text_batch(lengths=(9, 7))
+    cache.get(model, batch)
+    (program,) = cache.programs(model)
+    assert program.exported_as == export.FIRST_CALL_SIZES[0]
+    assert program.match(batch, "input_ids", program.state) == {}
+    ids, mask = batch["input_ids"], batch["attention_mask"]
+    assert program.match({"input_ids": ids[:, :5], "attention_mask": mask[:, :5]}, "input_ids", program.state) is None
+    assert program.same_structure({"input_ids": ids[:1, :3], "attention_mask": mask[:1, :3]}, "input_ids",
+                                  program.state)
+    events = []
+    captured = cache.get(model, {"input_ids": ids[:1], "attention_mask": mask[:1]}, "input_ids", events)
+    assert [p.exported_as for p in cache.programs(model)] == [export.FIRST_CALL_SIZES[0], "dynamic sizes"]
+    notes = capture_notes(events[0], captured, "BERT")
+    assert any("exported again, for every input size" in n for n in notes), notes
+    cache.get(model, models.text_batch(lengths=(4, 3)))
+    assert cache.traces == 2
 
 
 def test_image_sizes_share_a_capture_when_the_model_takes_several():

@@ -6,6 +6,7 @@ finished (image tokens placed, tiles composed, what they remember to draw themse
 from __future__ import annotations
 
 import dataclasses
+import time
 from typing import Dict, Optional
 
 from . import refusals, remembered, remembered_prompt, validation, vision_language, vlm_anyres, vlm_tiles
@@ -29,6 +30,7 @@ def _label(key: Optional[Preset], call: Call) -> Optional[str]:
 def run_methods(call: Call):
     """The body of ``explain`` once every argument is checked into ``call``: the Explanation, or the list of
     them when ``call.many``."""
+    started = time.perf_counter()
     captured, model_name = call.prepared.captured, type(call.model).__name__
     asked = _asked(call)
     fold, _ = fold_choice(captured, asked, call.prepared.batch, _device(call))
@@ -64,8 +66,9 @@ def run_methods(call: Call):
                         tokenizer=call.tokenizer, image_processor=call.image_processor, target=call.given_target,
                         spec=call.spec, encodings=call.encodings)
     remembered_prompt.remember_prompt(results, model=call.model, inputs=call.prepared.kwargs, tokenizer=call.tokenizer)
+    first_run = time.perf_counter() - started
     for r in results:
-        r.notes.extend(capture_notes(call.prepared.event, captured, model_name))
+        r.notes.extend(capture_notes(call.prepared.event, captured, model_name, first_run))
     return results if call.many else results[0]
 
 

@@ -30,7 +30,7 @@ from . import disk_cache
 from .data_sizes import data_sizes, static_axes
 from .dispatch import bind_offloaded, export_offloaded, offloaded_weights
 from .analysis import GraphAnalysis, analyze
-from .export import ATTEMPTS, export_program
+from .export import ATTEMPTS, FIRST_CALL_SIZES, export_program
 from .inputs import batch_size_of, primary_input
 from .parameters import model_tensor
 from .program import Program
@@ -125,8 +125,17 @@ class CaptureCache:
     """Per-model programs and their specializations, safe to use from several threads."""
 
     def __init__(self, size: int = CACHE_SIZE, specializations: int = SPECIALIZATIONS, attempts=ATTEMPTS,
-                 disk: bool = True):
+                 disk: bool = True, decompose: str = "nodes", first_export: str = "dynamic"):
         self.size = size
+        #: how the first program of an input structure is exported: ``"dynamic"`` (the most dynamic of
+        #: :attr:`attempts` at once, the default) or ``"static"`` (at the call's sizes, a half to a third
+        #: of a dynamic export's time; the program for every size follows at the first call of another
+        #: size). Not the default: a static program's batch axes are read from sizes (a first axis of
+        #: the batch's size), which loses the samples of Swin's windows (a per-sample sum is refused)
+        self.first_export = first_export
+        #: how an export is decomposed: ``"nodes"`` (node by node, :mod:`relprop.graph.node_decompose`,
+        #: torch's whole-program pass where it does not apply) or ``"whole"`` (always torch's pass)
+        self.decompose = decompose
         #: whether programs are read from and written to the disk cache (when it is on)
         self.disk = disk
         #: the export attempts, most dynamic first (:data:`relprop.graph.export.ATTEMPTS`)
@@ -175,13 +184,23 @@ class CaptureCache:
                 event = event or CaptureEvent("cached")
             else:
                 t0 = time.perf_counter()
-                captured = self._specialize(model, entry, skey, kwargs, primary)
+                with progress_line.step(f"analysing the graph of {type(model).__name__} at these sizes"):
+                    captured = self._specialize(model, entry, skey, kwargs, primary)
                 event = event or CaptureEvent("specialized")
                 event.seconds["analysis"] = time.perf_counter() - t0
             event.programs = sum(1 for e in entries.values() if _same_structure(e.program, entry.program))
             if events is not None:
                 events.append(event)
             return captured
+
+    def _first_attempts(self, model, kwargs, primary, state, entries) -> tuple:
+        """The attempts for a new program: a static export first when no program of these inputs'
+        structure exists yet (the first call pays the cheapest capture), then :meth:`_attempts`."""
+        attempts = self._attempts(model, kwargs)
+        if self.first_export != "static" or any(e.program.same_structure(kwargs, primary, state)
+                                                for e in entries.values()):
+            return attempts
+        return (FIRST_CALL_SIZES,) + tuple(a for a in attempts if a[1] or a[2])
 
     def _attempts(self, model, kwargs) -> tuple:
         """The export attempts for a new program of ``model`` on ``kwargs``: :attr:`attempts` less those
@@ -214,10 +233,11 @@ class CaptureCache:
             timings["load"] = time.perf_counter() - t0
             event = CaptureEvent("loaded", timings)
         else:
-            with progress_line.step(f"capturing {type(model).__name__} with torch.export (once per model; later calls "
-                                    "reuse it)"):
-                program = export_program(model, kwargs, primary, state, timings, self._attempts(model, kwargs),
-                                         failed)
+            with progress_line.step(f"capturing {type(model).__name__} (once per model and input structure; later "
+                                    "calls reuse it)"):
+                program = export_program(model, kwargs, primary, state, timings,
+                                         self._first_attempts(model, kwargs, primary, state, entries), failed,
+                                         self.decompose)
             self._remember_failed(model, kwargs, failed)
             self.traces += 1
             t1 = time.perf_counter()
@@ -306,23 +326,30 @@ def clear_cache(model: Optional[torch.nn.Module] = None) -> None:
     CACHE.clear(model)
 
 
-def capture_notes(event: Optional[CaptureEvent], captured: Captured, model_name: str) -> List[str]:
-    """What an Explanation's notes say about its graph, when a user should know it: torch.export
-    fixed the sequence length of a text model (each new length is captured again), or these inputs
-    needed another capture because the earlier ones fix sizes they do not have. Nothing for a graph
-    that serves every size (the usual case) or that came from the cache."""
+def capture_notes(event: Optional[CaptureEvent], captured: Captured, model_name: str,
+                  first_run: Optional[float] = None) -> List[str]:
+    """What an Explanation's notes say about its graph on the first call that exported it or read it
+    from disk: the seconds of each stage (:func:`stage_note`), and, when a user should know it, that
+    torch.export fixed the sequence length of a text model (each new length is captured again) or
+    that these inputs needed another capture because the earlier ones fix sizes they do not have.
+    Nothing for a graph from this process's cache (a later call, a new size of a known program)."""
     if event is None or event.kind not in ("exported", "loaded"):
         return []
     program = captured.program
     pattern = program.patterns.get(program.primary)
     took = sum(v for k, v in event.seconds.items() if k != "store")
-    notes = []
+    notes = [stage_note(event, first_run)]
     if pattern is not None and pattern.tensor and not pattern.dtype.is_floating_point and len(pattern.dims) >= 2 \
-            and isinstance(pattern.dims[-1], int) and pattern.dims[-1] > 1:
+            and isinstance(pattern.dims[-1], int) and pattern.dims[-1] > 1 \
+            and program.exported_as != FIRST_CALL_SIZES[0]:
         notes.append(f"torch.export fixed {model_name}'s sequence length to {pattern.dims[-1]} tokens (its code "
                      "does not trace with a dynamic length), so each new length is captured again "
                      f"(this one: {took:.1f} s); "
                      "to capture once, pad the texts to a few fixed lengths")
+    elif event.programs == 2 and any(program.dynamic_axes().values()):
+        notes.append(f"{model_name} was exported again, for every input size, at its first call with other sizes "
+                     f"({took:.1f} s): the first call's graph was made for that call's sizes only (the fastest "
+                     "capture); later sizes reuse this one")
     elif event.programs > 1:
         shape = ", ".join(f"{k}: [{', '.join(_axis(d, program) for d in p.dims)}]"
                           for k, p in program.patterns.items() if p.tensor)
@@ -330,6 +357,27 @@ def capture_notes(event: Optional[CaptureEvent], captured: Captured, model_name:
                      f"these inputs do not have; this one takes {shape}. {event.programs} captures of this model "
                      "so far for inputs like these")
     return notes
+
+
+def stage_note(event: CaptureEvent, first_run: Optional[float]) -> str:
+    """Where a first call's seconds went: torch.export (or the disk cache), the decomposition (node by
+    node, or torch's whole-program pass), relprop's analysis of the graph at this size, the first run."""
+    s = event.seconds
+    parts = []
+    if "load" in s:
+        parts.append(f"graph read from the disk cache {s['load']:.1f} s")
+    if "export" in s:
+        parts.append(f"torch.export {s['export']:.1f} s")
+    for key, label in (("decompose", "decomposition node by node"),
+                       ("decompose (whole program)", "decomposition of the whole program")):
+        if key in s:
+            parts.append(f"{label} {s[key]:.1f} s")
+    if "analysis" in s:
+        parts.append(f"relprop's analysis of the graph {s['analysis']:.1f} s")
+    if first_run is not None:
+        parts.append(f"first run {first_run:.1f} s")
+    return ("first call on inputs like these: " + ", ".join(parts)
+            + "; later calls reuse the graph (relprop.explain's progress=True shows each stage while it runs)")
 
 
 def _axis(d: Any, program: Program) -> str:

@@ -15,10 +15,11 @@
   which axes came out dynamic. A module whose ``static_sizes_only`` is True (it holds constants made
   for one input size, e.g. ``relprop.api.qwen_images.QwenImage``) is exported at its sizes only.
 * torch's default decompositions *minus* the ops the rules treat as units (:data:`KEEP_WHOLE`),
-  applied node by node (:mod:`relprop.graph.node_decompose`: only the nodes they rewrite are traced;
-  a program that pass does not take gets ``run_decompositions``, which traces it whole): fused scaled-dot-product attention becomes matmul → scale → mask →
-  softmax → matmul, so the attention probabilities are a node of the graph. Masks built by
-  HuggingFace are large finite negatives, never ``-inf``; where a model does use ``-inf``, it is
+  applied node by node (:mod:`relprop.graph.node_decompose`: only the nodes they rewrite are
+  traced; a program that pass does not take gets ``run_decompositions``, which traces it whole):
+  fused scaled-dot-product attention becomes matmul → scale → mask → softmax → matmul, so the
+  attention probabilities are a node of the graph. Masks built by HuggingFace are large finite
+  negatives, never ``-inf``; where a model does use ``-inf``, it is
   replaced by the dtype's most negative finite value (:func:`finite_masks`).
 """
 from __future__ import annotations
@@ -34,6 +35,7 @@ from torch.export.graph_signature import InputKind
 
 from ..errors import CaptureError
 from .decompositions import extra_decompositions
+from . import progress_line
 from .inputs import batch_size_of
 from .node_decompose import decompose_nodes
 from .program import InputPattern, Program, describe, symbol_ranges
@@ -53,6 +55,10 @@ KEEP_WHOLE = [
 
 #: export attempts in order: (label, batch axis dynamic, other axes dynamic)
 ATTEMPTS = (("dynamic sizes", True, True), ("dynamic batch", True, False), ("static", False, False))
+#: the attempt of a first capture (:class:`relprop.graph.capture.CaptureCache`'s ``first_export``): the
+#: call's own sizes, a third of a dynamic export's time; the first call of other sizes exports again
+#: with :data:`ATTEMPTS`
+FIRST_CALL_SIZES = ("the first call's sizes", False, False)
 
 _KINDS = {InputKind.PARAMETER: "param", InputKind.BUFFER: "buffer", InputKind.CONSTANT_TENSOR: "constant",
           InputKind.USER_INPUT: "user"}
@@ -68,12 +74,14 @@ def decomposition_table() -> dict:
 
 
 def export_program(model: torch.nn.Module, kwargs: Dict[str, Any], primary: str, state: tuple,
-                   timings: Dict[str, float], attempts=ATTEMPTS, failed: Optional[List[str]] = None) -> Program:
+                   timings: Dict[str, float], attempts=ATTEMPTS, failed: Optional[List[str]] = None,
+                   decompose: str = "nodes") -> Program:
     """Export ``model`` called with ``kwargs`` (explained onto ``primary``) with the most dynamic
     axes it allows (the first of ``attempts`` that succeeds, :data:`ATTEMPTS`), decompose it, and
     describe it as a :class:`Program`. ``timings`` receives the seconds spent in ``"export"`` and
     ``"decompose"`` (``"decompose (whole program)"`` where the node-by-node pass did not take the
-    program); ``failed``, when given, the labels of the attempts that failed."""
+    program, or ``decompose="whole"`` asks for torch's pass); ``failed``, when given, the labels of
+    the attempts that failed."""
     errors = []
     table = decomposition_table()
     if getattr(model, "static_sizes_only", False) is True:  # constants of one input size (api/qwen_images.py)
@@ -82,13 +90,15 @@ def export_program(model: torch.nn.Module, kwargs: Dict[str, Any], primary: str,
         for label, dynamic_batch, dynamic_rest in attempts:
             t0 = time.perf_counter()
             try:
-                ep, names, hint = _export(model, kwargs, primary, dynamic_batch, dynamic_rest)
+                with progress_line.step(f"torch.export of {type(model).__name__} ({label})"):
+                    ep, names, hint = _export(model, kwargs, primary, dynamic_batch, dynamic_rest)
                 t1 = time.perf_counter()
                 timings["export"] = timings.get("export", 0.0) + t1 - t0
                 stage = "decompose"
-                if not decompose_nodes(ep, table):  # node by node where it can, else the whole program
-                    ep = ep.run_decompositions(table)
-                    stage = "decompose (whole program)"
+                with progress_line.step("decomposing the graph into the ops relprop has rules for"):
+                    if decompose != "nodes" or not decompose_nodes(ep, table):  # else torch's whole-program pass
+                        ep = ep.run_decompositions(table)
+                        stage = "decompose (whole program)"
                 timings[stage] = timings.get(stage, 0.0) + time.perf_counter() - t1
                 break
             except Exception as e:  # noqa: BLE001 - torch raises many kinds; we report them all
@@ -103,7 +113,9 @@ def export_program(model: torch.nn.Module, kwargs: Dict[str, Any], primary: str,
             + "\nrelprop needs a model that torch.export.export(model, (), inputs, strict=False) can trace."
         )
     finite_masks(ep.graph)
-    return _program(ep, names, primary, hint if dynamic_batch else None, state, kwargs)
+    program = _program(ep, names, primary, hint if dynamic_batch else None, state, kwargs)
+    program.exported_as = label
+    return program
 
 
 def _export(model, kwargs, primary: str, dynamic_batch: bool, dynamic_rest: bool):

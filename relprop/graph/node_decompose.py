@@ -57,7 +57,7 @@ def decompose_nodes(ep, table) -> bool:
     if getattr(sig, "buffers_to_mutate", None) or getattr(sig, "user_inputs_to_mutate", None):
         return False
     graph = ep.graph
-    present = {n.target for n in graph.nodes if n.op == "call_function" and n.target is not operator.getitem}
+    present = {n.target for n in graph.nodes if n.op == "call_function" and not _size_arithmetic(n)}
     if any(not isinstance(op, torch._ops.OpOverload) or op.namespace != "aten" for op in present):
         return False  # a custom or higher-order op: the whole-program pass knows its table entries
     # as run_decompositions: a CompositeImplicitAutograd op the table leaves out is kept whole, one it
@@ -73,7 +73,7 @@ def decompose_nodes(ep, table) -> bool:
                 continue
             if node.op != "call_function":
                 return False
-            if node.target is operator.getitem:
+            if _size_arithmetic(node):
                 continue
             op = node.target
             if op._schema.is_mutable:
@@ -86,7 +86,7 @@ def decompose_nodes(ep, table) -> bool:
             if key is None:
                 return False
             if key not in traced:
-                traced[key] = _trace(node, python_table)
+                traced[key] = _trace(node, python_table, cia)
             piece = traced[key]
             if piece is None:
                 return False
@@ -116,6 +116,16 @@ def _rename_outputs(ep) -> None:
     for spec, out in zip(specs, outputs):
         if isinstance(out, torch.fx.Node) and hasattr(spec.arg, "name") and spec.arg.name != out.name:
             spec.arg.name = out.name
+
+
+def _size_arithmetic(node: torch.fx.Node) -> bool:
+    """An item of a node of several outputs, or arithmetic on sizes (``operator.floordiv`` of a
+    ``sym_size``, Swin's window count): nothing to decompose."""
+    if node.target is operator.getitem:
+        return True
+    if isinstance(node.target, torch._ops.OpOverload):
+        return False
+    return isinstance(node.meta.get("val"), (torch.SymInt, torch.SymFloat, torch.SymBool, int, float, bool))
 
 
 def _may_change(op, cia: dict, python_table: dict, preserve) -> bool:
@@ -162,7 +172,7 @@ def _call_key(node: torch.fx.Node) -> Optional[tuple]:
     return (node.target, str(spec), tuple(parts))
 
 
-def _trace(node: torch.fx.Node, python_table: dict) -> Optional[torch.fx.GraphModule]:
+def _trace(node: torch.fx.Node, python_table: dict, cia: dict) -> Optional[torch.fx.GraphModule]:
     """The decomposed piece of one call, traced on the export's fake values of its arguments (their
     sizes symbolic where the program's are: a size the piece reads becomes a ``sym_size`` of its input)."""
     leaves, spec = pytree.tree_flatten((node.args, node.kwargs))
@@ -177,17 +187,31 @@ def _trace(node: torch.fx.Node, python_table: dict) -> Optional[torch.fx.GraphMo
         args, kwargs = pytree.tree_unflatten(filled, spec)
         return op(*args, **kwargs)
 
-    try:
-        gm = make_fx(call, decomposition_table=python_table,
-                     tracing_mode="fake", _allow_non_fake_inputs=False)(*fakes)
-    except Exception:  # noqa: BLE001 - any failure: the whole-program pass decides
-        return None
-    if any(n.op == "get_attr" for n in gm.graph.nodes):  # a constant made by the decomposition
-        return None
-    if any(n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload) and n.target._schema.is_mutable
-           for n in gm.graph.nodes):
+    gm = _make_fx(call, fakes, python_table)
+    # a piece that writes in place (adaptive pooling's decomposition restrides with as_strided_) or
+    # holds a constant (get_attr) is left to the whole-program pass, which functionalizes and lifts them
+    if gm is None or _mutates(gm) or any(n.op == "get_attr" or (_python_composite(n.target) and n.target not in cia)
+                                         for n in gm.graph.nodes):
         return None
     return gm
+
+
+def _python_composite(op) -> bool:
+    """An op torch gives a Python CompositeImplicitAutograd kernel (``native_batch_norm``, which the
+    whole-program pass rewrites as ``_native_batch_norm_legit``): left to that pass."""
+    return isinstance(op, torch._ops.OpOverload) and torch._C.DispatchKey.CompositeImplicitAutograd in op.py_kernels
+
+
+def _make_fx(fn, fakes, python_table) -> Optional[torch.fx.GraphModule]:
+    try:
+        return make_fx(fn, decomposition_table=python_table, tracing_mode="fake", _allow_non_fake_inputs=False)(*fakes)
+    except Exception:  # noqa: BLE001 - any failure: the whole-program pass decides
+        return None
+
+
+def _mutates(gm: torch.fx.GraphModule) -> bool:
+    return any(n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload) and n.target._schema.is_mutable
+               for n in gm.graph.nodes)
 
 
 def piece_output(piece: torch.fx.GraphModule):

@@ -121,6 +121,9 @@ class Program:
     #: captured from a model dispatched by accelerate with offloaded weights
     #: (:mod:`relprop.graph.dispatch`): its weights are read on demand, and it never goes to disk
     offloaded: bool = False
+    #: the export attempt that made it (:data:`relprop.graph.export.ATTEMPTS`, or
+    #: :data:`relprop.graph.export.FIRST_CALL_SIZES`; "" when not known, e.g. an older disk cache file)
+    exported_as: str = ""
 
     @property
     def user_names(self) -> List[str]:
@@ -144,6 +147,22 @@ class Program:
         """Input name -> its axes that are not fixed (the batch included), e.g. ``{"input_ids": [0, 1]}``."""
         return {k: [i for i, d in enumerate(p.dims) if isinstance(d, sympy.Expr)]
                 for k, p in self.patterns.items() if p.tensor}
+
+    def same_structure(self, kwargs: Dict[str, Any], primary: str, state: tuple) -> bool:
+        """Whether ``kwargs`` explained onto ``primary`` are inputs of this program's kind whatever their
+        sizes: the same names, tensors and plain values, dtypes, devices, ranks and parameter state."""
+        if primary != self.primary or state != self.state or set(kwargs) != set(self.patterns):
+            return False
+        for name, pattern in self.patterns.items():
+            v = kwargs[name]
+            if pattern.tensor != torch.is_tensor(v):
+                return False
+            if not pattern.tensor:
+                if _plain(v) != pattern.value:
+                    return False
+            elif v.dtype != pattern.dtype or v.device.type != pattern.device or v.dim() != len(pattern.dims):
+                return False
+        return True
 
     def match(self, kwargs: Dict[str, Any], primary: str, state: tuple) -> Optional[Dict[str, int]]:
         """The size of each symbol for inputs ``kwargs`` explained onto ``primary`` (the batch's

@@ -66,6 +66,7 @@ def dumps(program: Program, key: Any) -> bytes:
         "patterns": {k: _pattern(p) for k, p in program.patterns.items()},
         "ranges": {k: list(v) for k, v in program.ranges.items()},
         "batch_symbol": program.batch_symbol, "batch_hint": program.batch_hint,
+        "exported_as": program.exported_as,
         "state": [list(s) for s in program.state],
     }
     buf = io.BytesIO()
@@ -187,7 +188,7 @@ def loads(data: bytes) -> tuple:
         graph, metas, [(renamed.get(s[0], s[0]),) + tuple(s[1:]) for s in raw["specs"]], dict(raw["constants"]),
         pytree.treespec_loads(raw["out_spec"]), raw["primary"], patterns,
         {k: (v[0], v[1]) for k, v in raw["ranges"].items()}, raw["batch_symbol"], int(raw["batch_hint"]),
-        tuple(tuple(s) for s in raw["state"]))
+        tuple(tuple(s) for s in raw["state"]), exported_as=raw.get("exported_as", ""))
     return raw["key"], program
 
 
