@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import relprop
-from relprop.graph.capture import CaptureCache
+from relprop.graph.capture import CACHE, CaptureCache
 from relprop.graph.export import decomposition_table
 from relprop.graph.inputs import bind_inputs, primary_input
 from relprop.graph.node_decompose import decompose_nodes
@@ -92,11 +92,11 @@ def test_each_rewrite_matches_the_whole_pass_and_computes_the_same(dynamic):
     torch.manual_seed(0)
     m = Pieces().eval()
     x = torch.randn(2, 5, 8)
-    shapes = ({"x": {0: torch.export.Dim("b"), 1: torch.export.Dim.AUTO}},) if dynamic else None
+    shapes = {"x": {0: torch.export.Dim("b"), 1: torch.export.Dim.AUTO}} if dynamic else None
     with torch.no_grad():
-        ep = torch.export.export(m, (x,), strict=False, dynamic_shapes=shapes[0] if shapes else None)
+        ep = torch.export.export(m, (x,), strict=False, dynamic_shapes=shapes)
         ref = ep.run_decompositions(decomposition_table())
-        ep = torch.export.export(m, (x,), strict=False, dynamic_shapes=shapes[0] if shapes else None)
+        ep = torch.export.export(m, (x,), strict=False, dynamic_shapes=shapes)
         assert decompose_nodes(ep, decomposition_table())
     assert _ops(ep.graph) == _ops(ref.graph)
     assert "aten.softmax.int" in _ops(ep.graph) or "aten._softmax.default" in _ops(ep.graph)
@@ -131,16 +131,13 @@ def test_a_mutating_program_is_left_untouched_for_the_whole_pass():
 def test_tiny_bert_explains_the_same_through_either_pass():
     model = models.hf_bert()
     batch = models.text_batch()
-    import warnings
-    warnings.simplefilter("ignore")
     a = relprop.explain(model, batch, target=0)
     relprop.clear_cache(model)
-    from relprop.graph import capture
-    saved = capture.CACHE.decompose
-    capture.CACHE.decompose = "whole"
+    saved = CACHE.decompose
+    CACHE.decompose = "whole"
     try:
         b = relprop.explain(model, batch, target=0)
     finally:
-        capture.CACHE.decompose = saved
+        CACHE.decompose = saved
         relprop.clear_cache(model)
     torch.testing.assert_close(a.scores, b.scores, rtol=0, atol=0)

@@ -18,11 +18,9 @@ def shares_memory(t, *others) -> bool:
     :mod:`relprop.engine.compiled_walk`) may share with any other: True, so nothing is overwritten."""
     if not torch.is_tensor(t):
         return False
-    try:
-        ptr = t.untyped_storage().data_ptr()
-        return any(torch.is_tensor(o) and o.untyped_storage().data_ptr() == ptr for o in others)
-    except RuntimeError:  # (no storage to compare: a functional tensor)
-        return any(torch.is_tensor(o) for o in others)
+    ptr = storage_of(t)
+    # (a tensor whose storage_of is None has none to compare, a functional tensor: it may share)
+    return any(torch.is_tensor(o) and (ptr is None or storage_of(o) in (ptr, None)) for o in others)
 
 
 def storage_of(t) -> Optional[int]:

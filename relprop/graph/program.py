@@ -169,21 +169,14 @@ class Program:
         included), or None when this program does not take them: other input names, dtypes,
         devices, ranks, plain values or parameter state; a fixed axis of another size; a symbol
         that would need two sizes or a size outside its range."""
-        if primary != self.primary or state != self.state or set(kwargs) != set(self.patterns):
+        if not self.same_structure(kwargs, primary, state):
             return None
         sizes: Dict[sympy.Symbol, int] = {}
         compound = []
         for name, pattern in self.patterns.items():
-            v = kwargs[name]
-            if pattern.tensor != torch.is_tensor(v):
-                return None
             if not pattern.tensor:
-                if _plain(v) != pattern.value:
-                    return None
                 continue
-            if v.dtype != pattern.dtype or v.device.type != pattern.device or v.dim() != len(pattern.dims):
-                return None
-            for d, s in zip(pattern.dims, v.shape):
+            for d, s in zip(pattern.dims, kwargs[name].shape):
                 if isinstance(d, int):
                     if d != s:
                         return None
