@@ -18,7 +18,8 @@ import torch
 import models
 import relprop
 from relprop.graph import export
-from relprop.graph.capture import CACHE, CaptureCache, capture_notes
+from relprop.graph.capture import CACHE, CaptureCache
+from relprop.graph.capture_notes import capture_notes
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "golden"))
 import generate  # noqa: E402

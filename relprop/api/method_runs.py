@@ -15,7 +15,7 @@ from ..engine.schedule import fold_choice
 from ..errors import MethodError
 from ..graph import progress_line
 from ..explanation import build
-from ..graph.capture import capture_notes
+from ..graph.capture_notes import capture_notes
 from ..methods import apply, fold_maps
 from ..rules import Preset
 from .checked_call import Call

@@ -28,7 +28,7 @@ from ..graph.nodes import live_outputs
 from ..rules.gradient_forms import rows_read
 from ..graph.run_memo import once_per_run
 from .chunked_walk import plan_cores
-from .fast_path import FastPathUnavailable, fast_trace, output_gradient, plan, run_fast
+from .fast_path import FastPathUnavailable, fast_trace, injected_relevance, output_gradient, plan, run_fast
 from .forward import forward, output_seed
 from .low_memory import backward_segment, cores_in_the_forward
 from .memory import crossing, segments
@@ -85,4 +85,5 @@ def run_fast_low(request: Request, schedule) -> Trace:
     for s in a.sources:  # placeholders (pixels): the sum over the segments reading them
         g = grad.get(s)
         grads.append(g if g is not None else gbuf.get(s))
-    return fast_trace(request, outputs, scores, target, src_vals, grads)
+    injected = injected_relevance(a, seeds, env, request.preset.seed, scores.shape[0])
+    return fast_trace(request, outputs, scores, target, src_vals, grads, injected)

@@ -38,6 +38,7 @@ from ..rules.rule_registry import Preset
 from ..rules.stabilize import on_nonzero_rows, promote, relevance_dtype, safe_divide
 from ..targets import find_logits, fixed, require_input_dependence
 from .forward import bind, count_forward
+from .ledger import sample_sum
 from .node_rules import rule_finder
 from .request import Request
 from .session import Session
@@ -194,7 +195,21 @@ def run_fast(request: Request) -> Trace:
             roots.append(env[n])
             grad_outputs.append(output_gradient(seed, env[n], request.preset.seed, request.target.rows))
         grads = torch.autograd.grad(roots, src_vals, grad_outputs, allow_unused=True)
-    return fast_trace(request, outputs, scores, target, src_vals, grads)
+    injected = injected_relevance(a, {n: s for n, s in zip(out_nodes, seeds) if s is not None}, env,
+                                  request.preset.seed, scores.shape[0])
+    return fast_trace(request, outputs, scores, target, src_vals, grads, injected)
+
+
+def injected_relevance(analysis, seeds, env, kind: str, batch: int) -> torch.Tensor:
+    """[batch]: the relevance the seeds start with, per sample (what the rule walk's ledger books as
+    injected): Σ ∂s/∂y under the ``"gradient"`` seed, Σ y ⊙ ∂s/∂y under ``"score"``
+    (:func:`output_gradient`)."""
+    total = None
+    for n, seed in seeds.items():
+        r = seed.detach() * env[n].detach() if kind == "score" else seed.detach()
+        r = sample_sum(r, analysis.batch_dim.get(n), batch)
+        total = r if total is None else total + r
+    return total
 
 
 def output_gradient(seed: torch.Tensor, y: torch.Tensor, kind: str, rows=None) -> torch.Tensor:
@@ -207,9 +222,10 @@ def output_gradient(seed: torch.Tensor, y: torch.Tensor, kind: str, rows=None) -
     return on_nonzero_rows(fn, seed, y.detach(), bound=rows).to(y.dtype)
 
 
-def fast_trace(request: Request, outputs, scores, target, src_vals, grads) -> Trace:
+def fast_trace(request: Request, outputs, scores, target, src_vals, grads, injected=None) -> Trace:
     """The :class:`relprop.engine.trace.Trace` of a fast-path run from the sources' values
-    ``src_vals`` and their modified gradients ``grads`` (relevance = source ⊙ gradient)."""
+    ``src_vals`` and their modified gradients ``grads`` (relevance = source ⊙ gradient); ``injected``:
+    the seeds' relevance per sample (:func:`injected_relevance`)."""
     captured, compute = request.captured, request.compute
     a = captured.analysis
     batch = scores.shape[0]
@@ -228,4 +244,4 @@ def fast_trace(request: Request, outputs, scores, target, src_vals, grads) -> Tr
                  target_scores=scores.detach(), blocks=[], input_relevance=input_rel, input_gradient=None,
                  conservation=None, modality=a.modality, grid=a.grid, batch_size=batch, session=session,
                  token_mask=None, streams=list(a.streams), merged=bool(a.merges), stream_relevance=per_stream(a, parts),
-                 stream_masks=stream_masks(a, request.kwargs, batch))
+                 stream_masks=stream_masks(a, request.kwargs, batch), injected=injected)

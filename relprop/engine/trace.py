@@ -142,6 +142,9 @@ class Trace:
     token_maps: Dict[int, torch.Tensor] = dataclasses.field(default_factory=dict)
     #: the first op that mixes tokens outside the attention blocks, in words (None: none)
     token_mixing: Optional[str] = None
+    #: [batch] the relevance the seed put at the outputs, per sample, where no ledger was kept (the fast
+    #: path; the ledger's ``conservation.injected`` otherwise)
+    injected: Optional[torch.Tensor] = None
     #: why the blocks' attention cannot be read per sample as token-to-token maps (None: it can)
     unmapped_blocks: Optional[str] = None
     #: two-stream models (relprop.graph.streams): the streams' input names, the explained one first

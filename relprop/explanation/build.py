@@ -11,7 +11,7 @@ from ..errors import MethodError, RelpropError
 from ..graph.host_reads import refuse_if
 from ..methods.layout import positions as token_positions
 from ..rules.stabilize import promote
-from . import flatness
+from . import flatness, relevance_checks
 from .result import Explanation
 from .special_tokens import special_positions
 
@@ -58,6 +58,8 @@ def build(info, preset: Optional[str], result: dict, trace, special_tokens_mask=
         mask = ~special
         scores = torch.where(mask, scores, torch.zeros((), dtype=scores.dtype, device=scores.device))
     flatness.check(info.name, scores, mask, result.get("flat_cause"), notes)
+    if info.needs_relevance and not info.needs_blocks:  # a map of the input relevance: is it to be trusted?
+        relevance_checks.check(info.name, preset, trace, trace.input_relevance, notes)
     heads = _heads_on_positions(result.get("heads"), trace, info.name, mask, pixels is not None)
     return Explanation(method=info.name, scores=scores, map=smap, mask=mask, matrix=result.get("matrix"),
                        query=result.get("query"), heads=heads,

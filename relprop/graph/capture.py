@@ -27,6 +27,7 @@ import torch.fx
 from . import progress_line
 from ..errors import CaptureError
 from . import disk_cache
+from .code_identity import changed, code_identity, fingerprint
 from .data_sizes import data_sizes, static_axes
 from .dispatch import bind_offloaded, export_offloaded, offloaded_weights
 from .analysis import GraphAnalysis, analyze
@@ -110,13 +111,17 @@ class CaptureEvent:
     seconds: Dict[str, float] = dataclasses.field(default_factory=dict)
     programs: int = 0  # the model's programs for this input structure after the call
     dynamic_axes: Dict[str, List[int]] = dataclasses.field(default_factory=dict)
+    #: the functions whose code changed since the model's last capture on inputs like these (a new capture
+    #: because of them; :mod:`relprop.graph.code_identity`)
+    code_changed: List[str] = dataclasses.field(default_factory=list)
 
 
 class _Entry:
     """A program and its specializations."""
 
-    def __init__(self, program: Program):
+    def __init__(self, program: Program, functions: Optional[Dict[str, str]] = None):
         self.program = program
+        self.functions = functions or {}  # the model's code when it was captured (code_identity)
         self.values = Concretizer(program)
         self.specializations: "collections.OrderedDict[tuple, Captured]" = collections.OrderedDict()
 
@@ -166,7 +171,8 @@ class CaptureCache:
         primary = primary if primary is not None else primary_input(kwargs)
         with self._lock:
             entries = self._by_model.setdefault(model, collections.OrderedDict())
-            state = _parameter_state(model)
+            functions = code_identity(model)
+            state = _parameter_state(model) + (("code", fingerprint(functions)),)
             event = None
             for key, entry in reversed(entries.items()):
                 sizes = entry.program.match(kwargs, primary, state)
@@ -174,7 +180,7 @@ class CaptureCache:
                     entries.move_to_end(key)
                     break
             else:
-                entry, sizes, event = self._new_program(model, kwargs, primary, state, entries)
+                entry, sizes, event = self._new_program(model, kwargs, primary, state, entries, functions)
             sizes = {**sizes, **data_sizes(entry.program, model, kwargs)}  # sizes the data decide (u0, ...)
             batch = entry.program.batch_symbol
             skey = tuple(sorted((k, v) for k, v in sizes.items() if k != batch))
@@ -215,7 +221,7 @@ class CaptureCache:
         if failed:
             self._failed.setdefault(model, {}).setdefault(frozenset(kwargs), set()).update(failed)
 
-    def _new_program(self, model, kwargs, primary, state, entries):
+    def _new_program(self, model, kwargs, primary, state, entries, functions):
         timings: Dict[str, float] = {}
         failed: List[str] = []
         t0 = time.perf_counter()
@@ -246,7 +252,8 @@ class CaptureCache:
             timings["store"] = time.perf_counter() - t1
             event = CaptureEvent("exported", timings)
         event.dynamic_axes = program.dynamic_axes()
-        entry = _Entry(program)
+        event.code_changed = _code_changes(entries, kwargs, primary, state, functions)
+        entry = _Entry(program, functions)
         entries[id(entry)] = entry
         while len(entries) > self.size:
             entries.popitem(last=False)
@@ -304,6 +311,16 @@ def _same_structure(a: Program, b: Program) -> bool:
                for p, q in ((a.patterns[k], b.patterns[k]) for k in a.patterns))
 
 
+def _code_changes(entries, kwargs, primary, state: tuple, functions: Dict[str, str]) -> List[str]:
+    """The functions whose code differs from the model's latest program that took inputs like ``kwargs``
+    with another code (nothing when no such program exists: a first capture, or other inputs)."""
+    for entry in reversed(list(entries.values())):
+        old = entry.program.state
+        if old != state and old[:-1] == state[:-1] and entry.program.same_structure(kwargs, primary, old):
+            return changed(entry.functions, functions) or ["a function relprop does not name"]
+    return []
+
+
 def _parameter_state(model: torch.nn.Module) -> tuple:
     """The dtypes and devices of the model's parameters and buffers: a program captured before
     ``model.double()`` (or ``.to(device)``) may hold casts and constants of the old ones."""
@@ -324,63 +341,3 @@ def clear_cache(model: Optional[torch.nn.Module] = None) -> None:
     model's structure (not its weights) was changed after it was explained; the disk cache is keyed
     by the structure, so it needs no clearing (``relprop.graph.disk_cache.clear`` empties it)."""
     CACHE.clear(model)
-
-
-def capture_notes(event: Optional[CaptureEvent], captured: Captured, model_name: str,
-                  first_run: Optional[float] = None) -> List[str]:
-    """What an Explanation's notes say about its graph on the first call that exported it or read it
-    from disk: the seconds of each stage (:func:`stage_note`), and, when a user should know it, that
-    torch.export fixed the sequence length of a text model (each new length is captured again) or
-    that these inputs needed another capture because the earlier ones fix sizes they do not have.
-    Nothing for a graph from this process's cache (a later call, a new size of a known program)."""
-    if event is None or event.kind not in ("exported", "loaded"):
-        return []
-    program = captured.program
-    pattern = program.patterns.get(program.primary)
-    took = sum(v for k, v in event.seconds.items() if k != "store")
-    notes = [stage_note(event, first_run)]
-    if pattern is not None and pattern.tensor and not pattern.dtype.is_floating_point and len(pattern.dims) >= 2 \
-            and isinstance(pattern.dims[-1], int) and pattern.dims[-1] > 1 \
-            and program.exported_as != FIRST_CALL_SIZES[0]:
-        notes.append(f"torch.export fixed {model_name}'s sequence length to {pattern.dims[-1]} tokens (its code "
-                     "does not trace with a dynamic length), so each new length is captured again "
-                     f"(this one: {took:.1f} s); "
-                     "to capture once, pad the texts to a few fixed lengths")
-    elif event.programs == 2 and any(program.dynamic_axes().values()):
-        notes.append(f"{model_name} was exported again, for every input size, at its first call with other sizes "
-                     f"({took:.1f} s): the first call's graph was made for that call's sizes only (the fastest "
-                     "capture); later sizes reuse this one")
-    elif event.programs > 1:
-        shape = ", ".join(f"{k}: [{', '.join(_axis(d, program) for d in p.dims)}]"
-                          for k, p in program.patterns.items() if p.tensor)
-        notes.append(f"{model_name} was captured again for these inputs ({took:.1f} s): its earlier captures fix sizes "
-                     f"these inputs do not have; this one takes {shape}. {event.programs} captures of this model "
-                     "so far for inputs like these")
-    return notes
-
-
-def stage_note(event: CaptureEvent, first_run: Optional[float]) -> str:
-    """Where a first call's seconds went: torch.export (or the disk cache), the decomposition (node by
-    node, or torch's whole-program pass), relprop's analysis of the graph at this size, the first run."""
-    s = event.seconds
-    parts = []
-    if "load" in s:
-        parts.append(f"graph read from the disk cache {s['load']:.1f} s")
-    if "export" in s:
-        parts.append(f"torch.export {s['export']:.1f} s")
-    for key, label in (("decompose", "decomposition node by node"),
-                       ("decompose (whole program)", "decomposition of the whole program")):
-        if key in s:
-            parts.append(f"{label} {s[key]:.1f} s")
-    if "analysis" in s:
-        parts.append(f"relprop's analysis of the graph {s['analysis']:.1f} s")
-    if first_run is not None:
-        parts.append(f"first run {first_run:.1f} s")
-    return ("first call on inputs like these: " + ", ".join(parts)
-            + "; later calls reuse the graph (relprop.explain's progress=True shows each stage while it runs)")
-
-
-def _axis(d: Any, program: Program) -> str:
-    if isinstance(d, int):
-        return str(d)
-    return "batch" if getattr(d, "name", None) == program.batch_symbol else "any"
