@@ -284,6 +284,15 @@ def timm_efficientformer():
     return _timm("efficientformer_l1", depths=(1, 1, 1, 2), embed_dims=(8, 8, 16, 16), num_vit=1)
 
 
+def timm_mvitv2():
+    """MViTv2: pooled attention (queries and keys pooled by strided convs) whose relative-position term is
+    added to the scores by a slice assignment (exported as aten.copy + slice_scatter)."""
+    from timm.models import mvitv2
+    torch.manual_seed(0)
+    cfg = mvitv2.MultiScaleVitCfg(depths=(1, 1, 1, 1), embed_dim=16, num_heads=1)
+    return mvitv2.MultiScaleVit(cfg, img_size=(64, 64), num_classes=8).eval()
+
+
 # ------------------------------------------------------------------ HF vision
 
 def hf_beit():
@@ -407,6 +416,9 @@ _ENTRIES = [
     Entry("timm_efficientformer", ("vision", "timm", "hybrid", "mean-pool"), timm_efficientformer, images(224), 1,
           "mean of the last stage's 7x7 tokens (head and distillation head averaged); BatchNorm, avg_pool2d "
           "token mixers", attention_blocks=1),
+    Entry("timm_mvitv2", ("vision", "timm", "hierarchical", "pooled-attention", "in-place"), timm_mvitv2, images(64), 1,
+          "mean of the last stage's tokens; pooled keys and queries, scores written in place",
+          attention_blocks=None, refusals=(_FEWER_QUERIES,)),
     # ---- HF vision
     Entry("hf_vit", ("vision", "hf", "vit"), _seeded(models.hf_vit), images(32), 1, CLS, grid=(4, 4)),
     Entry("hf_deit", ("vision", "hf", "vit"), _seeded(models.hf_deit), images(32), 1,

@@ -120,7 +120,10 @@ def on_grid(tokens: torch.Tensor, trace, method: str):
                               f"they cannot be placed on the {gh}x{gw} patch grid")
         prefix = n - cells
         if prefix < 0:
-            raise RelpropError(f"{n} tokens cannot hold a {gh}x{gw} patch grid")
+            raise MethodError(f"method '{method}' gives scores over {n} tokens, and the image has {gh}x{gw} = {cells} "
+                              "patches: the attention blocks it reads work on fewer tokens than the patch grid "
+                              "(pooled keys or queries, a downsampled stage, merged tokens), which relprop cannot "
+                              "place on the patches")
         return tokens[..., prefix:], torch.ones(b, cells, dtype=torch.bool, device=tokens.device), prefix
     positions = positions.to(tokens.device)
     holds = positions >= 0

@@ -113,6 +113,8 @@ def _largest(absorbed: dict, s: int) -> str:
     if not absorbed:
         return ""
     label = max(absorbed, key=lambda k: abs(absorbed[k][s]))
+    if absorbed[label][s] == 0:
+        return ""
     return f"The largest absorbed share: {absorbed[label][s]:.4g} by {label}. "
 
 

@@ -19,6 +19,12 @@ the memory layout each kernel's fake implementation promises (efficient: [batch,
 dim] in memory; flash and cudnn: the query's), and placeholders for their auxiliary outputs
 (log-sum-exp, random-number state), which only a backward kernel reads and the exported forward
 graph never does.
+
+An in-place write in the model's forward (``out[:, 1:] = h``, ``attn[..., i:, i:] = x``) is exported as
+its functional form: ``aten.copy(slice_of_out, h)`` (a tensor shaped like the slice holding ``h``'s
+values) and ``aten.slice_scatter`` / ``select_scatter`` putting it back. ``aten.copy`` has no derivative
+in autograd and no relevance rule of its own; it is what it computes, the source broadcast to the
+destination's shape in its dtype (:func:`copy_functional`), whose pieces have both.
 """
 from __future__ import annotations
 
@@ -89,9 +95,17 @@ def sdpa_cudnn_cuda(query, key, value, attn_bias, compute_log_sumexp: bool, drop
             _placeholder(query, dtype=torch.long), None)
 
 
+def copy_functional(self, src, non_blocking: bool = False):
+    """``aten.copy(self, src)``: ``src``'s values broadcast to ``self``'s shape, in ``self``'s dtype and on
+    its device; ``self``'s values are not read (a fresh tensor: no view of ``src``)."""
+    out = src.to(dtype=self.dtype, device=self.device)
+    return out.expand(self.shape).clone()
+
+
 def extra_decompositions() -> Dict[object, Callable]:
     """Entries that replace torch's defaults in relprop's decomposition table."""
-    table = {aten._scaled_dot_product_flash_attention_for_cpu.default: sdpa_flash_cpu}
+    table = {aten._scaled_dot_product_flash_attention_for_cpu.default: sdpa_flash_cpu,
+             aten.copy.default: copy_functional}
     for name, fn in (("_scaled_dot_product_efficient_attention", sdpa_efficient_cuda),
                      ("_scaled_dot_product_flash_attention", sdpa_flash_cuda),
                      ("_scaled_dot_product_cudnn_attention", sdpa_cudnn_cuda)):
