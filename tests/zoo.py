@@ -80,6 +80,22 @@ def texts(pad_id=0):
     return make
 
 
+def left_padded_texts(pad_id=0):
+    """The texts of :func:`texts`, padded on the left (XLNet's tokenizer's side: its head reads the last
+    position)."""
+    right = texts(pad_id)
+
+    def make(model, batch=2, seed=0):
+        x = right(model, batch, seed)
+        ids, mask = x["input_ids"].clone(), x["attention_mask"].clone()
+        for b in range(ids.shape[0]):
+            n = int(mask[b].sum())
+            ids[b] = torch.cat([ids[b, n:], ids[b, :n]])
+            mask[b] = torch.cat([mask[b, n:], mask[b, :n]])
+        return {**x, "input_ids": ids, "attention_mask": mask}
+    return make
+
+
 def images(size):
     h, w = (size, size) if isinstance(size, int) else size
 
@@ -144,6 +160,13 @@ def _text(cfg_cls, model_cls, **kw):
     def build():
         return model_cls(models._text_cfg(cfg_cls, attn_implementation="eager", **kw))
     return build
+
+
+def hf_xlnet():
+    """XLNet permutes input_ids to [tokens, batch] before its lookup (relprop.graph.id_lookups)."""
+    cfg = transformers.XLNetConfig(vocab_size=VOCAB, d_model=32, n_layer=2, n_head=4, d_inner=64, pad_token_id=0,
+                                   bos_token_id=1, eos_token_id=2)
+    return transformers.XLNetForSequenceClassification(cfg)
 
 
 def hf_albert():
@@ -343,6 +366,8 @@ _ENTRIES = [
           "position 0 (pre_classifier on hidden[:, 0])"),
     Entry("albert", ("text", "encoder", "hf"), _seeded(hf_albert), texts(), 1,
           "[CLS] (position 0) through the pooler; one layer's weights shared by both blocks"),
+    Entry("xlnet", ("text", "encoder", "hf", "permuted-ids"), _seeded(hf_xlnet), left_padded_texts(), 1,
+          "the last position (sequence summary 'last'); ids permuted to [tokens, batch] before the lookup"),
     Entry("electra", ("text", "encoder", "hf"), _text(transformers.ElectraConfig,
                                                       transformers.ElectraForSequenceClassification,
                                                       embedding_size=16), texts(), 1,

@@ -186,14 +186,14 @@ def target_scores(entry: Entry, outputs, inputs) -> torch.Tensor:
 
 
 def sample(entry: Entry, inputs, i: int, batch: int):
-    """Sample ``i`` alone; a text trimmed to its real (right-padded) length."""
+    """Sample ``i`` alone; a text trimmed to its real positions (padded on either side)."""
     if torch.is_tensor(inputs):
         return inputs[i:i + 1]
     one = {k: v[i:i + 1] if torch.is_tensor(v) and v.dim() >= 1 and v.shape[0] == batch else v
            for k, v in inputs.items()}
     if entry.modality == "text" and torch.is_tensor(one.get("attention_mask")):
-        n = int(one["attention_mask"].sum())
-        one = {k: v[:, :n] if k in TEXT_KEYS and torch.is_tensor(v) else v for k, v in one.items()}
+        real = one["attention_mask"][0] != 0
+        one = {k: v[:, real] if k in TEXT_KEYS and torch.is_tensor(v) else v for k, v in one.items()}
     return one
 
 
@@ -248,13 +248,15 @@ def output_gradient(entry: Entry, model, inputs, layer: str) -> torch.Tensor:
 def token_rows(grad: torch.Tensor, batch: int, n_rows: int, layer: str) -> torch.Tensor:
     """[batch, n_rows] bool: which token states of the block output have a non-zero gradient.
     [batch, N, C]; [batch, H, W, C] or [batch, C, H, W] (N = H*W); [k*batch, N, C] (k groups of
-    tokens folded into the batch, batch-major) read as [batch, k*N, C]."""
+    tokens folded into the batch, batch-major) read as [batch, k*N, C]; sequence-major [N, batch, C]."""
     g = grad.abs()
     candidates = []
     if g.dim() == 3 and g.shape[0] == batch:
         candidates.append(g.sum(-1))
     if g.dim() == 4 and g.shape[0] == batch:
         candidates += [g.sum(-1).flatten(1), g.sum(1).flatten(1)]
+    if g.dim() == 3 and g.shape[0] != batch and g.shape[1] == batch:  # sequence-major [N, batch, C] (XLNet)
+        candidates.append(g.sum(-1).t())
     if g.dim() == 3 and g.shape[0] != batch and g.shape[0] % batch == 0:
         candidates.append(g.reshape(batch, -1, g.shape[-1]).sum(-1))
     fits = [c for c in candidates if c.shape[1] == n_rows]
@@ -418,9 +420,12 @@ def check_batch(exp, entry: Entry, model, inputs, method: str, **_):
         a, f = alone.scores[0], exp.scores[i]
         n = a.shape[0]
         if entry.modality == "text":
-            if bool((f[n:] != 0).any()):
-                raise Wrong(f"sample {i}: padding positions {n}.. score {float(f[n:].abs().max()):.3g}")
-            f = f[:n]
+            am = inputs.get("attention_mask") if isinstance(inputs, dict) else None
+            real = am[i] != 0 if torch.is_tensor(am) else torch.arange(f.shape[0]) < n
+            if bool((f[~real] != 0).any()):
+                raise Wrong(f"sample {i}: padding positions {torch.nonzero(~real).flatten().tolist()} score "
+                            f"{float(f[~real].abs().max()):.3g}")
+            f = f[real]
         if f.shape != a.shape:
             raise Wrong(f"sample {i}: {tuple(f.shape)} scores in the batch, {tuple(a.shape)} alone")
         scale = max(float(a.abs().max()), float(f.abs().max()), 1e-12)

@@ -59,13 +59,14 @@ def _names(code: types.CodeType) -> Iterable[str]:
             yield from _names(c)
 
 
-def _opaque(fn) -> bool:
-    module = getattr(fn, "__module__", None) or ""
+def _opaque(function) -> bool:
+    module = getattr(function, "__module__", None) or ""
     return module.split(".")[0] in _OPAQUE
 
 
-def _label(fn) -> str:
-    return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', getattr(fn, '__name__', '?'))}"
+def _label(function) -> str:
+    name = getattr(function, "__qualname__", None) or getattr(function, "__name__", "?")
+    return f"{getattr(function, '__module__', '?')}.{name}"
 
 
 class _Walk:

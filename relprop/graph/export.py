@@ -35,6 +35,7 @@ from torch.export.graph_signature import InputKind
 
 from ..errors import CaptureError
 from .decompositions import extra_decompositions
+from .id_lookups import commute_lookups
 from . import progress_line
 from .inputs import batch_size_of
 from .node_decompose import decompose_nodes
@@ -113,9 +114,17 @@ def export_program(model: torch.nn.Module, kwargs: Dict[str, Any], primary: str,
             + "\nrelprop needs a model that torch.export.export(model, (), inputs, strict=False) can trace."
         )
     finite_masks(ep.graph)
+    commute_lookups(ep.graph, _user_placeholder(ep, names, primary))
     program = _program(ep, names, primary, hint if dynamic_batch else None, state, kwargs)
     program.exported_as = label
     return program
+
+
+def _user_placeholder(ep, names: List[str], name: str) -> Optional[torch.fx.Node]:
+    """The placeholder of user input ``name`` in ``ep``'s graph (``names``: the user inputs in order)."""
+    kinds = {s.arg.name: s.kind for s in ep.graph_signature.input_specs}
+    users = [n for n in ep.graph.nodes if n.op == "placeholder" and _KINDS.get(kinds.get(n.name)) == "user"]
+    return dict(zip(names, users)).get(name)
 
 
 def _export(model, kwargs, primary: str, dynamic_batch: bool, dynamic_rest: bool):
