@@ -169,6 +169,17 @@ def hf_xlnet():
     return transformers.XLNetForSequenceClassification(cfg)
 
 
+def hf_llama4_text(no_rope_layers=(1, 1)):
+    """Llama 4's text model: rotary embeddings computed in complex numbers (relprop.graph.complex_values);
+    ``no_rope_layers`` 1 where a layer rotates (the default: every layer)."""
+    cfg = transformers.Llama4TextConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, intermediate_size_mlp=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_local_experts=2, num_experts_per_tok=1,
+        interleave_moe_layer_step=1, moe_layers=[], no_rope_layers=list(no_rope_layers), attention_chunk_size=16,
+        pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    return transformers.Llama4ForCausalLM(cfg)
+
+
 def hf_albert():
     cfg = transformers.AlbertConfig(vocab_size=VOCAB, embedding_size=16, hidden_size=32, num_hidden_layers=2,
                                     num_attention_heads=4, intermediate_size=64, num_labels=3,
@@ -392,6 +403,10 @@ _ENTRIES = [
           # with 2 threads (pytest -n 0) transformer_attribution's batch and a sample alone differ by up to 1.6e-5
           # of the largest score; in float64 by 7e-16 (float32 rounding; measured), so 1e-4
           batch_tol=1e-4),
+    Entry("llama4_text", ("text", "decoder", "hf", "complex"), _seeded(hf_llama4_text), texts(), "next_token",
+          "the last real position; complex rotary embeddings in every layer"),
+    Entry("llama4_text_mixed", ("text", "decoder", "hf", "complex"), _seeded(lambda: hf_llama4_text((0, 1))),
+          texts(), "next_token", "the last real position; complex rotary embeddings in the second layer only"),
     Entry("mistral", ("text", "decoder", "hf"), _seeded(hf_mistral), texts(), "next_token",
           "the last real position; sliding window of 4"),
     Entry("qwen2", ("text", "decoder", "hf"), _seeded(hf_qwen2), texts(), "next_token",

@@ -22,6 +22,7 @@ import torch
 import torch.fx
 
 from ..graph.capture import Captured
+from ..graph.complex_values import reads_complex
 from ..graph.elementwise import Region, find_regions
 from ..graph.torch_fixes import safe_target
 from ..graph.selective_scan import selection_parameters
@@ -103,6 +104,8 @@ def rule_finder(captured: Captured, preset: Union[str, Preset], unsupported: str
     held = constants(captured)
 
     def rule_of(node) -> Optional[RuleSpec]:
+        if reads_complex(node):  # complex values the graph could not write in real form: no rule applies
+            return None
         region = found.get(node)
         if region is not None:
             return on_operands(function_rule, (region.input,), region)

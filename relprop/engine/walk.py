@@ -24,6 +24,7 @@ import torch.fx
 from ..errors import UnsupportedOperation
 from ..graph.analysis import INDEX_ROUTING
 from ..graph.capture import Captured
+from ..graph.complex_values import complex_detail
 from ..graph.nodes import module_path, module_type, relevance_path
 from ..rules.pa_lrp import is_positional
 from ..rules.rule_registry import Preset, get_preset
@@ -50,7 +51,8 @@ def check_rules(captured: Captured, preset: Union[str, Preset], unsupported: str
     for node in relevance_path(captured.graph, a.live, a.sources, rule_of):
         if node.op == "call_function" and node not in a.sources and node.target is not operator.getitem \
                 and rule_of(node) is None:
-            raise UnsupportedOperation(node.target, module_path(node), module_type(node), preset.name)
+            raise UnsupportedOperation(node.target, module_path(node), module_type(node), preset.name,
+                                       detail=complex_detail(node))
 
 
 def walk(walker: "Walker", graph: torch.fx.Graph) -> "WalkResult":
@@ -180,7 +182,8 @@ class Walker:
                  for i, v in enumerate(out_val)]
         spec = self.rule_of(node)
         if spec is None:
-            raise UnsupportedOperation(node.target, module_path(node), module_type(node), self.preset.name)
+            raise UnsupportedOperation(node.target, module_path(node), module_type(node), self.preset.name,
+                                       detail=complex_detail(node))
         # rules compute in float32 at least: half-precision activations are upcast, float64 kept
         applied = apply_rule(spec, node, r, value, a.live, batch=self.batch, batch_dim=self.bdim.get(node),
                              eps=self.eps, preset=self.preset, options=self.options,

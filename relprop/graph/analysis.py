@@ -100,9 +100,11 @@ def _val(node):
 
 
 def _is_float(v) -> bool:
+    """A value that can carry the input's influence: floating point or complex (a rotary embedding computed
+    in complex numbers, ``view_as_complex(q) * freqs``, is the input's value, not a constant)."""
     if isinstance(v, (list, tuple)):
         return any(_is_float(x) for x in v)
-    return isinstance(v, torch.Tensor) and v.is_floating_point()
+    return isinstance(v, torch.Tensor) and (v.is_floating_point() or v.is_complex())
 
 
 def _input_nodes(node) -> List[torch.fx.Node]:

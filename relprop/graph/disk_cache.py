@@ -206,7 +206,7 @@ def _source_digest(cls: type) -> Optional[str]:
 def _versions() -> dict:
     here = os.path.dirname(os.path.abspath(__file__))
     code = hashlib.sha256()
-    for name in ("export.py", "decompositions.py", "program.py", "serialize.py"):
+    for name in ("export.py", "decompositions.py", "program.py", "serialize.py", "id_lookups.py", "complex_values.py"):
         with open(os.path.join(here, name), "rb") as f:
             code.update(f.read())
     out = {"torch": torch.__version__, "relprop": __version__, "export_code": code.hexdigest(),

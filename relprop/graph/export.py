@@ -36,6 +36,7 @@ from torch.export.graph_signature import InputKind
 from ..errors import CaptureError
 from .decompositions import extra_decompositions
 from .id_lookups import commute_lookups
+from .complex_values import realify_complex
 from . import progress_line
 from .inputs import batch_size_of
 from .node_decompose import decompose_nodes
@@ -115,6 +116,7 @@ def export_program(model: torch.nn.Module, kwargs: Dict[str, Any], primary: str,
         )
     finite_masks(ep.graph)
     commute_lookups(ep.graph, _user_placeholder(ep, names, primary))
+    realify_complex(ep.graph)
     program = _program(ep, names, primary, hint if dynamic_batch else None, state, kwargs)
     program.exported_as = label
     return program
