@@ -89,6 +89,7 @@ def build_trace(request: Request, schedule: Schedule, result: Pass, notes: List[
     a = captured.analysis
     env, grad, rel_at = result.env, result.grad, result.rel_at
     batch = result.scores.shape[0]
+    unmapped = a.unmapped
     if schedule.records == "folded":  # a folded run: the folds read every block and its records are gone
         blocks, stages = NotKept("the per-block records (exp.blocks)", _names(request.folds)), None
         n_tok = result.token_count
@@ -96,7 +97,10 @@ def build_trace(request: Request, schedule: Schedule, result: Pass, notes: List[
         blocks, stages, n_tok = [], None, result.token_count
     else:
         blocks = [block_record(b, env, grad, rel_at, batch) for b in a.blocks]
-        blocks, stages = globalize(result.windows, blocks, batch)
+        try:
+            blocks, stages = globalize(result.windows, blocks, batch)
+        except RelpropError as why:  # the methods that read the blocks as token maps refuse, with this reason
+            stages, unmapped = None, f"attention on windows whose stages relprop cannot place on one grid ({why})"
         n_tok = blocks[0].attention.shape[-1] if blocks else None
     input_grad = None
     if a.sources and all(s in grad for s in a.sources):
@@ -116,7 +120,7 @@ def build_trace(request: Request, schedule: Schedule, result: Pass, notes: List[
                  blocks=blocks, input_relevance=result.input_relevance, input_gradient=input_grad,
                  conservation=result.conservation, modality=a.modality, grid=a.grid, batch_size=batch,
                  session=session, token_mask=token_mask, stages=stages, notes=notes, token_map=result.tokens.get(0),
-                 token_maps=result.tokens, token_mixing=a.token_mixing, unmapped_blocks=a.unmapped,
+                 token_maps=result.tokens, token_mixing=a.token_mixing, unmapped_blocks=unmapped,
                  streams=list(a.streams), merged=bool(a.merges), stream_relevance=result.stream_relevance,
                  stream_masks=stream_masks(a, request.kwargs, batch),
                  folded=[f.result() for f in request.folds])

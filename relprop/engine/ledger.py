@@ -14,6 +14,7 @@ from typing import Dict, Optional, Tuple
 
 import torch
 
+from ..graph.axis_provenance import batch_layout
 from ..graph.nodes import module_paths
 from ..rules.stabilize import promote
 from .trace import BlockConservation, Conservation
@@ -31,6 +32,13 @@ class Ledger:
         a = analysis
         self.batch, self.device, self.dtype = batch, device, dtype
         self.bdim = a.batch_dim
+        # values whose batch axis interleaves the samples (rows t·B + b: torch.nn.MultiheadAttention's
+        # sequence-major rows flattened), read off the axes' provenance: node -> the factor before the batch
+        self.outer: Dict = {}
+        for n, axes in getattr(a, "axes", {}).items():
+            lay = batch_layout(axes)
+            if lay is not None and lay[1] > 1 and lay[0] == self.bdim.get(n):
+                self.outer[n] = lay[1]
         self.blocks = a.blocks
         self.layers = [b.layer for b in a.blocks]
         self.block_out = {b.output: b for b in a.blocks if b.output is not None}
@@ -50,16 +58,18 @@ class Ledger:
 
     def inject(self, node, relevance: torch.Tensor) -> None:
         """Book the relevance seeded at output ``node`` as injected."""
-        self.injected = self.injected + sample_sum(relevance, self.bdim.get(node), self.batch)
+        self.injected = self.injected + sample_sum(relevance, self.bdim.get(node), self.batch, self.outer.get(node, 1))
 
     def passing(self, node, relevance: torch.Tensor) -> None:
         """The walk reached ``node`` with its complete ``relevance``: book it as entering a block (at
         the block's output) or leaving one (at the hidden state entering it)."""
+        outer = self.outer.get(node, 1)
         if node in self.block_out:
-            self.per_block_in[self.block_out[node].layer] = sample_sum(relevance, self.bdim.get(node), self.batch)
+            self.per_block_in[self.block_out[node].layer] = sample_sum(relevance, self.bdim.get(node), self.batch,
+                                                                       outer)
         if node in self.block_hidden:
             for b in self.block_hidden[node]:
-                self.per_block_out[b.layer] = sample_sum(relevance, self.bdim.get(node), self.batch)
+                self.per_block_out[b.layer] = sample_sum(relevance, self.bdim.get(node), self.batch, outer)
 
     def absorb(self, label: str, rel: torch.Tensor, consumer, arg_bdim: Optional[int], out_val) -> None:
         """Book ``rel``, a share that node ``consumer`` (with forward value ``out_val``) does not pass
@@ -76,7 +86,8 @@ class Ledger:
             # (y, statistics...) of a normalization: shares of constants are shaped like y
             out_val, ob = out_val[0], _element_batch_dim(consumer, self.bdim)
         if torch.is_tensor(out_val) and ob is not None and rel.dim() == out_val.dim() and rel.shape[ob] % batch == 0:
-            return sample_sum(rel, ob, batch), True
+            outer = self.outer.get(consumer, 1) if tuple(rel.shape) == tuple(out_val.shape) else 1
+            return sample_sum(rel, ob, batch, outer), True
         if arg_bdim is not None and rel.dim() > arg_bdim and rel.shape[arg_bdim] == batch:
             return sample_sum(rel, arg_bdim, batch), True
         if rel.dim() > 0 and rel.shape[0] == batch:
@@ -98,7 +109,7 @@ class Ledger:
         pairs) reached the input under ``preset``."""
         reached = self.zeros()
         for node, r in input_parts:
-            reached = reached + sample_sum(r, self.bdim.get(node), self.batch)
+            reached = reached + sample_sum(r, self.bdim.get(node), self.batch, self.outer.get(node, 1))
         absorbed = sum(self.absorbed_by.values(), self.zeros())
         blocks = [BlockConservation(b.name, self.per_block_in[b.layer],
                                     self.per_block_out.get(b.layer, self.zeros()), self.per_block_absorbed[b.layer])
@@ -114,13 +125,17 @@ def _element_batch_dim(node, bdim) -> Optional[int]:
     return None
 
 
-def sample_sum(t: torch.Tensor, d: Optional[int], batch: int) -> torch.Tensor:
+def sample_sum(t: torch.Tensor, d: Optional[int], batch: int, outer: int = 1) -> torch.Tensor:
     """The per-sample sum [batch] of ``t`` whose batch axis is ``d`` (possibly [batch·k] with k groups
-    per sample, batch-major); a tensor with no batch axis is shared equally by the samples."""
+    per sample, batch-major, or, with ``outer`` > 1, [outer·batch·k] with the samples interleaved: rows
+    (o·batch + b)·k + i, as sequence-major rows flattened); a tensor with no batch axis is shared equally
+    by the samples."""
     if d is None:
         if t.dim() > 0 and t.shape[0] == batch:
             d = 0
         else:
             return t.sum().reshape(1).expand(batch) / batch
     t = t.movedim(d, 0)  # [batch, ...] or [batch·k, ...] (k groups per sample, batch-major)
+    if outer > 1 and batch > 1 and t.shape[0] % (outer * batch) == 0:
+        return promote(t.reshape(outer, batch, -1).sum((0, 2)))
     return promote(t.reshape(batch, -1).sum(1))

@@ -25,6 +25,7 @@ import torch.fx
 
 from . import streams, window_attention as windows
 from .attention_blocks import SEPARATE, BlockInfo, find_blocks, fold_counter, token_mixing
+from .axis_provenance import provenance
 from .nodes import CONSTANT_PRODUCING, module_paths, output_node
 from .tokens import TokenPlan, plan_tokens
 
@@ -85,6 +86,8 @@ class GraphAnalysis:
     #: features into the text's placeholder positions; :func:`relprop.graph.streams.merges`), not
     #: connected by cross-attention: the nodes that merge them ([] otherwise)
     merges: List[torch.fx.Node] = dataclasses.field(default_factory=list)
+    #: where each live value's axes come from (:mod:`relprop.graph.axis_provenance`)
+    axes: Dict[torch.fx.Node, list] = dataclasses.field(default_factory=dict, repr=False)
 
     @property
     def unmapped(self) -> Optional[str]:
@@ -218,7 +221,8 @@ def _analyze(graph, bindings, primary_name, static_batch, batch_axes, extra) -> 
             if n.op == "call_function" and n.target is aten.convolution.default:
                 pixel_convs[n.name] = _pixel_bounds(n.args[0], primary, batch_dim, static_batch)
 
-    blocks, left_out = find_blocks(graph, live, fold_counter(batch_dim, static_batch, folds))
+    axes = provenance(graph, primary, batch_dim.get(primary), live)
+    blocks, left_out = find_blocks(graph, live, fold_counter(batch_dim, static_batch, folds), axes)
     named: Dict[str, List[torch.fx.Node]] = {}
     if stream_of:
         labels = streams.label_blocks(graph, live, blocks, stream_of)
@@ -249,7 +253,7 @@ def _analyze(graph, bindings, primary_name, static_batch, batch_axes, extra) -> 
                          window_maps, links, tokens=tokens,
                          token_mixing=token_mixing(graph, live, blocks, sources if modality == "text" else None,
                                                    [o for o in outputs if o in live]),
-                         left_out=left_out, streams=named)
+                         left_out=left_out, streams=named, axes=axes)
 
 
 def _top_level_outputs(graph) -> list:

@@ -31,6 +31,7 @@ from typing import Callable, Dict, List, Optional, Set, Tuple
 import torch
 import torch.fx
 
+from .axis_provenance import kinds
 from .nodes import ancestors, descendants, module_call, module_path, module_paths
 
 aten = torch.ops.aten
@@ -177,12 +178,13 @@ def _scores_of(softmax, live) -> Optional[torch.fx.Node]:
     return None
 
 
-def find_blocks(graph, live: Set[torch.fx.Node], fold_of: Callable[[torch.fx.Node], Optional[int]]
-                ) -> Tuple[List[BlockInfo], List[str]]:
+def find_blocks(graph, live: Set[torch.fx.Node], fold_of: Callable[[torch.fx.Node], Optional[int]],
+                axes: Optional[dict] = None) -> Tuple[List[BlockInfo], List[str]]:
     """The attention blocks, input → output, and a line for each softmax-times-values left out
     because it is not attention between tokens (see the module docstring).
 
-    ``fold_of(node)`` is the number of groups a node folds into its batch axis (None: none)."""
+    ``fold_of(node)`` is the number of groups a node folds into its batch axis (None: none); ``axes``: where
+    each value's axes come from (:func:`relprop.graph.axis_provenance.provenance`)."""
     order = {n: i for i, n in enumerate(graph.nodes)}
     found = []
     for sm in graph.nodes:
@@ -210,7 +212,7 @@ def find_blocks(graph, live: Set[torch.fx.Node], fold_of: Callable[[torch.fx.Nod
         value = product.args[1]
         folded = fold_of(attn) if len(shape) == 3 else None
         groups = fold_of(attn) if len(shape) >= 4 else None
-        if _channel_attention(shape, hidden, value, folded):
+        if _between_channels(attn, axes, shape, hidden, value, folded):
             left_out.append(f"'{module_path(attn)}': a softmax over the channels of the tokens ({keys} x {keys} per "
                             f"head), not attention between tokens")
             continue
@@ -239,6 +241,17 @@ def _layer_io(graph, layer, live):
         if n in live and any(u not in scope for u in n.users):
             output = n
     return hidden, output
+
+
+def _between_channels(attn, axes, shape, hidden, value, folded) -> bool:
+    """Whether the map ``attn`` relates channels, not tokens: its keys' axis comes from a weight's axis (the
+    output features of a linear layer, split into heads) and not from the explained input's positions
+    (:mod:`relprop.graph.axis_provenance`: XCiT's and DaViT's channel attention, whatever the sizes). Where
+    provenance is lost, the shapes decide (:func:`_channel_attention`)."""
+    found = kinds(axes.get(attn), -1) if axes else set()
+    if found and "?" not in found:
+        return "input" not in found and "batch" not in found
+    return _channel_attention(shape, hidden, value, folded)
 
 
 def _channel_attention(shape, hidden, value, folded) -> bool:

@@ -1,0 +1,117 @@
+"""Where each axis comes from decides what relprop reads (:mod:`relprop.graph.axis_provenance`): a softmax
+over a weight's axes (channel attention) is not a token-to-token block whatever its sizes, and the
+ledger books the shares of sequence-major rows (t·B + b) to their own samples."""
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import timm
+import torch
+
+import relprop
+from relprop.graph.axis_provenance import batch_layout
+from relprop.graph.capture import capture
+
+
+def _explain(model, x, **kw):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return relprop.explain(model, x, target=1, **kw)
+
+
+class SequenceMajor(torch.nn.Module):
+    """``torch.nn.MultiheadAttention`` (or an encoder layer) on [tokens, batch, features], biases non-zero."""
+
+    def __init__(self, layer):
+        super().__init__()
+        torch.manual_seed(0)
+        self.layer, self.head = layer, torch.nn.Linear(16, 3)
+        with torch.no_grad():
+            for p in self.parameters():
+                if p.dim() == 1:
+                    p.normal_()
+
+    def forward(self, x):
+        h = x.transpose(0, 1)
+        out = self.layer(h, h, h)[0] if isinstance(self.layer, torch.nn.MultiheadAttention) else self.layer(h)
+        return self.head(out.mean(0))
+
+
+LAYERS = {"mha": lambda: torch.nn.MultiheadAttention(16, 2),
+          "encoder_layer": lambda: torch.nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0)}
+
+
+@pytest.mark.parametrize("name", list(LAYERS))
+@pytest.mark.parametrize("preset", ["attnlrp", "cp_lrp"])
+def test_sequence_major_rows_are_booked_to_their_samples(name, preset):
+    model = SequenceMajor(LAYERS[name]()).eval().double()
+    x = torch.randn(3, 5, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    e = _explain(model, x, method="lrp", preset=preset, fast_path=False)
+    assert float(e.conservation.error.max()) < 1e-12
+    assert any(float(v.abs().max()) > 1e-3 for k, v in e.conservation.absorbed_by.items() if "bias" in k)
+    for i in range(3):
+        one = _explain(model, x[i:i + 1], method="lrp", preset=preset, fast_path=False)
+        torch.testing.assert_close(one.scores[0], e.scores[i])
+        for label, v in one.conservation.absorbed_by.items():  # each sample's books, alone and in the batch
+            torch.testing.assert_close(v[0], e.conservation.absorbed_by[label][i], atol=1e-12, rtol=1e-9)
+
+
+def test_provenance_reads_interleaved_rows():
+    model = SequenceMajor(LAYERS["mha"]()).eval()
+    c = capture(model, {"x": torch.randn(2, 5, 16)}, "x")
+    a = c.analysis
+    linears = [n for n in c.graph.nodes if n.target is torch.ops.aten.linear.default and n in a.live]
+    rows = [batch_layout(a.axes[n.args[0]]) for n in linears]
+    # the projections of MHA read [T·B, E] rows (t·B + b): 5 tokens before each sample's row
+    assert (0, 5, 1) in rows
+
+
+class ChannelMixer(torch.nn.Module):
+    """Softmax over the channels of a head whose size equals the token count (8 and 8): channel attention
+    that sizes alone cannot tell from token attention."""
+
+    def __init__(self, tokens=8, d=8):
+        super().__init__()
+        torch.manual_seed(0)
+        self.qkv, self.proj, self.head = torch.nn.Linear(d, 3 * d), torch.nn.Linear(d, d), torch.nn.Linear(d, 3)
+
+    def forward(self, x):  # [B, N, d]
+        q, k, v = self.qkv(x).chunk(3, -1)
+        attn = (q.transpose(-1, -2) @ k).softmax(-1)  # [B, d, d]: channels to channels
+        y = (attn @ v.transpose(-1, -2)).transpose(-1, -2)  # [B, N, d]
+        return self.head((x + self.proj(y)).mean(1))
+
+
+def test_channel_attention_is_not_a_token_block_whatever_its_size():
+    model = ChannelMixer().eval()
+    x = torch.randn(2, 8, 8, generator=torch.Generator().manual_seed(1))
+    c = capture(model, {"x": x}, "x")
+    assert c.analysis.blocks == []
+    assert any("channels" in why for why in c.analysis.left_out)
+    with pytest.raises(relprop.RelpropError, match="no attention blocks"):
+        _explain(model, x, method="rollout")
+    e = _explain(model, x, method="input_x_gradient")
+    xx = x.clone().requires_grad_(True)
+    model(xx)[:, 1].sum().backward()
+    torch.testing.assert_close(e.scores, (xx.grad * xx).sum(-1))
+
+
+@pytest.fixture(scope="module")
+def davit():
+    torch.manual_seed(0)
+    return timm.create_model("davit_tiny", depths=(1, 1), embed_dims=(16, 32), num_heads=(1, 2), num_classes=5,
+                             window_size=4).eval()
+
+
+def test_davit_channel_blocks_left_out_and_gradients_explained(davit):
+    x = torch.randn(2, 3, 64, 64, generator=torch.Generator().manual_seed(2))
+    report = relprop.coverage(davit, x)
+    assert [b.name for b in report.blocks] == ["stages.0.blocks.0.0.attn", "stages.1.blocks.0.0.attn"]
+    e = _explain(davit, x, method="input_x_gradient")
+    xx = x.clone().requires_grad_(True)
+    davit(xx)[:, 1].sum().backward()
+    per_patch = (xx.grad * xx).sum(1).reshape(2, 16, 4, 16, 4).sum((2, 4)).reshape(2, 256)
+    torch.testing.assert_close(e.scores, per_patch, rtol=1e-4, atol=1e-6)
+    with pytest.raises(relprop.RelpropError, match="cannot place on one grid"):
+        _explain(davit, x, method="rollout")
