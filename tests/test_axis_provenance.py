@@ -115,3 +115,29 @@ def test_davit_channel_blocks_left_out_and_gradients_explained(davit):
     torch.testing.assert_close(e.scores, per_patch, rtol=1e-4, atol=1e-6)
     with pytest.raises(relprop.RelpropError, match="cannot place on one grid"):
         _explain(davit, x, method="rollout")
+
+
+def _whisper():
+    import transformers
+    torch.manual_seed(0)
+    cfg = transformers.WhisperConfig(vocab_size=64, num_mel_bins=8, d_model=16, encoder_layers=2,
+                                     encoder_attention_heads=2, decoder_layers=1, decoder_attention_heads=2,
+                                     encoder_ffn_dim=32, decoder_ffn_dim=32, max_source_positions=8, num_labels=3,
+                                     pad_token_id=0, bos_token_id=1, eos_token_id=2, decoder_start_token_id=1)
+    return transformers.WhisperForAudioClassification(cfg).eval()
+
+
+def test_channels_first_features_score_their_frames():
+    """Whisper reads log-mel features [batch, mel, frames] channels-first (its first convolution contracts the
+    mel bins): the input methods score the 16 frames, and the rollouts' 8 encoder positions say what they are."""
+    model = _whisper()
+    x = torch.randn(2, 8, 16, generator=torch.Generator().manual_seed(3))
+    e = _explain(model, {"input_features": x}, method="input_x_gradient")
+    xx = x.clone().requires_grad_(True)
+    model(input_features=xx).logits[:, 1].sum().backward()
+    torch.testing.assert_close(e.scores, (xx.grad * xx).sum(1))
+    lrp = _explain(model, {"input_features": x}, method="lrp", preset="attnlrp")
+    assert tuple(lrp.scores.shape) == (2, 16)
+    r = _explain(model, {"input_features": x}, method="rollout")
+    assert tuple(r.scores.shape) == (2, 8)
+    assert any("16 positions along axis 2" in n for n in r.notes), r.notes

@@ -327,6 +327,29 @@ def timm_mvitv2():
     return mvitv2.MultiScaleVit(cfg, img_size=(64, 64), num_classes=8).eval()
 
 
+def timm_davit():
+    """DaViT: window attention and channel attention (a softmax over each head's channels) on [B, C, H, W]
+    stages, conv downsampling between them."""
+    torch.manual_seed(0)
+    return timm.create_model("davit_tiny", depths=(1, 1), embed_dims=(16, 32), num_heads=(1, 2), num_classes=8,
+                             window_size=4).eval()
+
+
+def hf_whisper_audio():
+    """Whisper's encoder with a classification head: log-mel features [batch, mel, frames] read channels-first
+    by a convolution, a stride-2 convolution in front of the blocks."""
+    cfg = transformers.WhisperConfig(vocab_size=VOCAB, num_mel_bins=8, d_model=16, encoder_layers=2,
+                                     encoder_attention_heads=2, decoder_layers=1, decoder_attention_heads=2,
+                                     encoder_ffn_dim=32, decoder_ffn_dim=32, max_source_positions=8, num_labels=3,
+                                     pad_token_id=0, bos_token_id=1, eos_token_id=2, decoder_start_token_id=1)
+    return transformers.WhisperForAudioClassification(cfg)
+
+
+def mel_features(model, batch=2, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return {"input_features": torch.randn(batch, 8, 16, generator=g)}
+
+
 # ------------------------------------------------------------------ HF vision
 
 def hf_beit():
@@ -459,6 +482,9 @@ _ENTRIES = [
     Entry("timm_mvitv2", ("vision", "timm", "hierarchical", "pooled-attention", "in-place"), timm_mvitv2, images(64), 1,
           "mean of the last stage's tokens; pooled keys and queries, scores written in place",
           attention_blocks=None, refusals=(_FEWER_QUERIES,)),
+    Entry("timm_davit", ("vision", "timm", "hierarchical", "windows", "channel-attention", "mean-pool"), timm_davit,
+          images(64), 1, "mean of the last stage's tokens; window and channel attention on [B, C, H, W] stages",
+          attention_blocks=None, refusals=((_ROLLOUTS, r"cannot place on one grid"),)),
     # ---- HF vision
     Entry("hf_vit", ("vision", "hf", "vit"), _seeded(models.hf_vit), images(32), 1, CLS, grid=(4, 4)),
     Entry("hf_deit", ("vision", "hf", "vit"), _seeded(models.hf_deit), images(32), 1,
@@ -515,6 +541,8 @@ _ENTRIES += [
           # on this random model: in float64 a batch and a sample alone agree to 2e-14 of the largest score, in
           # float32 each is off the float64 map by up to 6.0e-4 of it and they differ by up to 4.8e-4 (measured)
           batch_tol=1e-3),
+    Entry("whisper_audio", ("audio", "hf", "mean-pool", "channels-first"), _seeded(hf_whisper_audio), mel_features, 1,
+          "mean of the encoder positions (projected, then pooled); mel features read channels-first"),
     Entry("videomae", ("video", "hf", "mean-pool"), zm.videomae, zm.video_inputs, 1,
           "mean of the tubelet tokens (use_mean_pooling)"),
     Entry("mixtral", ("text", "decoder", "hf", "moe"), zm.mixtral, texts(), "next_token",

@@ -158,7 +158,7 @@ def explain(model, inputs, entry: Entry, method: str, where: str, **extra):
 def primary(entry: Entry, inputs) -> torch.Tensor:
     if torch.is_tensor(inputs):
         return inputs
-    key = entry.wrt or next(k for k in ("input_ids", "pixel_values", "input_values") if k in inputs)
+    key = entry.wrt or next(k for k in ("input_ids", "pixel_values", "input_values", "input_features") if k in inputs)
     return inputs[key]
 
 

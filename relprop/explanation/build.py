@@ -57,6 +57,8 @@ def build(info, preset: Optional[str], result: dict, trace, special_tokens_mask=
         notes.append(why)
         mask = ~special
         scores = torch.where(mask, scores, torch.zeros((), dtype=scores.dtype, device=scores.device))
+    elif trace.modality == "embeddings":
+        notes.extend(_positions_note(info.name, scores, kwargs.get(captured.primary), captured.analysis))
     flatness.check(info.name, scores, mask, result.get("flat_cause"), notes)
     if info.needs_relevance and not info.needs_blocks:  # a map of the input relevance: is it to be trusted?
         relevance_checks.check(info.name, preset, trace, trace.input_relevance, notes)
@@ -70,6 +72,24 @@ def build(info, preset: Optional[str], result: dict, trace, special_tokens_mask=
                        signed=info.signed, class_specific=info.class_specific, notes=notes,
                        streams=_streams(result.get("streams"), trace, scores),
                        output_stream=result.get("output_stream"), convergence_delta=result.get("convergence_delta"))
+
+
+def _positions_note(method: str, scores, x, analysis) -> list:
+    """A note when a method's scores are not one per position of a [batch, a, b] floating input (the
+    attention blocks' tokens, made from the input by a strided convolution or pooling: Whisper's encoder
+    positions from its mel frames)."""
+    if not torch.is_tensor(scores) or not torch.is_tensor(x) or x.dim() != 3 or scores.dim() != 2:
+        return []
+    feature = getattr(analysis, "feature_axis", None)
+    feature = feature if feature in (1, 2) else 2
+    positions = x.shape[3 - feature]
+    if scores.shape[-1] == positions:
+        return []
+    return [f"{method}: {scores.shape[-1]} scores, one per token of the attention blocks, and the input has "
+            f"{positions} positions along axis {3 - feature} (axis {feature} holds its features): layers in front of "
+            f"the blocks (a strided convolution, pooling) made the tokens from the positions, so score i is not "
+            f"input position i; the input-relevance methods (lrp, input_x_gradient) score the {positions} "
+            "positions themselves"]
 
 
 def _streams(streams, trace, scores):

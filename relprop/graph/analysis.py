@@ -25,7 +25,7 @@ import torch.fx
 
 from . import streams, window_attention as windows
 from .attention_blocks import SEPARATE, BlockInfo, find_blocks, fold_counter, token_mixing
-from .axis_provenance import provenance
+from .axis_provenance import input_feature_axis, provenance
 from .nodes import CONSTANT_PRODUCING, module_paths, output_node
 from .tokens import TokenPlan, plan_tokens
 
@@ -88,6 +88,9 @@ class GraphAnalysis:
     merges: List[torch.fx.Node] = dataclasses.field(default_factory=list)
     #: where each live value's axes come from (:mod:`relprop.graph.axis_provenance`)
     axes: Dict[torch.fx.Node, list] = dataclasses.field(default_factory=dict, repr=False)
+    #: a [batch, a, b] floating input: the axis its first weight contracts (features: summed in a score per
+    #: position), 2 (the last) unless a convolution reads it channels-first (Whisper's mel bins: 1)
+    feature_axis: Optional[int] = None
 
     @property
     def unmapped(self) -> Optional[str]:
@@ -253,7 +256,8 @@ def _analyze(graph, bindings, primary_name, static_batch, batch_axes, extra) -> 
                          window_maps, links, tokens=tokens,
                          token_mixing=token_mixing(graph, live, blocks, sources if modality == "text" else None,
                                                    [o for o in outputs if o in live]),
-                         left_out=left_out, streams=named, axes=axes)
+                         left_out=left_out, streams=named, axes=axes,
+                         feature_axis=input_feature_axis(graph, primary, live) if modality == "embeddings" else None)
 
 
 def _top_level_outputs(graph) -> list:

@@ -250,7 +250,7 @@ def _between_channels(attn, axes, shape, hidden, value, folded) -> bool:
     provenance is lost, the shapes decide (:func:`_channel_attention`)."""
     found = kinds(axes.get(attn), -1) if axes else set()
     if found and "?" not in found:
-        return "input" not in found and "batch" not in found
+        return found == {"feature"}  # (learned tokens, Perceiver's latents, are a parameter's axis: tokens)
     return _channel_attention(shape, hidden, value, folded)
 
 

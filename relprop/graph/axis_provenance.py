@@ -10,12 +10,14 @@ a list of *factors*, major to minor, each a kind and a size. The kinds are
 * ``"input"`` — an axis of the explained input other than the batch (positions: tokens, pixels, time,
   frequency), followed through every view, permute, reshape, slice, gather and lookup (an embedding
   lookup keeps the ids' axes);
-* ``"param"`` — an axis a weight makes (a linear layer's or a convolution's output features, a lookup's
+* ``"feature"`` — an axis a weight makes (a linear layer's or a convolution's output features, a lookup's
   embedding size): features, channels, heads;
+* ``"param"`` — an axis of a parameter, buffer or constant itself (a bias's features, but also learned
+  tokens: Perceiver's latents, a class token, registers);
 * ``"?"`` — provenance lost (an op this module does not follow).
 
 A reshape splits and merges factors in order (``[T, B, E] → [T·B, E]`` gives the axis ``[input T, batch
-B]``: rows t·B + b), a permute moves them, a linear map replaces the last axis by a ``"param"`` one, an
+B]``: rows t·B + b), a permute moves them, a linear map replaces the last axis by a ``"feature"`` one, an
 element-wise op joins its operands' axes (the explained input's kinds before a weight's: ``x +
 pos_embed`` keeps ``x``'s positions). The attention blocks are read from it
 (:mod:`relprop.graph.attention_blocks`: a softmax whose keys come from a weight's axis is attention
@@ -40,7 +42,7 @@ _VIEWS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, at
 _SAME = {aten.clone.default, aten._to_copy.default, aten.contiguous.default, aten.alias.default,
          aten.detach.default, aten.dropout.default, aten.native_dropout.default}
 #: kinds in the order an element-wise op prefers them when its operands disagree on an axis
-_RANK = {"batch": 0, "input": 1, "param": 2, "?": 3, "unit": 4}
+_RANK = {"batch": 0, "input": 1, "feature": 2, "param": 3, "?": 4, "unit": 5}
 
 
 def _size(s) -> Optional[int]:
@@ -205,12 +207,12 @@ def _rule(t, n, args, x, shp, axes_of) -> Optional[Axes]:
         d = args[1] % len(x)
         return [list(a) for i, a in enumerate(x) if i != d]
     if t in (aten.linear.default,) and x is not None:
-        return [list(a) for a in x[:-1]] + [[("param", shp[-1])]]
+        return [list(a) for a in x[:-1]] + [[("feature", shp[-1])]]
     if t is aten.embedding.default:
         idx = axes_of(args[1])
-        return None if idx is None else [list(a) for a in idx] + [[("param", shp[-1])]]
+        return None if idx is None else [list(a) for a in idx] + [[("feature", shp[-1])]]
     if t is aten.convolution.default and x is not None:
-        return [list(x[0]), [("param", shp[1])]] + [[(k, s) for k, _ in a[:1]] if s != 1 else [("unit", 1)]
+        return [list(x[0]), [("feature", shp[1])]] + [[(k, s) for k, _ in a[:1]] if s != 1 else [("unit", 1)]
                                                   for a, s in zip(x[2:], shp[2:])]
     if t in (aten.matmul.default, aten.bmm.default, aten.mm.default, aten.baddbmm.default):
         a, b = (axes_of(args[0]), axes_of(args[1])) if t is not aten.baddbmm.default else \
@@ -239,7 +241,7 @@ def _rule(t, n, args, x, shp, axes_of) -> Optional[Axes]:
         d = (args[1] if len(args) > 1 else 0) % len(shp)
         rest = shp[:d] + shp[d + 1:]
         y = _join([p for p in parts if p is not None], rest)
-        return y[:d] + [[("param", shp[d])]] + y[d:]
+        return y[:d] + [[("feature", shp[d])]] + y[d:]
     if t is operator.getitem:  # a piece of a split, or an output of a tuple-valued op (a norm's y)
         src = args[0]
         if not isinstance(src, torch.fx.Node) or not src.args:
@@ -277,3 +279,37 @@ def batch_layout(axes: Optional[Axes]) -> Optional[Tuple[int, int, int]]:
     i, j = found[0]
     a = axes[i]
     return i, _prod(a[:j]), _prod(a[j + 1:])
+
+
+#: ops through which the explained input's axes are followed to the first weight that reads it
+_FOLLOWED = _SAME | {aten.permute.default, aten.transpose.int, aten.mul.Tensor, aten.add.Tensor, aten.sub.Tensor,
+                     aten.div.Tensor, aten.mul.Scalar, aten.div.Scalar, aten.add.Scalar, aten.sub.Scalar}
+
+
+def input_feature_axis(graph: torch.fx.Graph, primary: torch.fx.Node, live: set) -> Optional[int]:
+    """The axis of a [batch, a, b] floating input that its first weight contracts: the channels of a
+    convolution that reads it (Whisper's log-mel features [batch, mel, frames]: axis 1, the frames are the
+    positions), the last axis for a linear layer (input embeddings [batch, tokens, size]: 2). Followed
+    through permutes, transposes and element-wise ops with constants; None when no such weight is found."""
+    shape = _shape(primary)
+    if shape is None or len(shape) != 3:
+        return None
+    perm = {primary: [0, 1, 2]}  # node -> which input axis each of its axes is
+    for n in graph.nodes:
+        if n.op != "call_function" or n not in live or not n.args or n.args[0] not in perm:
+            continue
+        p = perm[n.args[0]]
+        if n.target is aten.convolution.default:
+            return p[1]
+        if n.target in (aten.linear.default, aten.matmul.default, aten.mm.default):
+            return p[-1]
+        if n.target is aten.permute.default:
+            perm[n] = [p[d % 3] for d in n.args[1]]
+        elif n.target is aten.transpose.int:
+            q = list(p)
+            i, j = n.args[1] % 3, n.args[2] % 3
+            q[i], q[j] = q[j], q[i]
+            perm[n] = q
+        elif n.target in _FOLLOWED and _shape(n) is not None and len(_shape(n)) == 3:
+            perm[n] = list(p)
+    return None

@@ -29,7 +29,7 @@ import torch
 from ..errors import MethodError
 from .aggregation import Aggregation, aggregate
 from .method_registry import method
-from .layout import patch_tokens
+from .layout import patch_tokens, per_position
 from .bimodal import check_normalize_self, is_two_stream, two_stream_result
 from .query import query_rows, query_vector
 from .identity import DEFAULT_IDENTITY, flat_cause, treat
@@ -186,8 +186,8 @@ def lrp(trace):
         if trace.grid is None:
             return {"tokens": pixels.flatten(1)}
         return {"pixels": pixels}
-    if rel.dim() == 3:  # input embeddings [batch, positions, size]
-        rel = rel.sum(-1)
+    if rel.dim() == 3:  # input embeddings [batch, positions, size], or channels-first features
+        rel = per_position(trace, rel)
     return {"tokens": rel}
 
 

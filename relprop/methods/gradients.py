@@ -33,6 +33,7 @@ import torch
 from ..engine.session import Session
 from ..errors import MethodError
 from ..rules.stabilize import promote
+from .layout import per_position
 from .progress import progress_bar
 from .method_registry import method
 
@@ -47,6 +48,8 @@ def reduce_source(trace, attribution: torch.Tensor) -> dict:
         return {"pixels": attribution.sum(1)}
     if attribution.dim() == 2:  # a flat feature vector per sample: each feature is a position
         return {"tokens": attribution}
+    if attribution.dim() == 3 and trace.modality == "embeddings":  # summed over the features, wherever they are
+        return {"tokens": per_position(trace, attribution)}
     return {"tokens": attribution.sum(-1)}
 
 

@@ -77,3 +77,13 @@ def grid_tokens(trace, values: torch.Tensor, name: str) -> torch.Tensor:
         raise MethodError(f"{name} needs one token per patch of the {gh}x{gw} grid, and this model's tokens cover "
                           f"some patches {'twice' if bool((seen > 1).any()) else 'not at all'}")
     return out
+
+
+def per_position(trace, values: torch.Tensor) -> torch.Tensor:
+    """[batch, positions] from a [batch, a, b] attribution of a floating input: summed over the axis the
+    model's first weight contracts (``GraphAnalysis.feature_axis``: the embedding size of input embeddings,
+    the mel bins of Whisper's channels-first features), the last one when relprop found none."""
+    session = getattr(trace, "session", None)
+    analysis = getattr(getattr(session, "captured", None), "analysis", None)
+    axis = getattr(analysis, "feature_axis", None)
+    return values.sum(axis if axis in (1, 2) else -1)
