@@ -141,3 +141,22 @@ def test_channels_first_features_score_their_frames():
     r = _explain(model, {"input_features": x}, method="rollout")
     assert tuple(r.scores.shape) == (2, 8)
     assert any("16 positions along axis 2" in n for n in r.notes), r.notes
+
+
+def test_channels_first_feature_map_is_one_sequence_not_windows():
+    """DETR flattens its backbone's [batch, C, H, W] features into the encoder's tokens: one sequence per
+    sample (no positions folded into the batch), not window attention; the rollouts refuse for the true
+    reason (the decoder's object queries), the input methods run."""
+    import zoo
+    model = zoo.hf_detr().eval()
+    x = {"pixel_values": torch.randn(1, 3, 64, 64, generator=torch.Generator().manual_seed(4))}
+    c = capture(model, x, "pixel_values")
+    assert c.analysis.windows == {}
+    with pytest.raises(relprop.RelpropError, match=r"maps 64 tokens to 4 queries"):
+        relprop.explain(model, x, method="rollout", target=zoo.detr_query_target)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        e = relprop.explain(model, x, method="input_x_gradient", target=zoo.detr_query_target)
+    xx = x["pixel_values"].clone().requires_grad_(True)
+    zoo.detr_query_target(model(pixel_values=xx)).sum().backward()
+    torch.testing.assert_close(e.map[0], (xx.grad * xx).sum(1)[0], rtol=1e-4, atol=1e-7)

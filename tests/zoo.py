@@ -345,6 +345,23 @@ def hf_whisper_audio():
     return transformers.WhisperForAudioClassification(cfg)
 
 
+def hf_detr():
+    """DETR: a ResNet backbone's channels-first features flattened into the encoder's tokens, object queries
+    in the decoder."""
+    backbone = transformers.ResNetConfig(num_channels=3, embedding_size=8, hidden_sizes=[8, 16], depths=[1, 1],
+                                         out_features=["stage2"])
+    cfg = transformers.DetrConfig(use_timm_backbone=False, use_pretrained_backbone=False, backbone=None,
+                                  backbone_config=backbone, d_model=16, encoder_layers=1, decoder_layers=1,
+                                  encoder_attention_heads=2, decoder_attention_heads=2, encoder_ffn_dim=32,
+                                  decoder_ffn_dim=32, num_queries=4, num_labels=3)
+    return transformers.DetrForObjectDetection(cfg)
+
+
+def detr_query_target(o):
+    """Object query 0's logit of class 1."""
+    return o.logits[:, 0, 1]
+
+
 def mel_features(model, batch=2, seed=0):
     g = torch.Generator().manual_seed(seed)
     return {"input_features": torch.randn(batch, 8, 16, generator=g)}
@@ -485,6 +502,9 @@ _ENTRIES = [
     Entry("timm_davit", ("vision", "timm", "hierarchical", "windows", "channel-attention", "mean-pool"), timm_davit,
           images(64), 1, "mean of the last stage's tokens; window and channel attention on [B, C, H, W] stages",
           attention_blocks=None, refusals=((_ROLLOUTS, r"cannot place on one grid"),)),
+    Entry("hf_detr", ("vision", "hf", "detection", "channels-first"), _seeded(hf_detr), images(64), detr_query_target,
+          "object query 0 in the decoder; the encoder's tokens are the backbone's flattened feature map",
+          attention_blocks=None, refusals=(_FEWER_QUERIES,)),
     # ---- HF vision
     Entry("hf_vit", ("vision", "hf", "vit"), _seeded(models.hf_vit), images(32), 1, CLS, grid=(4, 4)),
     Entry("hf_deit", ("vision", "hf", "vit"), _seeded(models.hf_deit), images(32), 1,

@@ -245,7 +245,7 @@ def _analyze(graph, bindings, primary_name, static_batch, batch_axes, extra) -> 
     tokens = plan_tokens(graph, live, blocks, sources, modality)
     if tokens is not None and tokens.grid is not None:
         grid = tokens.grid  # the grid flattened into tokens (after a stem of several convolutions)
-    window_maps = windows.find_window_maps(blocks, live)
+    window_maps = windows.find_window_maps(blocks, live, axes)
     links = windows.find_stage_links(blocks, live) if window_maps else {}
     grouped = [b for b in blocks if b.groups and b.index not in window_maps]
     if grouped:

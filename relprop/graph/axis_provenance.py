@@ -41,6 +41,13 @@ _VIEWS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, at
           aten.view_copy.default}
 _SAME = {aten.clone.default, aten._to_copy.default, aten.contiguous.default, aten.alias.default,
          aten.detach.default, aten.dropout.default, aten.native_dropout.default}
+#: ops that resize axes without moving them (pooling, padding, resampling): each axis keeps its kind
+_RESIZE = {aten.max_pool2d_with_indices.default, aten.max_pool2d.default, aten.avg_pool2d.default,
+           aten.max_pool1d.default, aten.avg_pool1d.default, aten.adaptive_avg_pool2d.default,
+           aten._adaptive_avg_pool2d.default, aten.adaptive_avg_pool1d.default, aten.constant_pad_nd.default,
+           aten.upsample_bilinear2d.vec, aten.upsample_nearest2d.vec, aten.upsample_bicubic2d.vec,
+           aten.max_pool3d_with_indices.default, aten.avg_pool3d.default, aten.reflection_pad2d.default,
+           aten.replication_pad2d.default}
 #: kinds in the order an element-wise op prefers them when its operands disagree on an axis
 _RANK = {"batch": 0, "input": 1, "feature": 2, "param": 3, "?": 4, "unit": 5}
 
@@ -178,7 +185,16 @@ def provenance(graph: torch.fx.Graph, primary: torch.fx.Node, batch_axis: Option
     return out
 
 
+def _resized(x: Axes, shp) -> Optional[Axes]:
+    if len(x) != len(shp):
+        return None
+    return [list(a) if _prod(a) == s else ([("unit", 1)] if s == 1 else [(a[0][0] if a else "?", s)])
+            for a, s in zip(x, shp)]
+
+
 def _rule(t, n, args, x, shp, axes_of) -> Optional[Axes]:
+    if t in _RESIZE and x is not None:
+        return _resized(x, shp)
     if t in _SAME and x is not None:
         return [list(a) for a in x]
     if t in _VIEWS and x is not None:
@@ -255,6 +271,8 @@ def _rule(t, n, args, x, shp, axes_of) -> Optional[Axes]:
             y = [list(a) for a in base]
             y[d] = [(k, shp[d]) for k, _ in base[d][:1]] if shp[d] != 1 else [("unit", 1)]
             return y
+        if src.target in _RESIZE:
+            return _resized(base, shp)
         if src.target is aten.unbind.int:
             d = (src.args[1] if len(src.args) > 1 else 0) % len(base)
             return [list(a) for i, a in enumerate(base) if i != d]

@@ -38,6 +38,7 @@ from typing import Dict, List, Optional
 import torch
 import torch.fx
 
+from .axis_provenance import kinds
 from ..errors import RelpropError
 from .nodes import evaluate
 
@@ -76,9 +77,11 @@ class StageLink:
     nodes: List[torch.fx.Node]
 
 
-def find_window_maps(blocks, live) -> Dict[int, WindowMap]:
+def find_window_maps(blocks, live, axes: Optional[dict] = None) -> Dict[int, WindowMap]:
     """Block index → WindowMap for every block whose attention is computed on windows (a
-    non-empty chain of shape-only ops between its per-token input and its q/k/v)."""
+    non-empty chain of shape-only ops between its per-token input and its q/k/v that folds positions
+    into the batch axis; ``axes``: :mod:`relprop.graph.axis_provenance`, which tells a window partition
+    from a channels-first feature map flattened into one sequence)."""
     maps = {}
     for b in blocks:
         if b.value is None:
@@ -90,7 +93,7 @@ def find_window_maps(blocks, live) -> Dict[int, WindowMap]:
         if not isinstance(end, torch.fx.Node) or end.op != "call_function" or end.target not in SHAPE_OPS:
             continue
         start = _walk_back(end, SHAPE_OPS, live)
-        if start is None or start is end or not _windowed(start, end, b.attention):
+        if start is None or start is end or not _windowed(start, end, b.attention, axes):
             continue
         nodes = _between(start, end, live)
         if nodes:
@@ -98,15 +101,20 @@ def find_window_maps(blocks, live) -> Dict[int, WindowMap]:
     return maps
 
 
-def _windowed(start, end, attention) -> bool:
+def _windowed(start, end, attention, axes: Optional[dict] = None) -> bool:
     """The tokens entering q/k/v are cut from a per-token tensor differently than one sequence per
-    sample: ``end`` is [groups, tokens, C] with as many tokens as the attention has keys, and it
-    is not ``start`` reshaped as it is (that would be an ordinary self-attention)."""
+    sample: ``end`` is [groups, tokens, C] with as many tokens as the attention has keys, and its first
+    axis folds positions into the batch (windows, grids); where the axes' provenance is known it decides
+    (a channels-first map flattened and transposed, DETR's encoder input, is one sequence per sample), else
+    ``end`` is not ``start`` reshaped as it is."""
     sv, ev, av = (n.meta.get("val") for n in (start, end, attention))
     if not all(isinstance(v, torch.Tensor) for v in (sv, ev, av)) or sv.dim() < 3 or ev.dim() != 3:
         return False
     if ev.shape[1] != av.shape[-1]:
         return False
+    groups = kinds(axes.get(end), 0) if axes else set()
+    if groups and "?" not in groups and "batch" in groups:
+        return bool(groups - {"batch"})
     return ev.shape[0] != sv.shape[0] or tuple(ev.shape) != (sv.shape[0], _prod(sv.shape[1:-1]), sv.shape[-1])
 
 
