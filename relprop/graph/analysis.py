@@ -25,7 +25,7 @@ import torch.fx
 
 from . import streams, window_attention as windows
 from .attention_blocks import SEPARATE, BlockInfo, find_blocks, fold_counter, token_mixing
-from .axis_provenance import input_feature_axis, provenance
+from .axis_provenance import batch_layout, input_feature_axis, provenance
 from .nodes import CONSTANT_PRODUCING, module_paths, output_node
 from .tokens import TokenPlan, plan_tokens
 
@@ -225,6 +225,14 @@ def _analyze(graph, bindings, primary_name, static_batch, batch_axes, extra) -> 
                 pixel_convs[n.name] = _pixel_bounds(n.args[0], primary, batch_dim, static_batch)
 
     axes = provenance(graph, primary, batch_dim.get(primary), live)
+    if batch_axes is None and static_batch is not None:
+        # a graph captured at one batch size: where the first-axis-of-the-batch's-size rule sees no samples
+        # (Swin's windows [batch·windows, ...], heads folded into the batch), the axes' provenance does
+        for n in live:
+            if batch_dim.get(n) is None:
+                lay = batch_layout(axes.get(n))
+                if lay is not None:  # (interleaved rows, outer > 1: the ledger reads the layout too)
+                    batch_dim[n] = lay[0]
     blocks, left_out = find_blocks(graph, live, fold_counter(batch_dim, static_batch, folds), axes)
     named: Dict[str, List[torch.fx.Node]] = {}
     if stream_of:

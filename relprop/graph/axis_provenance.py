@@ -85,12 +85,16 @@ def kinds(axes_of_node: Optional[Axes], axis: int) -> set:
 
 def _reshape(axes: Axes, out: Sequence[int]) -> Axes:
     """Factors of ``axes`` regrouped into the axes of sizes ``out`` (same elements, same order)."""
-    flat = [f for a in axes for f in a if f[1] != 1]
+    flat = [f for a in axes for f in a if f[1] != 1 or f[0] == "batch"]  # (a batch of one is still the batch)
     result: Axes = []
     i = 0
     for size in out:
         if size == 1:
-            result.append([("unit", 1)])
+            if i < len(flat) and flat[i] == ("batch", 1):
+                result.append([flat[i]])
+                i += 1
+            else:
+                result.append([("unit", 1)])
             continue
         group, prod = [], 1
         while prod < size and i < len(flat):
