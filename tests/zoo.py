@@ -180,6 +180,33 @@ def hf_llama4_text(no_rope_layers=(1, 1)):
     return transformers.Llama4ForCausalLM(cfg)
 
 
+class TorchEncoder(torch.nn.Module):
+    """A text classifier on ``torch.nn.TransformerEncoderLayer`` (``layer=True``) or ``torch.nn.MultiheadAttention``
+    (``layer=False``), sequence-major ([tokens, batch, features]: MultiheadAttention's rows t·B + b), biases
+    drawn non-zero, mean-pooled over the tokens."""
+
+    def __init__(self, layer: bool = True):
+        super().__init__()
+        self.emb = torch.nn.Embedding(VOCAB, 32)
+        self.layer = torch.nn.TransformerEncoderLayer(32, 4, 64, dropout=0.0) if layer else \
+            torch.nn.MultiheadAttention(32, 4)
+        self.head = torch.nn.Linear(32, 3)
+        with torch.no_grad():
+            for p in self.parameters():
+                if p.dim() == 1:
+                    p.normal_(0.0, 0.5)
+
+    def forward(self, input_ids, attention_mask=None):
+        h = self.emb(input_ids).transpose(0, 1)
+        pad = None if attention_mask is None else attention_mask == 0
+        if isinstance(self.layer, torch.nn.MultiheadAttention):
+            h = h + self.layer(h, h, h, key_padding_mask=pad, need_weights=False)[0]
+        else:
+            h = self.layer(h, src_key_padding_mask=pad)
+        keep = (1.0 - pad.float()).transpose(0, 1)[..., None] if pad is not None else torch.ones_like(h[..., :1])
+        return self.head((h * keep).sum(0) / keep.sum(0))
+
+
 def hf_albert():
     cfg = transformers.AlbertConfig(vocab_size=VOCAB, embedding_size=16, hidden_size=32, num_hidden_layers=2,
                                     num_attention_heads=4, intermediate_size=64, num_labels=3,
@@ -419,6 +446,11 @@ _ENTRIES = [
           "[CLS] (position 0) through the pooler; one layer's weights shared by both blocks"),
     Entry("xlnet", ("text", "encoder", "hf", "permuted-ids"), _seeded(hf_xlnet), left_padded_texts(), 1,
           "the last position (sequence summary 'last'); ids permuted to [tokens, batch] before the lookup"),
+    Entry("torch_encoder_layer", ("text", "encoder", "torch", "sequence-major"), _seeded(TorchEncoder), texts(), 1,
+          "mean of the real tokens; torch.nn.TransformerEncoderLayer on [tokens, batch, features]",
+          attention_blocks=1),
+    Entry("torch_mha", ("text", "encoder", "torch", "sequence-major"), _seeded(lambda: TorchEncoder(False)), texts(), 1,
+          "mean of the real tokens; torch.nn.MultiheadAttention on [tokens, batch, features]", attention_blocks=1),
     Entry("electra", ("text", "encoder", "hf"), _text(transformers.ElectraConfig,
                                                       transformers.ElectraForSequenceClassification,
                                                       embedding_size=16), texts(), 1,
