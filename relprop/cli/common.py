@@ -123,7 +123,7 @@ def resolve_class(spec: str, labels: Optional[Dict[int, str]], n: int, what: str
     if not names:
         raise CliError(f"{what} '{spec}' is not a class index, and this model has no label names: "
                        f"give an index 0..{n - 1}")
-    close = difflib.get_close_matches(spec.lower(), list(names) + list(parts), n=3)
+    close = difflib.get_close_matches(spec.lower(), list(dict.fromkeys(list(names) + list(parts))), n=3)
     hint = f" Did you mean {', '.join(repr(c) for c in close)}?" if close else ""
     shown = ", ".join(repr(str(labels[k])) for k in sorted(labels, key=int)[:8])
     more = f", ... ({n} in all)" if n > 8 else ""

@@ -25,7 +25,7 @@ def check_method_names(names: Sequence[str]) -> None:
     """Every name is a registered method (the message of relprop.methods.get_method, with a hint)."""
     for n in names:
         if n not in METHOD_OPTIONS:
-            close = difflib.get_close_matches(n, list(METHOD_OPTIONS), n=1)
+            close = difflib.get_close_matches(n.lower(), list(METHOD_OPTIONS), n=1)
             hint = f" Did you mean {close[0]!r}?" if close else ""
             raise CliError(f"unknown method: {n!r} is not a method. Choices: {sorted(METHOD_OPTIONS)}.{hint} "
                            "Run 'relprop methods' for the table.")
@@ -34,7 +34,7 @@ def check_method_names(names: Sequence[str]) -> None:
 def check_preset_name(name: Optional[str]) -> None:
     """``--preset``: a registered preset."""
     if name is not None and name not in PRESETS:
-        close = difflib.get_close_matches(name, list(PRESETS), n=1)
+        close = difflib.get_close_matches(name.lower(), list(PRESETS), n=1)
         raise CliError(f"unknown --preset {name!r}: one of {', '.join(PRESETS)}"
                        + (f" (did you mean {close[0]!r}?)" if close else ""))
 

@@ -7,8 +7,8 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from ..errors import MethodError, RelpropError
-from ..graph.host_reads import refuse_if
+from ..errors import MethodError, RelpropError, warn
+from ..graph.host_reads import later, refuse_if
 from ..methods.layout import positions as token_positions
 from ..rules.stabilize import promote
 from . import flatness, relevance_checks
@@ -57,6 +57,7 @@ def build(info, preset: Optional[str], result: dict, trace, special_tokens_mask=
         notes.append(why)
         mask = ~special
         scores = torch.where(mask, scores, torch.zeros((), dtype=scores.dtype, device=scores.device))
+        _warn_if_nothing_shown(info.name, mask, notes)
     elif trace.modality == "embeddings":
         notes.extend(_positions_note(info.name, scores, kwargs.get(captured.primary), captured.analysis))
     flatness.check(info.name, scores, mask, result.get("flat_cause"), notes)
@@ -72,6 +73,23 @@ def build(info, preset: Optional[str], result: dict, trace, special_tokens_mask=
                        signed=info.signed, class_specific=info.class_specific, notes=notes,
                        streams=_streams(result.get("streams"), trace, scores),
                        output_stream=result.get("output_stream"), convergence_delta=result.get("convergence_delta"))
+
+
+def _warn_if_nothing_shown(method: str, mask: torch.Tensor, notes: list) -> None:
+    """A RelpropWarning (read with the call's other checks) for the texts with no token to score: every
+    position padding or a special token (an empty string tokenized), whose map is all zeros."""
+    if not torch.is_tensor(mask) or mask.dim() != 2:
+        return
+    empty = mask.sum(1) == 0
+
+    def say(v):
+        samples = [b for b, e in enumerate(v) if e]
+        if samples:
+            message = (f"{method}: text(s) {samples[:8]} have no token to score: every position is padding or a "
+                       "special token (an empty string?), so their scores are all 0")
+            notes.append(message)
+            warn(message)
+    later(empty.to(torch.float32), say)
 
 
 def _positions_note(method: str, scores, x, analysis) -> list:

@@ -50,6 +50,10 @@ def bind_inputs(model: torch.nn.Module, inputs: Any) -> Dict[str, Any]:
         out["use_cache"] = False
     tensors = {k: v for k, v in out.items() if torch.is_tensor(v)}
     if not tensors:
+        lists = [k for k, v in out.items() if isinstance(v, (list, tuple))]
+        if lists:
+            raise InputError(f"inputs contain no tensor: {lists} are Python lists (a tokenizer called without "
+                             "return_tensors='pt'?); call it as tokenizer(texts, return_tensors='pt', padding=True)")
         raise InputError("inputs contain no tensor: pass pixel values, input ids or a tokenizer's output")
     return out
 

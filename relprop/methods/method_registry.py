@@ -114,7 +114,7 @@ def get_method(name: str) -> MethodInfo:
     try:
         return _METHODS[name]
     except (KeyError, TypeError):
-        close = difflib.get_close_matches(str(name), list(_METHODS), n=1)
+        close = difflib.get_close_matches(str(name).lower(), list(_METHODS), n=1)  # ("LRP": 'lrp')
         hint = f" Did you mean '{close[0]}'?" if close else ""
         raise MethodError(f"'{name}' is not a method. Choices: {sorted(_METHODS)}.{hint}") from None
 

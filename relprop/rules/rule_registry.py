@@ -49,7 +49,7 @@ def get_preset(preset: Union[str, Preset]) -> Preset:
     try:
         return PRESETS[preset]
     except (KeyError, TypeError):
-        close = difflib.get_close_matches(str(preset), list(PRESETS), n=1)
+        close = difflib.get_close_matches(str(preset).lower(), list(PRESETS), n=1)
         hint = f" Did you mean '{close[0]}'?" if close else ""
         raise PresetError(f"{preset!r} is not a preset. Choices: {sorted(PRESETS)}.{hint} A new one is made with "
                           "relprop.Preset(name, extends='chefer2021').") from None
