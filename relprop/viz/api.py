@@ -108,6 +108,20 @@ def _vision_text_figure(exp, index, image, tokens, mean, std, percentile, fig=No
                                percentile=percentile, fig=fig)
 
 
+def _headless_backend():
+    """matplotlib's backend when it opens no window (Agg and the file backends: a script without a display),
+    else None."""
+    import matplotlib
+    backend = matplotlib.get_backend()
+    try:
+        from matplotlib.backends import BackendFilter, backend_registry
+        quiet = backend_registry.list_builtin(BackendFilter.NON_INTERACTIVE)
+    except ImportError:  # matplotlib < 3.9
+        from matplotlib import rcsetup
+        quiet = rcsetup.non_interactive_bk
+    return backend if backend.lower() in {b.lower() for b in quiet} else None
+
+
 def _in_notebook() -> bool:
     try:
         from IPython import get_ipython
@@ -120,9 +134,12 @@ def _in_notebook() -> bool:
 def show(exp, *, image: Any = None, tokens: Optional[Sequence] = None, tokenizer=None, inputs=None,
          index: Optional[int] = None, labels=None, counterfactual=None, mean=None, std=None,
          percentile: float = 99.5, merge_words: bool = True, top: int = 5):
-    """Display ``exp``: in a notebook, the overlay figure (images) or the HTML tokens (text); in a
-    terminal, a matplotlib window (images) or the tokens in colour with the top tokens (text).
-    Arguments as :func:`save`. Returns the figure (images) or the HTML string (text)."""
+    """Display ``exp``: in a notebook, the overlay figure as a PNG (images, whatever matplotlib's backend) or
+    the HTML tokens (text), returning None so that the cell does not show it a second time; in a terminal,
+    a matplotlib window (images; where no window can open, matplotlib's backend being non-interactive, the
+    figure is written to a temporary PNG and its path printed) or the tokens in colour with the top tokens
+    (text). Arguments as :func:`save`. Outside a notebook returns the figure (images) or the HTML string
+    (text)."""
     vision_text = vvt.is_vision_text(exp)
     if exp.modality == "vision" or exp.map is not None or vision_text:
         def draw(fig=None):
@@ -130,13 +147,25 @@ def show(exp, *, image: Any = None, tokens: Optional[Sequence] = None, tokenizer
                 return _vision_text_figure(exp, index, image, tokens, mean, std, percentile, fig)
             return _image_figure(exp, index, image, labels, mean, std, percentile, fig)
         if _in_notebook():
-            fig = draw()
-            from IPython.display import display
-            display(fig)
-            return fig
+            import io
+
+            from IPython.display import Image, display
+            buffer = io.BytesIO()
+            draw().savefig(buffer, format="png", bbox_inches="tight")
+            display(Image(data=buffer.getvalue(), format="png"))
+            return None
         import matplotlib.pyplot as plt
         fig = draw(plt.figure())
-        plt.show()
+        backend = _headless_backend()
+        if backend is None:
+            plt.show()
+        else:
+            import sys
+            import tempfile
+            with tempfile.NamedTemporaryFile(prefix="relprop-", suffix=".png", delete=False) as f:
+                fig.savefig(f, format="png", bbox_inches="tight")
+            print(f"relprop: no window can open here (matplotlib's backend is {backend!r}); the figure was written "
+                  f"to {f.name} (exp.save(path) writes it where you choose)", file=sys.stderr)
         return fig
     rows = _tokens(exp, tokens, tokenizer, inputs)
     labels = labels if labels is not None else getattr(exp, "labels", None)
@@ -144,6 +173,7 @@ def show(exp, *, image: Any = None, tokens: Optional[Sequence] = None, tokenizer
     if _in_notebook():
         from IPython.display import HTML, display
         display(HTML(page))
+        return None
     else:
         vtext.print_terminal(exp, rows, labels=labels, counterfactual=counterfactual, merge_words=merge_words,
                              top=top, indices=None if index is None else [index])
