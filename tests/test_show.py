@@ -10,7 +10,6 @@ import types
 import warnings
 
 import pytest
-import torch
 
 import relprop
 import relprop.viz.api as viz_api
