@@ -97,6 +97,13 @@ def print_coverage(loaded: Loaded, images: List[str], texts: List[str]) -> None:
                        "(see the report above)", EXIT_FAILED)
 
 
+def _described(info, loaded) -> str:
+    """The method in one sentence for the demo's text model: its own for the demo's default, else the
+    registry's description and reference."""
+    preset = loaded.preset or loaded.default_options.get("preset")
+    return demo.DESCRIBED.get((info.name, preset)) or f"{info.description} ({info.reference})"
+
+
 def cmd_demo(args) -> int:
     texts = check_explain_arguments(args) or list(demo.DEFAULT_TEXTS)
     if args.method:
@@ -117,7 +124,7 @@ def cmd_demo(args) -> int:
          + (f" under preset '{loaded.preset}'" if loaded.preset else
             f" under preset '{loaded.default_options['preset']}'" if i.name == loaded.default_method
             and "preset" in loaded.default_options else "")
-         + f" — {i.description} ({i.reference})"
+         + f" — {_described(i, loaded)}"
          + (" — rows of all tokens (query='mean'), as the model mean-pools" if "query" in
             method_options(i.name, loaded.options) else "")
          + (f"\n  why this method: {demo.WHY}" if i.name == demo.DEFAULT_METHOD and loaded.preset in (

@@ -75,7 +75,8 @@ def explain_texts(loaded: Loaded, texts: List[str], names: List[str], args, coun
                     console.print(f"   {ex.method} → {label}: ", end="")
                     console.print(vtext.rich_text([x for x in toks if not x.special]))
                     if args.top:
-                        best = ", ".join(f"{x.text} {x.score:+.3g}" for x in vtext.top_tokens(toks, args.top))
+                        best = ", ".join(f"{x.text} {vtext.signed_score(x.score)}"
+                                         for x in vtext.top_tokens(toks, args.top))
                         console.print(f"      top: {best}")
             if out is not None:
                 for exp, cf in zip(exps, cfs):

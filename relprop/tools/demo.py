@@ -55,10 +55,14 @@ OPTIONS: Dict[str, object] = {"preset": "attnlrp", "fast_path": False}
 METHOD_OPTIONS: Dict[str, str] = {"query": "mean"}
 
 #: why the demo explains with :data:`DEFAULT_METHOD` (printed by ``relprop demo``)
-WHY = ("chosen by measurement (benchmarks/demo_contrast.py, 7 sentences): its top word scores 9.1x the median "
-       "word (transformer_attribution: 4.1x, gradient_rollout: 1.9x), and the runner-up label ranks the "
-       "words differently (Spearman 0.13 against 0.89 for transformer_attribution, 0.91 for gradient_rollout); "
-       "colours are scaled per sentence, red for the label, blue against it")
+WHY = ("its word scores add up to the label's score (with what the biases absorb), and the runner-up label's "
+       "words differ from the winner's; colours are scaled per sentence, red for the label, blue against it")
+#: what the demo's default method is, in one sentence for a text model (the registry's description is generic)
+DESCRIBED = {("lrp", "attnlrp"): "AttnLRP (Achtibat et al., ICML 2024): the label's score passed back through "
+                                 "the layers by rules that conserve it, each word's share summed over its "
+                                 "embedding",
+             ("lrp", "cp_lrp"): "CP-LRP (Ali et al., ICML 2022): the label's score passed back through the layers "
+                                "with the attention held constant, each word's share summed over its embedding"}
 
 
 class DemoUnavailable(RuntimeError):

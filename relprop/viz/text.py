@@ -38,6 +38,13 @@ class Token:
     pieces: int = 1  # how many word pieces were merged into it
 
 
+def signed_score(value: float) -> str:
+    """A word's score for people: three significant digits, the sign always, trailing zeros kept (+1.00,
+    not +1; +0.914; +24.2)."""
+    text = format(float(value), "+#.3g")
+    return text[:-1] if text.endswith(".") else text
+
+
 def token_strings(tokenizer, input_ids) -> List[List[str]]:
     """Per sample, the token strings of ``input_ids`` ([batch, positions] or [positions])."""
     ids = input_ids.tolist() if hasattr(input_ids, "tolist") else list(input_ids)
@@ -337,7 +344,7 @@ def print_terminal(exp, tokens, *, labels=None, counterfactual=None, merge_words
             toks = tokens_of(e, i, rows[i], merge_words)
             console.print(f"  [bold]{_header(e, i, labels, role)}[/bold]  ({e.method})")
             console.print(rich_text(toks, console.color_system or "truecolor"), soft_wrap=False)
-            best = ", ".join(f"{t.text} {t.score:+.3g}" for t in top_tokens(toks, top))
+            best = ", ".join(f"{t.text} {signed_score(t.score)}" for t in top_tokens(toks, top))
             console.print(f"  top: {best}", highlight=False)
         console.print()
 
