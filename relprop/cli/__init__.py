@@ -40,7 +40,8 @@ from typing import TYPE_CHECKING, Optional, Sequence
 
 from ..errors import RelpropError
 from ..version import __version__
-from .common import DEMO_NAME, EXIT_FAILED, EXIT_MODEL, EXIT_OK, EXIT_USAGE, CliError, fail, go_offline, quiet
+from .common import (DEMO_NAME, EXIT_FAILED, EXIT_MODEL, EXIT_OK, EXIT_USAGE, CliError, fail, go_offline, quiet,
+                     root_cause)
 from .early_checks import check_arguments
 from .parser import build_parser
 
@@ -116,5 +117,5 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if isinstance(err, RelpropError):
             fail(first + (" (--debug shows the whole message)" if "\n" in str(err).strip() else ""))
         else:
-            fail(f"{type(err).__name__}: {first} (run with --debug for the traceback)")
+            fail(f"{type(err).__name__}: {first}{root_cause(err)} (run with --debug for the traceback)")
         return EXIT_FAILED

@@ -74,6 +74,27 @@ def fail(message: str) -> None:
     print(f"relprop: error: {message}", file=sys.stderr)
 
 
+def root_cause(err: BaseException) -> str:
+    """``"; caused by ..."`` naming the error at the bottom of ``err``'s chain when it differs from ``err``
+    (transformers reports a failed import as "Could not import module 'BertModel'", the cause below it), with
+    the fix where relprop knows it (a torchvision built for another torch); "" otherwise."""
+    seen, cause = set(), err
+    while True:
+        nxt = cause.__cause__ or cause.__context__
+        if nxt is None or id(nxt) in seen:
+            break
+        seen.add(id(nxt))
+        cause = nxt
+    if cause is err:
+        return ""
+    text = f"{type(cause).__name__}: {one_line(cause)}"
+    if "torchvision" in str(cause):
+        import torch
+        text = (f"torchvision does not load ({text}): it was built for another torch than {torch.__version__}; "
+                "install the torchvision of the same index and version as torch, or pip uninstall torchvision")
+    return f"; caused by {text}"
+
+
 def one_line(err: Exception) -> str:
     text = " ".join(str(err).split())
     return text[:300] + ("…" if len(text) > 300 else "")
