@@ -173,6 +173,26 @@ def test_inseq_method_gives_relprop_scores_per_step(gpt2, plain_tok):
         assert torch.isnan(rows[n:, step]).all()  # later tokens: not yet generated
 
 
+def test_the_documented_inseq_example_runs_as_written(gpt2, plain_tok, capsys):
+    """docs/interop.md's inseq snippet, executed as written (relprop's method as relprop_method=, inseq's
+    own method= being the attribution method's name; out.show() with inseq's default aggregation)."""
+    pytest.importorskip("inseq", reason="inseq is not installed")
+    import re
+    from pathlib import Path
+    page = (Path(__file__).resolve().parents[1] / "docs" / "interop.md").read_text()
+    section = page[page.index("## inseq"):]
+    code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    scope = {"hf_model": gpt2, "tokenizer": plain_tok}
+    exec(compile(code, "docs/interop.md", "exec"), scope)
+    assert "Attributed tokens" in capsys.readouterr().out  # out.show() printed the table
+    seq = scope["out"].sequence_attributions[0]
+    ids = torch.tensor([[plain_tok.convert_tokens_to_ids(t.token) for t in seq.target]])
+    n = len(plain_tok("the capital of france is")["input_ids"])
+    ref = relprop.explain(gpt2, {"input_ids": ids[:, :n], "attention_mask": torch.ones(1, n, dtype=torch.long)},
+                          target=ids[:, n], method="lrp", preset="attnlrp")
+    torch.testing.assert_close(seq.target_attributions[:n, 0], ref.scores[0], rtol=1e-5, atol=1e-8)
+
+
 def test_inseq_method_refuses_a_score_other_than_the_logit(gpt2, plain_tok):
     inseq = pytest.importorskip("inseq", reason="inseq is not installed")
     import relprop.interop.inseq_method  # noqa: F401

@@ -11,12 +11,14 @@ token ids, as this one does, no ``attribute_target=True``).
     import inseq
     import relprop.interop.inseq_method  # registers "relprop"
     model = inseq.load_model(hf_model, "relprop", tokenizer=tokenizer)
-    out = model.attribute("a prompt", attributed_fn="logit", method="lrp", preset="attnlrp")
+    out = model.attribute("a prompt", attributed_fn="logit", relprop_method="lrp", preset="attnlrp")
 
 relprop explains logits (the relevance seed is the logit, as AttnLRP, Achtibat et al., ICML 2024,
 §3): an ``attributed_fn`` other than ``"logit"`` is refused with a :class:`relprop.RelpropError`
-instead of being silently replaced. ``method=``, ``preset=`` and method options are keyword
-arguments of ``attribute``; default AttnLRP (``method="lrp", preset="attnlrp"``).
+instead of being silently replaced. relprop's method is ``relprop_method=`` (inseq's own ``method=`` names
+the attribution method, ``"relprop"`` here: a relprop method name there would never reach relprop);
+``preset=`` and the method's options are keyword arguments of ``attribute``; default AttnLRP
+(``relprop_method="lrp", preset="attnlrp"``).
 """
 from __future__ import annotations
 
@@ -24,7 +26,7 @@ import functools
 from typing import Any, Dict, Optional
 
 from inseq.attr.feat.feature_attribution import FeatureAttribution
-from inseq.data import FeatureAttributionStepOutput
+from inseq.data import CoarseFeatureAttributionStepOutput
 
 from ..api import explain
 from ..errors import OptionError
@@ -33,7 +35,7 @@ from ..methods import all_methods
 #: the one inseq step function whose score relprop explains
 EXPLAINED_FN = "logit_fn"
 #: relprop.explain keywords inseq's attribute() passes through to this method (with every method option)
-_OURS = ("method", "preset", "eps", "keep_blocks", "fast_path", "memory", "special_tokens_mask")
+_OURS = ("relprop_method", "preset", "eps", "keep_blocks", "fast_path", "memory", "special_tokens_mask")
 
 
 def _step_name(step: Any) -> str:
@@ -61,8 +63,9 @@ class RelpropInseqAttribution(FeatureAttribution):
         return ours, kwargs
 
     def attribute_step(self, attribute_fn_main_args: Dict[str, Any],
-                       attribution_args: Optional[Dict[str, Any]] = None) -> FeatureAttributionStepOutput:
-        """Explain the next token's logit at the prefix's last position with :func:`relprop.explain`."""
+                       attribution_args: Optional[Dict[str, Any]] = None) -> CoarseFeatureAttributionStepOutput:
+        """Explain the next token's logit at the prefix's last position with :func:`relprop.explain`: one score
+        per token already (inseq's coarse-grained output, which its default aggregation leaves as it is)."""
         args = tuple(attribute_fn_main_args["additional_forward_args"])
         model = self.attribution_model.model
         enc_dec = self.attribution_model.is_encoder_decoder
@@ -77,12 +80,12 @@ class RelpropInseqAttribution(FeatureAttribution):
             raise OptionError(f"relprop explains the target token's logit, not inseq's '{_step_name(fn)}': call "
                               "attribute(..., attributed_fn='logit')")
         options = dict(attribution_args or {})
-        method = options.pop("method", "lrp")
+        method = options.pop("relprop_method", "lrp")
         preset = options.pop("preset", "attnlrp" if method == "lrp" else None)
         exp = explain(model, inputs, target=target_ids.reshape(-1), method=method, preset=preset, **options)
         if not enc_dec:
-            return FeatureAttributionStepOutput(source_attributions=None,
+            return CoarseFeatureAttributionStepOutput(source_attributions=None,
                                                 target_attributions=exp.scores.detach().cpu().float(), step_scores={})
         source = (exp.streams or {}).get("input_ids", exp.scores)
-        return FeatureAttributionStepOutput(source_attributions=source.detach().cpu().float(),
+        return CoarseFeatureAttributionStepOutput(source_attributions=source.detach().cpu().float(),
                                             target_attributions=None, step_scores={})
