@@ -137,7 +137,7 @@ class CaptureCache:
         #: dynamic export's time; the program for every size follows at the first call of another size). A
         #: static program's samples are read from the axes' provenance where sizes do not show them
         #: (relprop.graph.axis_provenance: Swin's windows, heads folded into the batch). Not the default yet:
-        #: on OPT (a per-sample sum), Mixtral (AttnLRP's per-sample books), PVTv2 (the records-free walk) and
+        #: on OPT (a per-sample sum), Mixtral (AttnLRP's per-sample books) and
         #: the sampling methods' batched re-runs a static first program still differs (the slow tests)
         self.first_export = first_export
         #: how an export is decomposed: ``"nodes"`` (node by node, :mod:`relprop.graph.node_decompose`,
