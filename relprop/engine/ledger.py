@@ -14,7 +14,6 @@ from typing import Dict, Optional, Tuple
 
 import torch
 
-from ..graph.axis_provenance import batch_layout
 from ..graph.nodes import module_paths
 from ..rules.stabilize import promote
 from .trace import BlockConservation, Conservation
@@ -32,13 +31,8 @@ class Ledger:
         a = analysis
         self.batch, self.device, self.dtype = batch, device, dtype
         self.bdim = a.batch_dim
-        # values whose batch axis interleaves the samples (rows t·B + b: torch.nn.MultiheadAttention's
-        # sequence-major rows flattened), read off the axes' provenance: node -> the factor before the batch
-        self.outer: Dict = {}
-        for n, axes in getattr(a, "axes", {}).items():
-            lay = batch_layout(axes)
-            if lay is not None and lay[1] > 1 and lay[0] == self.bdim.get(n):
-                self.outer[n] = lay[1]
+        # values whose batch axis interleaves the samples (rows t·B + b), read off the axes' provenance
+        self.outer: Dict = getattr(a, "interleaved", {})
         self.blocks = a.blocks
         self.layers = [b.layer for b in a.blocks]
         self.block_out = {b.output: b for b in a.blocks if b.output is not None}

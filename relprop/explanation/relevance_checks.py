@@ -53,7 +53,7 @@ def check(method: str, preset: Optional[str], trace, input_relevance, notes: Lis
     rows.append(promote(error).to(device))
     labels = list(c.absorbed_by) if c is not None else []
     rows += [_per_sample(c.absorbed_by[k], batch, device) for k in labels]
-    blocks = [b for b in c.blocks] if c is not None else []
+    blocks = list(c.blocks) if c is not None else []
     for b in blocks:
         rows += [_per_sample(b.relevance_in, batch, device), _per_sample(b.relevance_out, batch, device)]
     values = torch.stack([r.to(rows[0].dtype) for r in rows]).reshape(-1)

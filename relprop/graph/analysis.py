@@ -88,6 +88,8 @@ class GraphAnalysis:
     merges: List[torch.fx.Node] = dataclasses.field(default_factory=list)
     #: where each live value's axes come from (:mod:`relprop.graph.axis_provenance`)
     axes: Dict[torch.fx.Node, list] = dataclasses.field(default_factory=dict, repr=False)
+    #: node -> k where its batch axis interleaves the samples (rows o·batch·... + b·...: k factors before it)
+    interleaved: Dict[torch.fx.Node, int] = dataclasses.field(default_factory=dict, repr=False)
     #: a [batch, a, b] floating input: the axis its first weight contracts (features: summed in a score per
     #: position), 2 (the last) unless a convolution reads it channels-first (Whisper's mel bins: 1)
     feature_axis: Optional[int] = None
@@ -225,14 +227,16 @@ def _analyze(graph, bindings, primary_name, static_batch, batch_axes, extra) -> 
                 pixel_convs[n.name] = _pixel_bounds(n.args[0], primary, batch_dim, static_batch)
 
     axes = provenance(graph, primary, batch_dim.get(primary), live)
+    layouts = {n: lay for n in live if (lay := batch_layout(axes.get(n))) is not None}
     if batch_axes is None and static_batch is not None:
         # a graph captured at one batch size: where the first-axis-of-the-batch's-size rule sees no samples
         # (Swin's windows [batch·windows, ...], heads folded into the batch), the axes' provenance does
-        for n in live:
-            if batch_dim.get(n) is None:
-                lay = batch_layout(axes.get(n))
-                if lay is not None:  # (interleaved rows, outer > 1: the ledger reads the layout too)
-                    batch_dim[n] = lay[0]
+        for n, lay in layouts.items():
+            if batch_dim.get(n) is None:  # (interleaved rows, outer > 1: the ledger reads the layout too)
+                batch_dim[n] = lay[0]
+    # values whose batch axis interleaves the samples (rows t·B + b: sequence-major rows flattened): node -> the
+    # factor before the batch, for the ledger's per-sample sums (computed here once, not at every walk)
+    interleaved = {n: lay[1] for n, lay in layouts.items() if lay[1] > 1 and lay[0] == batch_dim.get(n)}
     blocks, left_out = find_blocks(graph, live, fold_counter(batch_dim, static_batch, folds), axes)
     named: Dict[str, List[torch.fx.Node]] = {}
     if stream_of:
@@ -264,7 +268,7 @@ def _analyze(graph, bindings, primary_name, static_batch, batch_axes, extra) -> 
                          window_maps, links, tokens=tokens,
                          token_mixing=token_mixing(graph, live, blocks, sources if modality == "text" else None,
                                                    [o for o in outputs if o in live]),
-                         left_out=left_out, streams=named, axes=axes,
+                         left_out=left_out, streams=named, axes=axes, interleaved=interleaved,
                          feature_axis=input_feature_axis(graph, primary, live) if modality == "embeddings" else None)
 
 

@@ -74,7 +74,7 @@ class _Walk:
         self.functions: Dict[str, str] = {}
         self._seen: set = set()
 
-    def visit(self, obj, depth: int = 0) -> None:
+    def visit(self, obj) -> None:
         if isinstance(obj, types.MethodType):
             obj = obj.__func__
         key = id(obj)
@@ -110,8 +110,8 @@ class _Walk:
             if isinstance(v, (types.FunctionType, types.MethodType)):
                 self.visit(v)
             elif isinstance(v, (bool, int, float, str)):
-                self.functions[_label(obj) + f"@{id(code)}:closure"] = \
-                    self.functions.get(_label(obj) + f"@{id(code)}:closure", "") + repr(v)
+                key = _label(obj) + f"@{id(code)}:closure"
+                self.functions[key] = self.functions.get(key, "") + repr(v)
         if wrapped is not None:
             self.visit(wrapped)
 

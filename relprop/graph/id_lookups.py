@@ -20,13 +20,13 @@ from typing import List, Optional
 import torch
 import torch.fx
 
+from .analysis import INDEX_ROUTING
+
 aten = torch.ops.aten
 
-#: rearrangements of the ids a lookup commutes with (each maps to the same op on the looked-up vectors)
-ID_ROUTING = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.expand.default,
-              aten.unsqueeze.default, aten.clone.default, aten._to_copy.default, aten.contiguous.default,
-              aten.alias.default, aten.slice.Tensor, aten.squeeze.dim, aten.flatten.using_ints,
-              aten.permute.default, aten.transpose.int, aten.select.int}
+#: rearrangements of the ids a lookup commutes with (each maps to the same op on the looked-up vectors): the
+#: analysis's routing of ids to their lookup, and the rearrangements that move their axes
+ID_ROUTING = INDEX_ROUTING | {aten.permute.default, aten.transpose.int, aten.select.int}
 #: rearrangements that keep the layout when the shape comes out the same
 _KEEPING = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.clone.default,
             aten._to_copy.default, aten.contiguous.default, aten.alias.default}
