@@ -216,7 +216,8 @@ def test_methods_markdown_in_process(capsys):
 def test_explain_texts(runs):
     out = _ok(runs["text"])
     d = runs["dir"]
-    assert "methods: transformer_attribution, attcat, lrp" in out
+    # the header names the preset each relevance method walks
+    assert "methods: transformer_attribution under preset 'chefer2021', attcat, lrp under preset " in out
     assert out.count("predicted: ") == 4  # 2 --text + 2 non-empty lines of --text-file
     assert "explained: positive" in out and "counterfactual negative" in out and "top: " in out
     page = _page(f"{d}/out_text/explanation.html")
@@ -227,8 +228,9 @@ def test_explain_texts(runs):
     assert len(page.tokens) == 3 * 2 * sum(words)
     coloured = [t for t in page.tokens if "special" not in t["class"]]
     assert coloured and all(t["style"].startswith("background-color: rgb(") for t in coloured)
-    for i in range(1, 5):
-        _picture(f"{d}/out_text/text{i}_blocks.png", (300, 150))
+    for i in range(1, 5):  # a per-block picture per method that has one: TA's Ā_b rows, AttCAT's ∇h ⊙ h, LRP's R_h
+        for suffix in ("", "_attcat", "_lrp"):
+            _picture(f"{d}/out_text/text{i}_blocks{suffix}.png", (300, 150))
 
 
 @pytest.mark.slow  # the module's `runs` fixture starts the command line in subprocesses

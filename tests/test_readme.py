@@ -87,6 +87,15 @@ def test_readme_is_a_landing_page():
     assert '-m venv "$VENV"' in ci and 'pip install' in ci and '-e ".[test,demo' in ci  # in a fresh environment
 
 
+def test_the_performance_guide_stays_a_guide():
+    """docs/performance.md says what a call costs and what to set; history and superseded figures belong in
+    benchmarks/RESULTS.md, so the guide fails this test once it grows past 300 lines."""
+    root = os.path.dirname(README)
+    guide = open(os.path.join(root, "docs", "performance.md"), encoding="utf-8").read()
+    assert len(guide.splitlines()) <= 300, "move history and raw tables to benchmarks/RESULTS.md"
+    assert "benchmarks/RESULTS.md" in guide  # where the history went is named
+
+
 def test_readme_opens_with_a_picture_and_the_call():
     text = open(README, encoding="utf-8").read()
     title, picture, call = text.split("\n\n")[:3]

@@ -230,6 +230,32 @@ def test_blocks_heatmap(text):
     _not_blank(_png(fig))
 
 
+def test_blocks_heatmap_of_a_rollout_method(text):
+    """Transformer Attribution's per-block picture is the query's row of each block's own map
+    Ā_b = E_h[(∇A_b ⊙ R_A,b)⁺] (CVPR 2021 Eq. 13), computed here from the records by the formula."""
+    batch, rows, (ta, _), _ = text
+    assert viz.blocks.method_source("transformer_attribution") == "block_maps"
+    assert viz.blocks.method_source("rollout") == "block_maps" and viz.blocks.method_source("grads") is None
+    for i in range(ta.query.shape[0]):
+        values, used = viz.block_scores(ta, i, source="block_maps")
+        assert used == "block_maps" and values.shape == (len(ta.blocks), batch["input_ids"].shape[1])
+        for k, b in enumerate(ta.blocks):
+            fused = sum((b.gradient[i, h] * b.relevance[i, h]).clamp(min=0) for h in range(b.attention.shape[1]))
+            fused = fused / b.attention.shape[1]
+            expected = [sum(float(ta.query[i, r]) * float(fused[r, c]) for r in range(fused.shape[0]))
+                        for c in range(fused.shape[1])]
+            assert np.allclose(values[k], expected, atol=1e-7)
+    fig = viz.blocks_figure(ta, rows[0], 0, source="block_maps", labels=["neg", "pos"])
+    assert "own map" in fig.axes[0].get_title() and "transformer_attribution" in fig.axes[0].get_title()
+    _not_blank(_png(fig))
+
+
+def test_blocks_heatmap_refuses_what_it_cannot_show(text):
+    batch, rows, (ta, lrp), _ = text
+    with pytest.raises(relprop.InputError, match="not a rollout-style method"):
+        viz.block_scores(lrp, 0, source="block_maps")
+
+
 def test_save_and_show_functions(vision, text, tmp_path, capsys):
     x, (ta, _) = vision
     p = viz_api.save(ta, str(tmp_path / "one.png"), image=x, index=1)

@@ -11,7 +11,7 @@ from ..methods import get_method, table
 from .common import EXIT_FAILED, EXIT_OK, CliError, one_line
 from .early_checks import check_explain_arguments
 from .images import explain_images
-from .loading import Loaded, apply_settings, check_preset, load_demo, load_model, method_options, parse_methods
+from .loading import Loaded, apply_settings, check_preset, load_demo, load_model, method_label, method_options, parse_methods
 from .texts import explain_texts
 
 
@@ -120,10 +120,7 @@ def cmd_demo(args) -> int:
         f"  labels: {', '.join(labels)}",
         f"  score of a label = {demo.DEFAULT_SCALE:g} × cosine(sentence embedding, embedding of the label's "
         "description)",
-    ] + [f"  method: [bold]{i.name}[/bold]"
-         + (f" under preset '{loaded.preset}'" if loaded.preset else
-            f" under preset '{loaded.default_options['preset']}'" if i.name == loaded.default_method
-            and "preset" in loaded.default_options else "")
+    ] + [f"  method: [bold]{i.name}[/bold]" + method_label(i.name, loaded)[len(i.name):]
          + f" — {_described(i, loaded)}"
          + (" — rows of all tokens (query='mean'), as the model mean-pools" if "query" in
             method_options(i.name, loaded.options) else "")

@@ -9,7 +9,7 @@ import os
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from ..tools import demo
-from ..api import explain
+from ..api import DEFAULT_PRESET, explain
 from ..errors import MethodError
 from ..methods import get_method
 from ..rules import presets
@@ -324,3 +324,13 @@ def class_scores(model, inputs):
     with torch.no_grad():
         out = model(**inputs) if isinstance(inputs, dict) else model(inputs)
     return logits_of(out).float()
+
+
+def method_label(name: str, loaded: Loaded) -> str:
+    """``name``, with the preset whose rules it walks when it reads relevance ("lrp under preset 'attnlrp'"):
+    ``--preset``, else the model's default method's preset, else the method's own, else relprop's default."""
+    info = get_method(name)
+    if not info.needs_relevance:
+        return name
+    preset = loaded.preset or (loaded.default_options.get("preset") if name == loaded.default_method else None)
+    return f"{name} under preset '{preset or info.preset or DEFAULT_PRESET}'"

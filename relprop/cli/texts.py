@@ -5,13 +5,13 @@ from __future__ import annotations
 import os
 from typing import Dict, List, Optional
 
-from ..errors import InputError
+from ..errors import InputError, MethodError
 from ..viz import blocks as vblocks
 from ..viz import image as vimg
 from ..viz import text as vtext
 from .common import EXIT_OK, CliError, chunks, prepare_out, resolve_class
 from .images import class_label
-from .loading import Loaded, class_scores, early_target, run_methods
+from .loading import Loaded, class_scores, early_target, method_label, run_methods
 
 
 def explain_texts(loaded: Loaded, texts: List[str], names: List[str], args, counterfactual=None,
@@ -24,11 +24,13 @@ def explain_texts(loaded: Loaded, texts: List[str], names: List[str], args, coun
     out = prepare_out(args.out)
     merge = not args.no_merge
     tok = loaded.tokenizer
-    for line in header or [f"model: {loaded.name}   method{'s' if len(names) > 1 else ''}: {', '.join(names)}"]:
+    for line in header or [f"model: {loaded.name}   method{'s' if len(names) > 1 else ''}: "
+                           + ", ".join(method_label(n, loaded) for n in names)]:
         console.print(line)
     sections: Dict[str, List[str]] = {n: [] for n in names}
     method_exp = {}
     written = []
+    skipped: Dict[str, str] = {}
     for s, e in chunks(len(texts), args.batch_size):
         batch = texts[s:e]
         enc = tok(batch, padding=True, truncation=True, return_tensors="pt")
@@ -86,17 +88,18 @@ def explain_texts(loaded: Loaded, texts: List[str], names: List[str], args, coun
                         extra=("" if loaded.cosine_scale else f", p={float(probs[j, t]):.3f}") + (
                             "" if t == pred else f" — predicted {class_label(loaded.labels, pred)}")))
                     method_exp[exp.method] = exp
-                # the per-block picture shows the quantity the method sums (R_h for LRP, ∇h ⊙ h for
-                # CAT/AttCAT); other methods' per-block terms are token-to-token matrices: no picture
-                shown = [e for e in exps if e.method in vblocks.METHOD_SOURCE]
-                try:
-                    if shown:
-                        e = shown[0]
+                # the per-block picture shows the quantity the method aggregates per block (R_h for LRP,
+                # ∇h ⊙ h for CAT/AttCAT, the query's row of Ā_b for the rollout-style methods)
+                shown = [e for e in exps if vblocks.method_source(e.method) is not None]
+                for e in shown:
+                    suffix = "" if e is shown[0] else f"_{e.method}"
+                    try:
                         fig = vblocks.blocks_figure(e, rows[j], j, labels=loaded.labels,
-                                                    source=vblocks.METHOD_SOURCE[e.method])
-                        written.append(vimg.save_figure(fig, os.path.join(out, f"text{i + 1}_blocks.png")))
-                except InputError:
-                    pass  # no attention blocks recorded (the fast path): no per-block picture
+                                                    source=vblocks.method_source(e.method))
+                    except (InputError, MethodError) as err:  # no records (the fast path, folded blocks) or no per-block row
+                        skipped.setdefault(e.method, str(err))
+                        continue
+                    written.append(vimg.save_figure(fig, os.path.join(out, f"text{i + 1}_blocks{suffix}.png")))
     if out is not None:
         html = vtext.page_html([vtext.section_html(method_exp[n], sections[n]) for n in names if n in method_exp],
                                title=title, note=f"model: {loaded.name}"
@@ -109,4 +112,6 @@ def explain_texts(loaded: Loaded, texts: List[str], names: List[str], args, coun
     console.print()
     for w in written:
         console.print(f"wrote {w}")
+    for method, reason in skipped.items():
+        console.print(f"no per-block picture for {method}: {reason}")
     return EXIT_OK
