@@ -11,7 +11,8 @@ from ..methods import get_method, table
 from .common import EXIT_FAILED, EXIT_OK, CliError, one_line
 from .early_checks import check_explain_arguments
 from .images import explain_images
-from .loading import Loaded, apply_settings, check_preset, load_demo, load_model, method_label, method_options, parse_methods
+from .loading import (Loaded, apply_settings, check_preset, load_demo, load_model, method_label, method_options,
+                      parse_methods)
 from .texts import explain_texts
 
 

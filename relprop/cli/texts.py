@@ -96,7 +96,7 @@ def explain_texts(loaded: Loaded, texts: List[str], names: List[str], args, coun
                     try:
                         fig = vblocks.blocks_figure(e, rows[j], j, labels=loaded.labels,
                                                     source=vblocks.method_source(e.method))
-                    except (InputError, MethodError) as err:  # no records (the fast path, folded blocks) or no per-block row
+                    except (InputError, MethodError) as err:  # no records (fast path, folded) or no row
                         skipped.setdefault(e.method, str(err))
                         continue
                     written.append(vimg.save_figure(fig, os.path.join(out, f"text{i + 1}_blocks{suffix}.png")))

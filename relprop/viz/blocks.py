@@ -130,16 +130,18 @@ def _block_map_rows(exp, index: int):
     import numpy as np
     name = method_source(exp.method)
     if name != "block_maps":
-        raise InputError(f"method '{exp.method}' is not a rollout-style method with per-block maps: source='block_maps' "
-                         "shows Transformer Attribution, rollout, gradient rollout and their ablations")
+        raise InputError(f"method '{exp.method}' is not a rollout-style method with per-block maps: "
+                         "source='block_maps' shows Transformer Attribution, rollout, gradient rollout and "
+                         "their ablations")
     head_maps = get_method(exp.method).folds
     q = exp.query
     if q is None:
         raise InputError(f"explanation '{exp.method}' has no query row to read the block maps with")
     rows = []
     for b in exp.blocks:
-        if b.attention.dim() != 4 or b.attention.shape[-1] != b.attention.shape[-2] or (
-                b.attention.shape[-1] != q.shape[-1]) or (b.query_stream is not None and b.query_stream != b.key_stream):
+        a = b.attention
+        two_streams = b.query_stream is not None and b.query_stream != b.key_stream
+        if a.dim() != 4 or a.shape[-1] != a.shape[-2] or a.shape[-1] != q.shape[-1] or two_streams:
             raise InputError(f"block {b.index}'s maps are not [heads, tokens, tokens] over the query's {q.shape[-1]} "
                              "tokens (windows, merged tokens or two streams): no per-block row to show")
         fused = head_maps(b)[index].float().clamp(min=0).mean(0)  # [tokens, tokens]
