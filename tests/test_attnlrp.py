@@ -468,12 +468,14 @@ def test_batch_invariance_fast_path(zoo, preset):
 
 
 def test_method_lrp_honours_an_explicit_preset(zoo):
-    """``method="lrp"`` keeps its own preset ("lrp") unless one is given; an explicit preset applies
+    """``method="lrp"`` keeps its own preset ("attnlrp"; "lrp" is the paper's baseline, by name) unless one is
+    given; an explicit preset applies
     to every method of the call; the fast path is used only when every method reads just the
     input relevance, and falls back to the interpreter for presets without gradient forms."""
     model = zoo("timm_vit_tiny")
     x = models.image_batch(model)
-    assert relprop.explain(model, x, target=1, method="lrp").preset == "lrp"
+    assert relprop.explain(model, x, target=1, method="lrp").preset == "attnlrp"
+    assert relprop.explain(model, x, target=1, method="lrp", preset="lrp").preset == "lrp"
     assert relprop.explain(model, x, target=1).preset == "chefer2021"
     both = relprop.explain(model, x, target=1, method=["transformer_attribution", "lrp"], preset="attnlrp")
     assert [e.preset for e in both] == ["attnlrp", "attnlrp"]

@@ -271,5 +271,5 @@ def test_a_single_query_core_is_not_chunked_and_a_rollout_is_refused_clearly():
     assert len(plan_cores(a)) < len(a.blocks)  # the class-attention block has none
     with pytest.raises(MethodError, match="maps 17 tokens to 1 queries"):
         relprop.explain(model, inputs, target=entry.target, method="transformer_attribution", keep_blocks=False)
-    exp = relprop.explain(model, inputs, target=entry.target, method="lrp", records_budget=0)
+    exp = relprop.explain(model, inputs, target=entry.target, method="lrp", preset="lrp", records_budget=0)
     assert any("rule-by-rule walk would hold" in n for n in exp.notes)

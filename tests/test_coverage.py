@@ -190,5 +190,5 @@ def test_every_missing_op_is_listed_not_only_the_first():
         relprop.explain(model, x, target=1, method="lrp")
     node = next(n for n in CACHE.get(model, relprop.graph.inputs.bind_inputs(model, x)).graph.nodes
                 if n.op == "call_function" and n.target is torch.ops.aten.sin.default)
-    expected = UnsupportedOperation(node.target, "", "top level", "lrp")
+    expected = UnsupportedOperation(node.target, "", "top level", "attnlrp")  # lrp's default preset
     assert str(info.value) == str(expected)

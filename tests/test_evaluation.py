@@ -231,7 +231,8 @@ def test_conservation_report_rows_per_block_and_end_to_end(zoo):
     """Σ relevance in = out + absorbed per block and end to end under chefer2021; not under lrp."""
     model = zoo("hf_vit")
     x = models.image_batch(model, batch=2)
-    ta, lrp = relprop.explain(model, x, method=["transformer_attribution", "lrp"])
+    ta = relprop.explain(model, x, method="transformer_attribution")
+    lrp = relprop.explain(model, x, method="lrp", preset="lrp")  # the paper's plain-LRP baseline
     rep = E.conservation_report(ta)
     assert [r.name for r in rep.rows] == [b.name for b in reversed(ta.blocks)] + ["end to end"]
     assert rep.max_error < 1e-4 and np.allclose(rep.end_to_end.relevance_in, 1.0)

@@ -182,49 +182,64 @@ def test_rollout_rows_are_distributions(zoo):
     assert (e.matrix >= 0).all()
 
 
+@pytest.mark.parametrize("preset", ["lrp", None])
 @pytest.mark.parametrize("family", ["timm_vit_tiny", "hf_vit"])
-def test_lrp_vision_is_the_plain_lrp_input_relevance(zoo, family):
-    """lrp: the pixel relevance of the 'lrp' preset summed over colour channels; scores = patch sums."""
+def test_lrp_vision_is_the_input_relevance_of_its_preset(zoo, family, preset):
+    """lrp: the pixel relevance of its preset ('attnlrp' by default, 'lrp' the paper's plain-LRP baseline)
+    summed over colour channels, as the rule-by-rule walk computes it; scores = patch sums."""
     model = zoo(family)
     x = models.image_batch(model)
-    e = relprop.explain(model, x, target=1, method="lrp")
-    ref = relprop.explain(model, x, target=1, preset="lrp").input_relevance.double()  # [B, C, H, W]
+    used = preset or "attnlrp"
+    e = relprop.explain(model, x, target=1, method="lrp", **({} if preset is None else {"preset": preset}))
+    ref = relprop.explain(model, x, target=1, preset=used).input_relevance.double()  # [B, C, H, W]
+    # the default runs AttnLRP's one-backward fast path: equal to the walk to float32 rounding of its order
+    rtol, atol = (1e-5, 1e-9) if used == "lrp" else (0, 5e-5)
     gh, gw = e.grid
     ph, pw = x.shape[-2] // gh, x.shape[-1] // gw
     for i in range(2):
         pix = ref[i].sum(0)
-        assert torch.allclose(e.map[i].double(), pix, rtol=1e-5, atol=1e-9 * float(pix.abs().max()))
+        assert torch.allclose(e.map[i].double(), pix, rtol=rtol, atol=atol * float(pix.abs().max()))
         for p in range(gh * gw):
             r, c = divmod(p, gw)
             cell = sum(float(pix[y, z]) for y in range(r * ph, (r + 1) * ph) for z in range(c * pw, (c + 1) * pw))
             assert abs(float(e.scores[i, p]) - cell) <= 1e-4 * float(pix.abs().sum())
-    assert e.preset == "lrp" and e.signed
+    assert e.preset == used and e.signed
     assert (e.scores < 0).any() and (e.scores > 0).any()  # signed: kept, not clamped
     chefer = relprop.explain(model, x, target=1).input_relevance
     assert not torch.allclose(chefer, ref.float())  # a different rule set
 
 
+@pytest.mark.parametrize("preset", ["lrp", None])
 @pytest.mark.parametrize("family", ["hf_bert_eager", "hf_distilbert"])
-def test_lrp_text_is_the_plain_lrp_token_relevance(zoo, family):
-    """lrp on text: the token embeddings' relevance under the 'lrp' preset (padding masked to 0)."""
+def test_lrp_text_is_the_token_relevance_of_its_preset(zoo, family, preset):
+    """lrp on text: the token embeddings' relevance under its preset ('attnlrp' by default, 'lrp' the
+    paper's baseline), padding masked to 0."""
     model = zoo(family)
     lengths = (7, 5, 9, 3)
     x = models.text_batch(lengths)
-    e = relprop.explain(model, x, target=0, method="lrp")
-    ref = relprop.explain(model, x, target=0, preset="lrp").input_relevance
+    used = preset or "attnlrp"
+    e = relprop.explain(model, x, target=0, method="lrp", **({} if preset is None else {"preset": preset}))
+    assert e.preset == used
+    ref = relprop.explain(model, x, target=0, preset=used).input_relevance
     for i, n in enumerate(lengths):
-        assert torch.allclose(e.scores[i, :n], ref[i, :n], rtol=1e-5, atol=1e-9)
+        scale = float(ref[i, :n].abs().max())
+        atol = 1e-9 if used == "lrp" else 5e-5 * scale  # the default's fast path against the walk
+        assert torch.allclose(e.scores[i, :n], ref[i, :n], rtol=1e-5 if used == "lrp" else 0, atol=atol)
         assert (e.scores[i, n:] == 0).all()
 
 
 @pytest.mark.parametrize("family", ["timm_vit_tiny", "hf_bert_eager"])
 def test_lrp_not_conservative_but_transformer_attribution_is(zoo, family):
-    """The plain-LRP baseline loses conservation (separate ± denominators); the paper's rules keep it."""
+    """The plain-LRP baseline (preset 'lrp') loses conservation (separate ± denominators); the paper's rules
+    keep it, and so does lrp's default (AttnLRP), which the same call walks rule by rule beside TA."""
     model = zoo(family)
     x, _ = _inputs(family, model)
+    with pytest.warns(relprop.RelpropWarning, match="does not balance under preset 'lrp'"):
+        plain = relprop.explain(model, x, target=1, method="lrp", preset="lrp")
     lrp, ta = relprop.explain(model, x, target=1, method=["lrp", "transformer_attribution"])
-    assert lrp.conservation.preset == "lrp" and ta.conservation.preset == "chefer2021"
-    assert float(lrp.conservation.error.min()) > 1e-2
+    assert plain.conservation.preset == "lrp" and float(plain.conservation.error.min()) > 1e-2
+    assert lrp.conservation.preset == "attnlrp" and ta.conservation.preset == "chefer2021"
+    assert float(lrp.conservation.error.max()) < 1e-4
     assert float(ta.conservation.error.max()) < 1e-4
 
 

@@ -214,7 +214,7 @@ def exact_match(model, batch) -> float:
 
 # ----------------------------------------------------------------------------------------- evaluation
 #: methods under an explicit preset, reported as rows of their own (as run.py)
-PRESET_VARIANTS = {"lrp[attnlrp]": ("lrp", "attnlrp"), "lrp[cp_lrp]": ("lrp", "cp_lrp")}
+PRESET_VARIANTS = {"lrp[attnlrp]": ("lrp", "attnlrp"), "lrp[cp_lrp]": ("lrp", "cp_lrp"), "lrp[lrp]": ("lrp", "lrp")}
 
 
 def default_methods() -> List[str]:

@@ -83,9 +83,11 @@ def text_methods() -> List[str]:
     return [m for m in all_methods() if m != "vit_cx"]
 
 
-#: method "lrp" under the AttnLRP, CP-LRP and PA-LRP presets, reported as rows of their own beside the methods
-#: (AttnLRP: Achtibat et al., ICML 2024; CP-LRP: Ali et al., ICML 2022; PA-LRP: Bakish et al., NeurIPS 2025)
-PRESET_VARIANTS = {"lrp[attnlrp]": ("lrp", "attnlrp"), "lrp[cp_lrp]": ("lrp", "cp_lrp"),
+#: method "lrp" under the other presets, reported as rows of their own beside the methods (the row "lrp" is its
+#: default, AttnLRP: Achtibat et al., ICML 2024): the CVPR 2021 paper's plain-LRP baseline (preset "lrp"),
+#: CP-LRP (Ali et al., ICML 2022) and PA-LRP (Bakish et al., NeurIPS 2025). Runs before 2026-12-02, when lrp's
+#: default was the plain-LRP preset, named the rows "lrp" (plain) and "lrp[attnlrp]".
+PRESET_VARIANTS = {"lrp[lrp]": ("lrp", "lrp"), "lrp[cp_lrp]": ("lrp", "cp_lrp"),
                    "lrp[pa_lrp]": ("lrp", "pa_lrp")}
 
 

@@ -43,7 +43,7 @@ SEED = 5
 #: (column title, method, explain() keywords) per column; the paper's line-up (CVPR 2021, Fig. 4) first
 LINE_UP = [("transformer_attribution", "transformer_attribution", {}), ("rollout", "rollout", {}),
            ("raw_attention", "raw_attention", {}), ("attention_gradcam", "attention_gradcam", {}),
-           ("partial_lrp", "partial_lrp", {}), ("lrp (plain LRP, signed)", "lrp", {})]
+           ("partial_lrp", "partial_lrp", {}), ("lrp (plain LRP, signed)", "lrp", {"preset": "lrp"})]
 RELEVANCE = [("lrp · attnlrp (signed)", "lrp", {"preset": "attnlrp"}),
              ("lrp · cp_lrp (signed)", "lrp", {"preset": "cp_lrp"}),
              ("ta_without_gradient", "ta_without_gradient", {}), ("ta_last_block", "ta_last_block", {}),
@@ -62,6 +62,8 @@ NOT_FOR_VIT: dict = {}
 #: the class specificity figure's columns (CVPR 2021, Fig. 5: the class-agnostic rollout and raw
 #: attention, then the class-specific methods)
 TWO_CLASSES = ["rollout", "raw_attention", "attention_gradcam", "partial_lrp", "lrp", "transformer_attribution"]
+#: the paper's line-up draws LRP with its plain rules (lrp's default is AttnLRP, drawn in vit_relevance.png)
+PLAIN = {"lrp": {"preset": "lrp"}}
 
 
 def save_png(fig, path: str) -> str:
@@ -114,7 +116,7 @@ def main(out: str = HERE) -> list:
         written.append(save_png(fig, os.path.join(out, name)))
     # class specificity: the two-object image explained for each of its two shapes (CVPR 2021, Fig. 5)
     both = x[3:].expand(2, -1, -1, -1)
-    exps = [relprop.explain(model, both, target=torch.tensor(pair), method=m) for m in TWO_CLASSES]
+    exps = [relprop.explain(model, both, target=torch.tensor(pair), method=m, **PLAIN.get(m, {})) for m in TWO_CLASSES]
     rows = [f"target: {labels[c]} (p = {float(p):.2f})" for c, p in zip(pair, exps[-1].logits.softmax(-1)[
         torch.arange(2), torch.tensor(pair)])]
     titles = [m if m != "lrp" else "lrp (plain LRP, signed)" for m in TWO_CLASSES]

@@ -148,27 +148,30 @@ def ta_second_block(trace):
 # ---------------------------------------------------------------- LRP baselines (plain rules)
 
 @method("lrp",
-        description="LRP to the input, by default with the plain-LRP rules (not conservative; preset='attnlrp' "
-                    "or 'cp_lrp' for AttnLRP/CP-LRP): pixels summed over the colour channels, or the token "
-                    "embeddings' relevance",
-        class_specific=True, signed=True, reference="Chefer et al., CVPR 2021, Eq. 4 and supplementary §A",
-        needs_relevance=True, preset="lrp", needs_blocks=False, streams=2)
+        description="LRP to the input, by default with AttnLRP's conservative rules (preset 'attnlrp'; "
+                    "preset='lrp' for the CVPR 2021 paper's plain-LRP baseline): pixels summed over the colour "
+                    "channels, or the token embeddings' relevance",
+        class_specific=True, signed=True, reference="Achtibat et al., ICML 2024 (AttnLRP); Chefer et al., CVPR "
+                                                    "2021, Eq. 4 and supplementary §A (preset 'lrp')",
+        needs_relevance=True, preset="attnlrp", needs_blocks=False, streams=2)
 def lrp(trace):
-    """Full LRP (Eq. 4; supplementary §A, "LRP") under the ``"lrp"`` preset: the rules of the
-    authors' LRP baseline as their ``layers_lrp.py`` computes them (Transformer-Explainability, commit c3e578f): plain
-    z-rule sums, and linear layers whose x⁺W⁺ and x⁻W⁻ parts each have their own denominator (each
-    part passes all the relevance, so the rules are not conservative). On identical weights this
-    equals the authors' ``generate_LRP(method="full")`` (ViT) and, at the encoder input
-    (``exp.blocks[0].hidden_relevance``), their BERT ``generate_full_lrp``, to float64 rounding when
-    both run in float64 with ``eps=0`` (in float32 the plain z-rule magnifies rounding where a sum
-    nearly cancels: ``benchmarks/authors_reference.py``, ``benchmarks/RESULTS.md`` §7); their BERT
-    pass stops at the encoder input, relprop goes on to the word embeddings (z-rule on the
-    embedding sums). An explicit ``preset=`` replaces the rules:
-    ``explain(method="lrp", preset="attnlrp")`` is AttnLRP (Achtibat et al., ICML 2024),
-    ``"cp_lrp"`` CP-LRP (Ali et al., ICML 2022), both computed with one modified-gradient backward
-    pass where possible (:mod:`relprop.engine.fast_path`). Images: ``pixels`` = the input relevance
-    summed over the colour channels; text: ``tokens`` = the token embeddings' relevance summed over
-    the embedding size. Signed.
+    """LRP to the input (Bach et al. 2015; CVPR 2021 Eq. 4), by default under the ``"attnlrp"`` preset:
+    AttnLRP (Achtibat et al., ICML 2024), whose rules conserve relevance (the input relevance plus what
+    biases absorb equals the explained score) and are computed with one modified-gradient backward pass
+    where possible (:mod:`relprop.engine.fast_path`). It is the default because the paper's plain-LRP
+    rules are not conservative on real checkpoints: on all-MiniLM-L6-v2 their ledger's relative error is
+    in the thousands and the word scores sum to −1830 for a logit of 24 (``docs/methods.md``, "Which
+    rules `lrp` uses").
+
+    ``preset="lrp"`` is the CVPR 2021 paper's LRP baseline (supplementary §A, "LRP") as the authors'
+    ``layers_lrp.py`` computes it (Transformer-Explainability, commit c3e578f): plain z-rule sums, and
+    linear layers whose x⁺W⁺ and x⁻W⁻ parts each have their own denominator (each part passes all the
+    relevance, so the rules are not conservative). On identical weights it equals the authors'
+    ``generate_LRP(method="full")`` (ViT) and, at the encoder input (``exp.blocks[0].hidden_relevance``),
+    their BERT ``generate_full_lrp``, to float64 rounding when both run in float64 with ``eps=0``
+    (``benchmarks/authors_reference.py``, ``benchmarks/RESULTS.md`` §7). ``"cp_lrp"`` is CP-LRP (Ali et
+    al., ICML 2022). Images: ``pixels`` = the input relevance summed over the colour channels; text:
+    ``tokens`` = the token embeddings' relevance summed over the embedding size. Signed.
     """
     rel = trace.input_relevance
     if rel is None:

@@ -105,6 +105,7 @@ def cases():
 
 #: extra (label, explain keywords) per case beyond one call per method
 VARIANTS = [
+    ("lrp@lrp", {"method": "lrp", "preset": "lrp"}),  # the paper's plain-LRP baseline (lrp's default is attnlrp)
     ("lrp@attnlrp", {"method": "lrp", "preset": "attnlrp"}),
     ("lrp@attnlrp/interpreter", {"method": "lrp", "preset": "attnlrp", "fast_path": False}),
     ("lrp@cp_lrp", {"method": "lrp", "preset": "cp_lrp"}),
