@@ -34,8 +34,8 @@ from typing import Dict, List, Optional, Set, Tuple
 ROOT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "relprop")
 
 #: layers, bottom first
-LAYERS: List[str] = ["errors", "graph", "rules", "engine", "methods", "viz", "explanation", "api", "tools", "cli",
-                     "package"]
+LAYERS: List[str] = ["errors", "graph", "rules", "engine", "methods", "viz", "explanation", "models", "api", "tools",
+                     "cli", "package"]
 #: first name under relprop/ (a package, or one of the few top-level modules) -> its layer. A package is
 #: named for its layer, except ``targets`` (what is explained: the engine resolves it into the relevance
 #: seed), ``evaluation`` (the papers' protocols) and ``interop`` (relprop inside captum, Quantus and
@@ -50,6 +50,7 @@ PACKAGE_LAYERS: Dict[str, str] = {
     "methods": "methods",
     "viz": "viz",
     "explanation": "explanation",
+    "models": "models",
     "api": "api",
     "tools": "tools", "evaluation": "tools", "interop": "tools",
     "cli": "cli", "__main__": "cli",

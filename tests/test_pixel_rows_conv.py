@@ -12,7 +12,8 @@ import torch
 
 import relprop
 import vlm_models as V
-from relprop.api import prepare, qwen_images
+from relprop.api import prepare
+from relprop.models import qwen_images
 
 P, C, K, H, W = 4, 3, 5, 8, 12  # patch, channels, embedding, image
 

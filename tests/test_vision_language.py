@@ -21,7 +21,7 @@ import torch
 
 import relprop
 import vlm_models as V
-from relprop.api import vision_language, vlm_tiles
+from relprop.models import vision_language, vlm_tiles
 from relprop.graph.export import leaf_names
 from rule_helpers import make_ctx, rand, rule_of
 from snapshot import assert_same, snapshot

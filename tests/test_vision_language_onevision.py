@@ -4,7 +4,7 @@ whose unpadded crop grid the model shrinks by bilinear interpolation when it is 
 Two models: "onevision" ("anyres_max_9": the 4x8 crop grid of a 32x64 image is kept) and "onevision_shrunk"
 ("anyres_max_1": the 4x8 grid is interpolated down to 2x5 tokens; a 16x64 image's 2x8 grid is kept).
 
-* the interpolation's weights (relprop.api.anyres_packing.line_weights) against the bilinear formula
+* the interpolation's weights (relprop.models.anyres_packing.line_weights) against the bilinear formula
   written out, and the rule upsample_bilinear2d gets under "attnlrp" / "cp_lrp" against the ε-rule formula,
   conserving;
 * ``lrp``: the crops composed into exp.map against loops, Σ map + Σ base image = Σ pixels, the ledger closes
@@ -21,7 +21,7 @@ import torch
 
 import relprop
 import vlm_models as V
-from relprop.api import anyres_packing, vlm_anyres
+from relprop.models import anyres_packing, vlm_anyres
 from rule_helpers import make_ctx, rule_of
 from snapshot import assert_same, snapshot
 

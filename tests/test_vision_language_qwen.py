@@ -23,7 +23,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 import relprop
 import vlm_models as V
-from relprop.api import qwen_images
+from relprop.models import qwen_images
 from snapshot import assert_same, snapshot
 
 QWEN = list(V.QWEN_FAMILIES)

@@ -18,7 +18,7 @@ import torch
 
 import relprop
 import vlm_models as V
-from relprop.api import vlm_batches
+from relprop.models import vlm_batches
 from relprop.explanation import joined
 from relprop.targets import next_token
 from snapshot import assert_same, snapshot

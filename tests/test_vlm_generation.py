@@ -17,7 +17,7 @@ import torch
 
 import relprop
 import vlm_models as V
-from relprop.api.generated_image_text import ImageGenerationExplanation
+from relprop.models.generated_image_text import ImageGenerationExplanation
 from relprop.targets import next_token
 from snapshot import assert_same, snapshot
 

@@ -18,8 +18,8 @@ import torch
 
 import relprop
 import vlm_models as V
-from relprop.api import vision_language
-from relprop.api.generated_image_text import ImageGenerationExplanation
+from relprop.models import vision_language
+from relprop.models.generated_image_text import ImageGenerationExplanation
 from relprop.targets import next_token
 from snapshot import assert_same, snapshot
 

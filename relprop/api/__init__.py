@@ -22,7 +22,7 @@ from .options import DEFAULT_PRESET
 from .prologue import Prepared, prepare
 from .graph_coverage import coverage
 from .generated_text import GenerationExplanation, explain_generation
-from .generated_image_text import ImageGenerationExplanation
+from ..models.generated_image_text import ImageGenerationExplanation
 
 __all__ = ["DEFAULT_PRESET", "GenerationExplanation", "ImageGenerationExplanation", "Prepared", "coverage", "explain",
            "explain_generation", "explain_settings", "prepare"]

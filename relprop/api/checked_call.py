@@ -11,10 +11,11 @@ from typing import Any, Optional, Tuple
 import torch
 
 from . import options as opt
-from . import qwen_images, validation, vision_language, vlm_anyres, vlm_tiles
+from . import validation
 from ..engine import Request, Tuning
 from ..errors import RelpropError
 from ..explanation import mask_from_tokenizer, split_tokenizer_keys
+from ..models import ModelAdapter, adapter_for
 from ..rules import Preset, get_preset
 from ..targets.target_forms import specify
 from ..targets import Target, resolve
@@ -63,8 +64,9 @@ class Call:
     given_target: Any = None
     spec: Any = None
     encodings: Any = None
-    tile_grid: Any = None  # (rows, cols) of a tiled vision-language model's image (relprop.api.vlm_tiles)
+    layout: Any = None  # what the family's adapter needs back to compose the results (Adapted.layout)
     tuning: Tuning = Tuning()
+    adapter: ModelAdapter = None  # the model family's adapter (relprop.models.adapter_for)
 
     def request(self, preset: Preset, **fields) -> Request:
         """The engine's Request for one run under ``preset`` (``fields``: ``folds``, ``input_gradient``);
@@ -83,14 +85,12 @@ def check_call(model, inputs, target, jobs: Tuple[Job, ...], many: bool, preset:
                         keep_blocks=keep_blocks, precision=precision, records_budget=records_budget, tuning=tuning)
     encodings = getattr(inputs, "encodings", None)  # a fast tokenizer's output knows its token strings
     inputs, batch_mask = split_tokenizer_keys(inputs)
-    inputs, tile_grid = vlm_tiles.split_grid_keys(model, inputs)
-    vlm_tiles.check(model, inputs, tile_grid)  # a tile layout relprop cannot verify is refused before any work
-    inputs = vlm_anyres.plain_sizes(model, inputs)  # LLaVA-NeXT: checked, image_sizes as ints (traceable)
     mask_source = "special_tokens_mask=" if special_tokens_mask is not None else "the batch's special_tokens_mask"
     special_tokens_mask = opt.check_special_tokens_mask(special_tokens_mask if special_tokens_mask is not None
                                                         else batch_mask)
-    wrt = vision_language.explained_input(model, inputs, [j.info for j in jobs], wrt)
-    model, inputs = qwen_images.explained_call(model, inputs)  # Qwen-VL: one image as pixels [1, C, H, W]
+    adapter = adapter_for(model)
+    adapted = adapter.prepare(model, inputs, [j.info for j in jobs], wrt)  # the family's inputs as captured
+    model, inputs, wrt = adapted.model, adapted.inputs, adapted.wrt
     prepared = prepare(model, inputs, wrt)
     validation.warn_left_padding(model, prepared.kwargs)
     if special_tokens_mask is None and tokenizer is not None:
@@ -105,7 +105,7 @@ def check_call(model, inputs, target, jobs: Tuple[Job, ...], many: bool, preset:
     return Call(model, prepared, resolved, jobs, many, preset, preset if preset is not None else get_preset(
         DEFAULT_PRESET), special_tokens_mask, mask_source, eps, unsupported, memory, precision, fast_path,
         keep_blocks, records_budget, tokenizer, image_processor, given_target if given_target is not None
-        else target, spec, encodings, tile_grid, tuning if tuning is not None else Tuning())
+        else target, spec, encodings, adapted.layout, tuning if tuning is not None else Tuning(), adapter)
 
 
 @contextlib.contextmanager

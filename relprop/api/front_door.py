@@ -16,10 +16,11 @@ import torch
 import torch.utils._pytree as pytree
 
 from . import options as opt
-from . import raw_inputs, vlm_batches
+from . import raw_inputs
 from ..errors import MethodError, OptionError
 from ..engine import Tuning
 from ..graph import host_reads, progress_line
+from ..models import adapter_for
 from ..rules.stabilize import DEFAULT_EPS
 from .checked_call import check_call, reported
 from .method_runs import run_methods
@@ -47,9 +48,9 @@ def explain(model: torch.nn.Module, inputs: Any, target: Any = None, method: Any
         HuggingFace text/image classification or zero-shot ``pipeline`` (docs/inputs-and-targets.md).
     inputs
         what the model's forward takes (a tensor, a tuple, a dict such as a tokenizer's output), or
-        raw inputs: strings, PIL images or image paths (``relprop.api.raw_inputs``). The processor's
-        outputs for several prompts of Qwen2-VL, Qwen2.5-VL, LLaVA-NeXT or LLaVA-OneVision are explained
-        sample by sample and joined into one batch Explanation (``relprop.api.vlm_batches``).
+        raw inputs: strings, PIL images or image paths (``relprop.api.raw_inputs``). A batch that the
+        model's family explains sample by sample (its adapter's ``split_batch``, ``relprop.models``) is
+        explained so and joined into one batch Explanation.
     target
         None (the predicted class; a language model's next token), a class index or one per sample,
         a label name, ``relprop.contrast``, or a callable ``target(outputs) -> [batch]``.
@@ -78,7 +79,7 @@ def explain(model: torch.nn.Module, inputs: Any, target: Any = None, method: Any
         rule-by-rule walk of methods that read only the input relevance (``lrp`` under ``"lrp"`` or
         ``"chefer2021"``), which then keeps no block records (``exp.blocks`` empty, as on the fast path).
     wrt
-        name of the input to explain onto when the model takes several (CLIP: ``"pixel_values"``).
+        name of the input to explain onto when the model takes several (an image tower: ``"pixel_values"``).
     image_processor
         a HuggingFace image processor for raw images.
     keep_blocks
@@ -168,16 +169,17 @@ def _explain(model, inputs, target, method, preset, *, eps, unsupported, special
     preset = opt.check_preset(preset)
     per_method = opt.method_options(infos, options, many)
     jobs = opt.check_jobs([(i, per_method[i.name]) for i in infos], preset)
-    if vlm_batches.is_batch(model, inputs):  # Qwen-VL, LLaVA-NeXT/-OneVision: sample by sample (vlm_batches)
+    adapter = adapter_for(model)
+    if adapter.splits(model, inputs):  # a batch the family explains sample by sample (relprop.models)
         with reported(model, jobs):
-            samples, length = vlm_batches.split(model, inputs, target, special_tokens_mask)
+            samples, length = adapter.split_batch(model, inputs, target, special_tokens_mask)
         rest = dict(eps=eps, unsupported=unsupported, tokenizer=tokenizer, fast_path=fast_path, memory=memory,
                     wrt=wrt, image_processor=image_processor, keep_blocks=keep_blocks, precision=precision,
                     records_budget=records_budget, progress=progress, tuning=tuning, **options)
         runs = [explain(model, s.inputs, s.target, method, preset, special_tokens_mask=s.special_tokens_mask,
                         **rest) for s in samples]
         with reported(model, jobs):
-            return vlm_batches.joined(runs, samples, length, many, model)
+            return adapter.join(runs, samples, length, many, model)
     call = check_call(model, inputs, target, jobs, many, preset, tokenizer=tokenizer,
                       special_tokens_mask=special_tokens_mask, wrt=wrt, eps=eps, unsupported=unsupported,
                       memory=memory, fast_path=fast_path, keep_blocks=keep_blocks, precision=precision,

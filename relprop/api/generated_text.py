@@ -25,11 +25,11 @@ from typing import Any, List, Mapping, Optional, Sequence, Union
 
 import torch
 
-from . import generated_image_steps, generated_image_text
 from .front_door import explain
 from ..errors import InputError, OptionError, TargetError
 from ..graph.capture import CACHE
 from ..graph.state import eval_mode
+from ..models import adapter_for
 from ..targets.target_scores import teacher_forced
 from ..viz import generation as viz_generation
 
@@ -202,13 +202,13 @@ def explain_generation(model, tokenizer=None, prompt: Union[str, torch.Tensor, S
     prompt
         a string, a [1, length] tensor of ids or a tokenizer's output (input_ids, an all-ones
         attention_mask, token_type_ids; any other key is refused rather than dropped); a list of them
-        gives a list of results. For a vision-language model (LLaVA, PaliGemma, Gemma-3, Qwen2-VL,
-        Qwen2.5-VL, Idefics3, SmolVLM, LLaVA-NeXT) a processor's output with one image: each generated
-        token is explained with the image, the result an ``ImageGenerationExplanation``
-        (``relprop.api.generated_image_text``: ``matrix`` over the prompt and generated tokens,
-        ``patches`` per patch of the image, ``maps``; the families explained one prompt with its image
-        per call, Qwen-VL, Idefics3/SmolVLM and LLaVA-NeXT, one ``relprop.explain`` call per step:
-        ``relprop.api.generated_image_steps``).
+        gives a list of results. For a vision-language model whose family relprop knows
+        (``relprop.models.families``) a processor's output with one image: each generated token is
+        explained with the image, the result an ``ImageGenerationExplanation``
+        (``relprop.models.generated_image_text``: ``matrix`` over the prompt and generated tokens,
+        ``patches`` per patch of the image, ``maps``), in chunks of teacher-forced copies or, for the
+        families explained one prompt with its image per call, one ``relprop.explain`` call per step
+        (the adapter's ``generation``: ``relprop.models.generated_image_steps``).
         For an encoder–decoder it is the source: ids, or one image [1, C, H, W]
         (``VisionEncoderDecoderModel``: columns are the image's patches) or one log-mel feature
         matrix [1, mel bins, frames] (Whisper: columns are the frames, or the encoder's tokens for
@@ -230,7 +230,7 @@ def explain_generation(model, tokenizer=None, prompt: Union[str, torch.Tensor, S
         explains (the memory of a call grows with it). None (default): as many as hold about
         ``TOKENS_PER_CALL`` tokens, at least one. The rows do not depend on it (to float
         rounding of the batched products). Not used by the families explained one call per
-        step (Qwen-VL, Idefics3/SmolVLM, LLaVA-NeXT).
+        step.
 
     Returns
     -------
@@ -258,12 +258,10 @@ def _explain_one(model, tokenizer, prompt, max_new_tokens, method, preset, targe
     if batch_size is not None and (not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1):
         raise OptionError(f"batch_size must be a positive int (copies of the sequence per call) or None, not "
                           f"{batch_size!r}")
-    if generated_image_steps.is_stepwise(model, prompt):  # Qwen-VL, Idefics3, LLaVA-NeXT: one call per step
-        return generated_image_steps.explain_one(model, tokenizer, prompt, max_new_tokens, method, preset, target,
-                                                 contrast, batch_size, options, _as_tokens)
-    if generated_image_text.is_image_prompt(model, prompt):  # a vision-language model's prompt with its image
-        return generated_image_text.explain_one(model, tokenizer, prompt, max_new_tokens, method, preset, target,
-                                                contrast, batch_size, options, TOKENS_PER_CALL, _as_tokens)
+    family = adapter_for(model).explain_generation(explain, model, tokenizer, prompt, max_new_tokens, method, preset,
+                                                   target, contrast, batch_size, options, TOKENS_PER_CALL, _as_tokens)
+    if family is not None:  # a prompt the model's family explains its own way (relprop.models: with its image)
+        return family
     ids = _ids(tokenizer, prompt, model)
     enc_dec = _is_encoder_decoder(model)
     prefix = torch.tensor([[_start_token(model)]], dtype=torch.long) if enc_dec else ids

@@ -7,9 +7,9 @@ from typing import Any, Optional
 import torch
 
 from . import options as opt
-from . import qwen_images, vlm_anyres
 from ..engine import report
 from ..engine.coverage import Coverage
+from ..models import adapter_for
 from ..rules import get_preset
 from ..rules.stabilize import DEFAULT_EPS
 from .options import DEFAULT_PRESET
@@ -42,7 +42,6 @@ def coverage(model: torch.nn.Module, inputs: Any, preset: Any = "chefer2021", *,
     if checked is None:
         checked = get_preset(DEFAULT_PRESET)
     name = type(model).__name__
-    inputs = vlm_anyres.plain_sizes(model, inputs)  # LLaVA-NeXT, -OneVision: image_sizes as ints, as explain()
-    model, inputs = qwen_images.explained_call(model, inputs)  # Qwen-VL: one image as pixels [1, C, H, W]
+    model, inputs = adapter_for(model).capture_call(model, inputs)  # the family's call as explain() captures it
     prepared = prepare(model, inputs, wrt)
     return report(prepared.captured, checked, name, unsupported)

@@ -1,7 +1,7 @@
 """The body of ``explain`` once every argument is checked into a :class:`relprop.api.checked_call.Call`:
 one engine run per preset the methods need (``Call.request``; the one-backward fast path when it applies,
 or one folded run when the records are not kept), the methods applied and the Explanations built and
-finished (image tokens placed, tiles composed, what they remember to draw themselves, capture notes).
+finished (placed by the model family's adapter, what they remember to draw themselves, capture notes).
 """
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import dataclasses
 import time
 from typing import Dict, Optional
 
-from . import refusals, remembered, remembered_prompt, validation, vision_language, vlm_anyres, vlm_tiles
+from . import refusals, remembered, validation
 from ..engine import Asked, FastPathUnavailable, Schedule, Trace, choose, execute
 from ..engine.schedule import fold_choice
 from ..errors import MethodError
@@ -59,13 +59,10 @@ def run_methods(call: Call):
             if note is not None:
                 results[-1].notes.append(note)
     validation.check_result(results)
-    vision_language.place_image_tokens(results, call.model, call.prepared.kwargs, captured.primary)
-    vlm_tiles.compose(results, call.model, call.prepared.kwargs, captured.primary, call.tile_grid)
-    vlm_anyres.compose(results, call.model, call.prepared.kwargs, captured.primary)
+    call.adapter.compose(results, call.model, call.prepared.kwargs, captured.primary, call.layout, call.tokenizer)
     remembered.remember(results, model=call.model, inputs=call.prepared.kwargs, primary=captured.primary,
                         tokenizer=call.tokenizer, image_processor=call.image_processor, target=call.given_target,
                         spec=call.spec, encodings=call.encodings)
-    remembered_prompt.remember_prompt(results, model=call.model, inputs=call.prepared.kwargs, tokenizer=call.tokenizer)
     first_run = time.perf_counter() - started
     for r in results:
         r.notes.extend(capture_notes(call.prepared.event, captured, model_name, first_run))

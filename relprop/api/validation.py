@@ -19,6 +19,7 @@ from ..errors import CaptureError, InputError, RelpropError, warn
 from ..graph.dispatch import offloaded_weights
 from ..graph.host_reads import deferring, later, refuse_if
 from ..graph.state import eval_mode
+from ..models.decoders import is_causal_decoder
 
 #: inputs that hold one row per sample and one column per token, like ``input_ids``
 PER_TOKEN_INPUTS = ("attention_mask", "token_type_ids")
@@ -90,15 +91,7 @@ def warn_left_padding(model: torch.nn.Module, kwargs: Dict[str, Any]) -> bool:
     (:func:`relprop.graph.host_reads.later`); returns True when it was handed over (a causal decoder with a
     mask and no ``position_ids``)."""
     mask = kwargs.get("attention_mask")
-    config = getattr(model, "config", None)
-    can = getattr(model, "can_generate", None)
-    try:
-        causal = bool(getattr(config, "is_decoder", False)) or (bool(can()) if callable(can) else False)
-    except Exception:  # noqa: BLE001 - a can_generate() that fails: not known to be a decoder
-        causal = False
-    causal = causal or getattr(config, "model_type", None) in ("gpt2", "llama", "mistral", "gpt_neox", "gptj",
-                                                                 "opt", "qwen2", "phi", "gemma")
-    if not causal or not torch.is_tensor(mask) or mask.dim() != 2 or "position_ids" in kwargs:
+    if not is_causal_decoder(model) or not torch.is_tensor(mask) or mask.dim() != 2 or "position_ids" in kwargs:
         return False
     m = mask != 0
     name = type(model).__name__

@@ -9,8 +9,8 @@ A zero-shot pipeline scores each candidate label with a separate input built fro
   with another ``hypothesis_template``); the explained score is the NLI model's *entailment* logit of
   that pair (``pipe.entailment_id``), the quantity the pipeline's softmax over labels is taken of. The
   scores cover the pair's tokens (the text's and the hypothesis').
-* ``zero-shot-image-classification`` (CLIP-like): the image and the label's prompt (``"This is a photo
-  of {}."`` by default); the explained score is the image–prompt similarity ``logits_per_image`` of
+* ``zero-shot-image-classification`` (a dual image and text encoder): the image and the label's prompt
+  (``"This is a photo of {}."`` by default); the explained score is the image–prompt similarity ``logits_per_image`` of
   the pair, explained onto the pixels (``wrt="pixel_values"``; pass ``wrt="input_ids"`` for the
   prompt's tokens).
 
@@ -68,7 +68,7 @@ def _filled(template: str, labels: List[str]) -> List[str]:
 
 
 class PairSimilarity:
-    """Target for a CLIP-like model: ``logits_per_image[b, b]``, image ``b`` against prompt ``b``."""
+    """Target for a dual image and text encoder: ``logits_per_image[b, b]``, image ``b`` against prompt ``b``."""
 
     def __call__(self, outputs: Any) -> torch.Tensor:
         logits = getattr(outputs, "logits_per_image", None)
@@ -97,5 +97,5 @@ def image_call(pipe: Any, pixel_values: torch.Tensor, target: Any, wrt: Optional
     prompts = pipe.tokenizer(_filled(hypothesis_template(pipe), labels), padding=True, return_tensors="pt")
     inputs = {"pixel_values": pixel_values, **dict(prompts)}
     if "token_type_ids" not in inspect.signature(pipe.model.forward).parameters:
-        inputs.pop("token_type_ids", None)  # CLIP-like text towers take ids and a mask only
+        inputs.pop("token_type_ids", None)  # such text towers take ids and a mask only
     return ZeroShot(pipe.model, inputs, PairSimilarity(), wrt or "pixel_values")

@@ -2,7 +2,7 @@
 ``exp[i]`` (:func:`relprop.explanation.data_export.select`), with each sample's token positions laid
 out on the batch's padded positions.
 
-A family that relprop explains one sample per call (``relprop.api.vlm_batches``) explains a batch
+A family that relprop explains one sample per call (``relprop.models.vlm_batches``) explains a batch
 sample by sample, each sample cut out of the batch without its padding (``t_i`` positions, kept at
 the batch positions ``keep_i`` of ``T``). The batch's Explanation then holds, for every per-sample
 tensor, the samples' values concatenated along the batch axis, each token axis (an axis whose size is

@@ -13,7 +13,7 @@
   so an input of batch 1 is exported as a batch of copies. If that export fails, the batch alone is
   made dynamic, then nothing (:data:`ATTEMPTS`); :class:`relprop.graph.program.Program` records
   which axes came out dynamic. A module whose ``static_sizes_only`` is True (it holds constants made
-  for one input size, e.g. ``relprop.api.qwen_images.QwenImage``) is exported at its sizes only.
+  for one input size, e.g. ``relprop.models.qwen_images.QwenImage``) is exported at its sizes only.
 * torch's default decompositions *minus* the ops the rules treat as units (:data:`KEEP_WHOLE`),
   applied node by node (:mod:`relprop.graph.node_decompose`: only the nodes they rewrite are
   traced; a program that pass does not take gets ``run_decompositions``, which traces it whole):

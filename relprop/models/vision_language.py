@@ -18,13 +18,13 @@ with two relevance sources (:func:`relprop.graph.streams.merges`):
   placeholders included, and the vision tower is a constant of the explanation.
 
 Qwen2-VL and Qwen2.5-VL give their image as flattened rows of 2x2-merged patches: they are explained
-through :class:`relprop.api.qwen_images.QwenImage` (the model called on the image read back from the
+through :class:`relprop.models.qwen_images.QwenImage` (the model called on the image read back from the
 rows, one prompt with one image per explained call), and their image tokens are 2x2 blocks of the patch grid.
 A batch of several prompts of these families (and of LLaVA-NeXT / -OneVision) is explained sample by sample
-(:mod:`relprop.api.vlm_batches`).
+(:mod:`relprop.models.vlm_batches`).
 Idefics3 and SmolVLM, which cut the image into tiles, are placed back on the image by
-:mod:`relprop.api.vlm_tiles`; LLaVA-NeXT's and LLaVA-OneVision's any-resolution crops by
-:mod:`relprop.api.vlm_anyres`. Families whose image tokens relprop cannot place back on the image
+:mod:`relprop.models.vlm_tiles`; LLaVA-NeXT's and LLaVA-OneVision's any-resolution crops by
+:mod:`relprop.models.vlm_anyres`. Families whose image tokens relprop cannot place back on the image
 (``REFUSED``) are refused with a :class:`relprop.MethodError` that names the family and what is missing,
 and a family relprop does not know is refused unless ``wrt=`` says which input to explain: never
 explained with a wrong map.
@@ -113,7 +113,7 @@ def image_token_id(config) -> Optional[int]:
 def token_layout(config, image_shape=None):
     """(patch grid (gh, gw) of the vision tower, image tokens per image, cell: patches per image token
     along each side, whether a class token comes first) for the supported families; Qwen2-VL and
-    Qwen2.5-VL: of the image of ``image_shape`` (its pixels [1, C, H, W], relprop.api.qwen_images),
+    Qwen2.5-VL: of the image of ``image_shape`` (its pixels [1, C, H, W], relprop.models.qwen_images),
     each image token a merged m x m block of patches, the blocks row-major."""
     v = config.vision_config
     kind = config.model_type
@@ -191,7 +191,7 @@ def place_image_tokens(results, model, kwargs, primary: str) -> None:
 
 
 def _on_patch_grid(exp, config) -> None:
-    """A Qwen2-VL / Qwen2.5-VL Explanation onto the pixels [1, C, H, W] (relprop.api.qwen_images): the
+    """A Qwen2-VL / Qwen2.5-VL Explanation onto the pixels [1, C, H, W] (relprop.models.qwen_images): the
     pixel map (relevance summed over the colour channels), the per-patch scores on the gh x gw grid of
     the vision tower's P x P patches (row-major), also ``exp.streams['pixel_values']``."""
     r = exp.input_relevance
@@ -207,5 +207,5 @@ def _on_patch_grid(exp, config) -> None:
         exp.streams[_PIXELS] = exp.scores
     exp.notes.append(f"{SUPPORTED[config.model_type]}: the image read back from the processor's 2x2-merged rows "
                      f"(pixel_values, image_grid_thw) and explained as pixels [1, C, H, W] through "
-                     f"relprop.api.qwen_images.QwenImage; exp.scores on its {gh}x{gw} grid of {p}x{p} patches, "
+                     f"relprop.models.qwen_images.QwenImage; exp.scores on its {gh}x{gw} grid of {p}x{p} patches, "
                      "row-major, each pixel's relevance summed over its time copies")

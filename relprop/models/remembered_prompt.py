@@ -1,7 +1,7 @@
 """What a vision-language model's Explanation remembers of its prompt, so that ``show()``/``save()`` and
 the notebook draw the prompt's tokens beside the image (:mod:`relprop.viz.vision_text`).
 
-For a supported family (:mod:`relprop.api.vision_language`) explained with its image, each Explanation
+For a supported family (:mod:`relprop.models.vision_language`) explained with its image, each Explanation
 that holds both the image's and the prompt's relevance (``streams["pixel_values"]`` and
 ``streams["input_ids"]``) gets ``image_tokens`` ([batch, tokens] True at the image placeholders) and
 ``prompt_tokens`` (per sample the token strings from the tokenizer, else the ids as strings); one

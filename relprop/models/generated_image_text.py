@@ -3,7 +3,7 @@
 
 For a prompt of text and one image (a processor's output: ``input_ids`` with the image placeholders,
 ``pixel_values``, optionally ``attention_mask`` and ``token_type_ids``), a supported vision-language
-model (:mod:`relprop.api.vision_language`) writes tokens y_1 … y_G greedily.
+model (:mod:`relprop.models.vision_language`) writes tokens y_1 … y_G greedily.
 Explaining y_t is explaining the logit of y_t at the last position of prompt + y_1 … y_{t-1}, with the
 image (teacher forcing, as for text). Each step gives the relevance of every prompt token and earlier
 generated token (a row of ``matrix``) and of every patch of the image (a row of ``patches``; with the
@@ -25,7 +25,7 @@ the prompt's ``attention_mask`` with ones and its ``token_type_ids`` as the fami
 This module explains LLaVA, PaliGemma and Gemma-3 (:data:`GENERATION`), whose captured graph takes a
 batch of copies. The families explained one prompt with its image per call (Qwen2-VL, Qwen2.5-VL,
 Idefics3, SmolVLM, LLaVA-NeXT) are explained one call per generated token by
-:mod:`relprop.api.generated_image_steps`, into the same :class:`ImageGenerationExplanation`.
+:mod:`relprop.models.generated_image_steps`, into the same :class:`ImageGenerationExplanation`.
 """
 from __future__ import annotations
 
@@ -34,7 +34,6 @@ from typing import Any, Dict, List, Mapping, Optional
 
 import torch
 
-from .front_door import explain
 from .vision_language import EXPLAINED, IDS, PIXELS, explained_input, model_type, token_layout
 from ..errors import InputError, MethodError, TargetError
 from ..graph.state import eval_mode
@@ -52,7 +51,7 @@ MM_TYPES = "mm_token_type_ids"
 
 def is_image_prompt(model, prompt) -> bool:
     """True when ``prompt`` is a mapping with a ``pixel_values`` tensor and ``model`` is a vision-language
-    model (:func:`relprop.api.vision_language.model_type`): the prompt explain_generation explains here."""
+    model (:func:`relprop.models.vision_language.model_type`): the prompt explain_generation explains here."""
     return isinstance(prompt, Mapping) and torch.is_tensor(prompt.get(PIXELS)) and model_type(model) is not None
 
 
@@ -137,7 +136,7 @@ def prompt_inputs(model, prompt: Mapping) -> dict:
     InputError
         another key (relprop would drop it), several samples or images, a mask that masks tokens.
     MethodError
-        the family is refused by :func:`relprop.api.vision_language.explained_input`.
+        the family is refused by :func:`relprop.models.vision_language.explained_input`.
     """
     extra = sorted(str(k) for k in prompt if k not in PROMPT_KEYS)
     if extra:
@@ -166,7 +165,7 @@ def prompt_inputs(model, prompt: Mapping) -> dict:
 
 #: config.model_type of the families explained here, a batch of teacher-forced copies per call (the
 #: families explained one image at a time, through a wrapper or per tile layout, are explained one call
-#: per step: relprop.api.generated_image_steps)
+#: per step: relprop.models.generated_image_steps)
 GENERATION = ("llava", "paligemma", "gemma3")
 
 
@@ -215,7 +214,7 @@ def _copies(inputs: dict, n: int) -> dict:
     return {k: v.expand((n,) + tuple(v.shape[1:])).contiguous() for k, v in inputs.items()}
 
 
-def _chunk(model, full: dict, positions, tok, other, size: int, method, preset, options):
+def _chunk(explain, model, full: dict, positions, tok, other, size: int, method, preset, options):
     """(Explanation, rows): ``size`` copies of ``full``, the first ``len(tok)`` reading their targets
     (copy i: the logit of ``tok[i]``, minus that of ``other[i]``, at ``positions[i]``), the rest
     filler copies of the last one."""
@@ -234,10 +233,11 @@ def _chunk(model, full: dict, positions, tok, other, size: int, method, preset, 
     return exp, n
 
 
-def explain_one(model, tokenizer, prompt: Mapping, max_new_tokens: int, method, preset, target, contrast,
+def explain_one(explain, model, tokenizer, prompt: Mapping, max_new_tokens: int, method, preset, target, contrast,
                 batch_size: Optional[int], options: dict, tokens_per_call: int, as_tokens
                 ) -> ImageGenerationExplanation:
-    """:func:`relprop.explain_generation` of one vision-language prompt (module docstring).
+    """:func:`relprop.explain_generation` of one vision-language prompt (module docstring), each chunk of
+    teacher-forced copies explained by ``explain`` (:func:`relprop.explain`, passed down by the api layer).
     ``as_tokens(x, n, name)`` checks ``contrast``; ``tokens_per_call`` sizes the default chunk."""
     check_family(model, prompt, options)  # a refused family's reason first, before its keys are read
     inputs = prompt_inputs(model, prompt)
@@ -251,7 +251,7 @@ def explain_one(model, tokenizer, prompt: Mapping, max_new_tokens: int, method, 
     (gh, gw), _, _, _ = token_layout(model.config)
     length = full[IDS].shape[1] + gh * gw + 1  # the sequence and the vision tower's tokens
     size = min(g, batch_size or max(1, tokens_per_call // length))
-    chunks = [_chunk(model, full, positions[lo:lo + size], gen[lo:lo + size],
+    chunks = [_chunk(explain, model, full, positions[lo:lo + size], gen[lo:lo + size],
                      None if alt is None else alt[lo:lo + size], size, method, preset, options)
               for lo in range(0, g, size)]
     exps = [e for e, _ in chunks]

@@ -12,13 +12,13 @@ rows or columns of patches that the padding added, computed from ``image_sizes``
 
 LLaVA-OneVision packs the same way, except that it **shrinks** an unpadded crop grid of more than
 about N tiles' worth of patches (``vision_aspect_ratio = "anyres_max_N"``) by bilinear interpolation
-before the newlines (:mod:`relprop.api.anyres_packing`): each of its crop tokens then mixes up to 2 x 2
+before the newlines (:mod:`relprop.models.anyres_packing`): each of its crop tokens then mixes up to 2 x 2
 patches' features.
 
 relprop takes the layout from the model's own functions (``get_anyres_image_grid_shape`` and
 ``unpad_image`` of transformers, run on patch indices), so each image token's patch is the model's, and
 checks the whole packing against the model's ``pack_image_features`` run on random tile features
-(:func:`relprop.api.anyres_packing.check_packing`).
+(:func:`relprop.models.anyres_packing.check_packing`).
 ``image_sizes`` is handed to the model as plain ints: ``torch.export`` cannot trace the tile selection
 from the values of a tensor, and as ints each image size is its own capture.
 
@@ -38,7 +38,7 @@ from the values of a tensor, and as ints each image size is its own capture.
   image (``exp.streams["base_image"]``, ``[batch, gh·gw]``); the ``image_newline`` tokens hold no patch.
 
 A batch of several prompts is explained sample by sample (the vision tower's rows are all samples'
-tiles, which a static capture cannot attribute per sample: :mod:`relprop.api.vlm_batches`). Refused with
+tiles, which a static capture cannot attribute per sample: :mod:`relprop.models.vlm_batches`). Refused with
 a :class:`relprop.MethodError`: pixel_values of more than one sample reaching this one-sample path,
 several images in a prompt (``batch_num_images``), a video (``pixel_values_videos``), no
 ``image_sizes``, a number of tiles other than the pinpoint grid's, vision features other than each
@@ -132,7 +132,7 @@ def _features_per_tile(model: Any, cfg, name: str, patches: int) -> None:
 
 def layout(model: Any, kwargs: Mapping[str, Any]) -> AnyresLayout:
     """The :class:`AnyresLayout` of the inputs, checked against them and against the model's own
-    ``pack_image_features`` (:func:`relprop.api.anyres_packing.check_packing`; module docstring).
+    ``pack_image_features`` (:func:`relprop.models.anyres_packing.check_packing`; module docstring).
 
     Raises
     ------
@@ -206,7 +206,7 @@ def token_patches(tokens: torch.Tensor, lay: AnyresLayout) -> Tuple[torch.Tensor
     """(crop patches [batch, rows·gh·cols·gw], base patches [batch, gh·gw]) from the image tokens'
     scores [batch, tokens] in order (base, then each row of crop tokens and its newline). A crop token
     of a shrunk grid (LLaVA-OneVision) spreads its score over the unpadded patches it interpolates, by
-    their bilinear weights (:func:`relprop.api.anyres_packing.spread`; Σ unchanged)."""
+    their bilinear weights (:func:`relprop.models.anyres_packing.spread`; Σ unchanged)."""
     gh, gw = lay.tile_grid
     base = tokens[:, :gh * gw]
     if not lay.rows:

@@ -1,6 +1,6 @@
 """A batch of several prompts for the vision-language families relprop explains one sample per call:
-Qwen2-VL and Qwen2.5-VL (:mod:`relprop.api.qwen_images`: the vision tower packs all images into one
-sequence), LLaVA-NeXT and LLaVA-OneVision (:mod:`relprop.api.vlm_anyres`: the vision tower's rows are
+Qwen2-VL and Qwen2.5-VL (:mod:`relprop.models.qwen_images`: the vision tower packs all images into one
+sequence), LLaVA-NeXT and LLaVA-OneVision (:mod:`relprop.models.vlm_anyres`: the vision tower's rows are
 all samples' tiles). ``relprop.explain`` explains such a batch **sample by sample**:
 
 1. each sample is cut out of the batch as the processor would have made it alone: its positions without

@@ -1,14 +1,14 @@
 """Attribution of the text a vision-language model generates about an image, for the families relprop
-explains one prompt with its image per call: Qwen2-VL and Qwen2.5-VL (:mod:`relprop.api.qwen_images`),
-Idefics3 and SmolVLM (:mod:`relprop.api.vlm_tiles`), LLaVA-NeXT and LLaVA-OneVision
-(:mod:`relprop.api.vlm_anyres`).
+explains one prompt with its image per call: Qwen2-VL and Qwen2.5-VL (:mod:`relprop.models.qwen_images`),
+Idefics3 and SmolVLM (:mod:`relprop.models.vlm_tiles`), LLaVA-NeXT and LLaVA-OneVision
+(:mod:`relprop.models.vlm_anyres`).
 
 The model writes tokens y_1 … y_G greedily from the whole prompt, image included
-(:func:`relprop.api.generated_image_text.greedy`: the pixels fed at every step, no cache; the generated
+(:func:`relprop.models.generated_image_text.greedy`: the pixels fed at every step, no cache; the generated
 tokens continue the ``attention_mask`` with ones and Qwen's ``mm_token_type_ids`` with 0, text).
 Explaining y_t is explaining the logit of y_t (minus that of the ``contrast`` token) at the last position
 of the prompt followed by y_1 … y_{t-1}, with the image, as for the other families
-(:mod:`relprop.api.generated_image_text`). These families' captured call takes one sample (Qwen's vision
+(:mod:`relprop.models.generated_image_text`). These families' captured call takes one sample (Qwen's vision
 tower packs a batch's images into one sequence; LLaVA-NeXT's tiles are all samples' tiles; Idefics3's
 tile layout is checked per call), so the steps are not batched as teacher-forced copies: **each step is
 one** :func:`relprop.explain` **call on its own prefix**, exactly the call a user would make, and what
@@ -16,7 +16,7 @@ depends on the length is recomputed by it for each step (Qwen's 3-D rotary posit
 ``get_rope_index``, the placeholder count checked against the tile or crop layout). G tokens are G
 calls, and G captures the first time (one per sequence length).
 
-The result is an :class:`relprop.api.generated_image_text.ImageGenerationExplanation`: ``matrix``
+The result is an :class:`relprop.models.generated_image_text.ImageGenerationExplanation`: ``matrix``
 (row t: step t's ``streams["input_ids"]``, the later columns 0), ``patches`` (step t's
 ``streams["pixel_values"]`` on the family's patch grid: Qwen's gh x gw patches, the tiles' or crops'
 composed grid), ``maps`` (step t's ``map``), ``streams`` (Idefics3's ``"global_image"``, LLaVA-NeXT's
@@ -29,7 +29,6 @@ from typing import Any, Dict, Mapping, Optional, Tuple
 import torch
 
 from . import qwen_images, vlm_anyres, vlm_tiles
-from .front_door import explain
 from .generated_image_text import (MM_TYPES, ImageGenerationExplanation, check_family, continued, generated,
                                    token_labels)
 from .vision_language import IDS, PIXELS, model_type
@@ -117,8 +116,8 @@ def _picture(model, inputs: dict, tile_grid) -> Tuple[Tuple[int, int], torch.Ten
     return lay.grid, vlm_anyres.compose_pixels(pixels, lay)
 
 
-def _step(model, inputs: dict, grid_keys: dict, kind: str, gen: torch.Tensor, t: int, alt: Optional[torch.Tensor],
-          method, preset, options):
+def _step(explain, model, inputs: dict, grid_keys: dict, kind: str, gen: torch.Tensor, t: int,
+          alt: Optional[torch.Tensor], method, preset, options):
     """The one-sample Explanation of step ``t``: the prompt + ``gen[:t]`` with the image, the logit of
     ``gen[t]`` (minus that of ``alt[t]``) at the last position."""
     seq = continued(inputs, kind, gen[None, :t])
@@ -133,10 +132,11 @@ def _step(model, inputs: dict, grid_keys: dict, kind: str, gen: torch.Tensor, t:
     return exp
 
 
-def explain_one(model, tokenizer, prompt: Mapping, max_new_tokens: int, method, preset, target, contrast,
+def explain_one(explain, model, tokenizer, prompt: Mapping, max_new_tokens: int, method, preset, target, contrast,
                 batch_size: Optional[int], options: dict, as_tokens) -> ImageGenerationExplanation:
     """:func:`relprop.explain_generation` of one prompt with its image for a family of :data:`STEPWISE`
-    (module docstring): one :func:`relprop.explain` call per generated token. ``as_tokens(x, n, name)``
+    (module docstring): one call of ``explain`` (:func:`relprop.explain`, passed down by the api layer) per
+    generated token. ``as_tokens(x, n, name)``
     checks ``contrast``; ``batch_size`` (copies per call) does not apply: each call is one step."""
     check_family(model, prompt, options)  # a refused family's reason first, before its keys are read
     inputs, grid_keys, tile_grid = prompt_inputs(model, prompt)
@@ -145,7 +145,7 @@ def explain_one(model, tokenizer, prompt: Mapping, max_new_tokens: int, method, 
     gen = generated(model, inputs, max_new_tokens, target)
     g, n = gen.numel(), int(ids.shape[1])
     alt = None if contrast is None else as_tokens(contrast, g, "contrast")
-    exps = [_step(model, inputs, grid_keys, kind, gen, t, alt, method, preset, options) for t in range(g)]
+    exps = [_step(explain, model, inputs, grid_keys, kind, gen, t, alt, method, preset, options) for t in range(g)]
     matrix = torch.zeros(g, n + g - 1)
     for t, e in enumerate(exps):
         matrix[t, :n + t] = e.streams[IDS][0].detach().float()

@@ -174,7 +174,7 @@ def adapt(model: torch.nn.Module, inputs: Mapping[str, Any]):
     ------
     MethodError
         a batch of several prompts (``relprop.explain`` cuts a batch into its samples first:
-        :mod:`relprop.api.vlm_batches`), several images, a video, or rows that are not the cut of an image
+        :mod:`relprop.models.vlm_batches`), several images, a video, or rows that are not the cut of an image
         with the config's patch layout.
     """
     cfg = model.config
