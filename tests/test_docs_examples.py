@@ -1,0 +1,116 @@
+"""The examples of the user's first pages run as written: every ```python block of docs/getting-started.md and
+docs/inputs-and-targets.md, in page order in one scope (as a reader follows the page), offline. What cannot
+be had offline is stood in for, and only that: the hub loaders return tiny random models of the same kind
+(``tests/test_readme.py: offline_hub``, plus the image processor and image classifier here), the tokenizer is
+the shipped checkpoint's, and the page's images are files written here; the names a page's fragments use
+from its prose (``model``, ``tok``, ``lm``, ...) are given per page. Each block is then checked for what it
+promises (the shapes its comments state, the files it writes)."""
+import os
+import re
+import textwrap
+
+import numpy as np
+import pytest
+import timm
+import torch
+import transformers
+from PIL import Image
+
+import relprop
+from test_readme import offline_hub  # noqa: F401 - the fixture, used by the tests below
+
+REAL_CREATE = timm.create_model  # before any fixture replaces it
+DOCS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "docs")
+
+
+def blocks(page: str) -> list:
+    text = open(os.path.join(DOCS, page), encoding="utf-8").read()
+    return [textwrap.dedent(b) for b in re.findall(r"```python\n(.*?)```", text, flags=re.S)]  # list items indent
+
+
+@pytest.fixture
+def hub_images(offline_hub, monkeypatch):  # noqa: F811 - pytest's fixture by name
+    """offline_hub, and the image side of the hub: a ViT image processor and a tiny ViT classifier; a dog."""
+    def image_model(name, **kw):
+        torch.manual_seed(0)
+        cfg = transformers.ViTConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+                                     image_size=224, patch_size=16, num_labels=3,
+                                     id2label={0: "tabby cat", 1: "tiger cat", 2: "dog"})
+        return transformers.ViTForImageClassification(cfg)
+
+    # timm's stand-in with ImageNet's 1000 classes (offline_hub's has 7): the page explains class 243
+
+    def create_model(name, pretrained=False, **kw):
+        torch.manual_seed(0)
+        return REAL_CREATE("vit_tiny_patch16_224", pretrained=False, depth=kw.pop("depth", 2),
+                           num_classes=kw.pop("num_classes", 1000), **kw)
+
+    monkeypatch.setattr(timm, "create_model", create_model)
+    monkeypatch.setattr(transformers.AutoImageProcessor, "from_pretrained",
+                        lambda *a, **k: transformers.ViTImageProcessor())
+    monkeypatch.setattr(transformers.AutoModelForImageClassification, "from_pretrained", image_model)
+    Image.fromarray(np.random.default_rng(1).integers(0, 255, (200, 260, 3), dtype=np.uint8)).save("dog.jpg")
+    return offline_hub
+
+
+def run_page(page: str, scope: dict) -> dict:
+    for i, code in enumerate(blocks(page)):
+        exec(compile(code, f"docs/{page} (block {i + 1})", "exec"), scope)
+    return scope
+
+
+def test_getting_started_runs_as_written(hub_images):
+    assert len(blocks("getting-started.md")) == 5  # a new block gets its checks here
+    scope = run_page("getting-started.md", {})
+    exp = scope["exp"]  # the last block's: the demo's explanation
+    assert exp.method == "lrp" and (hub_images / "scores.json").stat().st_size > 100
+    back = relprop.Explanation.load_npz("scores.npz")
+    assert torch.equal(torch.as_tensor(back.scores), exp.scores.cpu())
+    for name in ("both.png", "cat.png", "cat_methods.png", "reviews.html", "blocks.png"):
+        assert (hub_images / name).stat().st_size > 1000, name
+    assert tuple(scope["dog"].scores.shape) == (1, 196) and int(scope["dog"].target[0]) == 243
+    assert "lifeless" in (hub_images / "reviews.html").read_text()
+
+
+def test_inputs_and_targets_runs_as_written(hub_images):
+    tok = transformers.AutoTokenizer.from_pretrained("any")
+    model = transformers.AutoModelForSequenceClassification.from_pretrained("any")
+    vit = transformers.AutoModelForImageClassification.from_pretrained("any")
+    timm_model = timm.create_model("vit_tiny_patch16_224", depth=12)
+    lm = transformers.AutoModelForCausalLM.from_pretrained("any")
+    proc = transformers.AutoImageProcessor.from_pretrained("any")
+    scope = {"relprop": relprop, "Image": Image, "model": model, "tok": tok, "vit": vit, "proc": proc,
+             "timm_model": timm_model, "hf_vit": vit, "bert": model, "lm": lm,
+             "batch": tok(["a fine film", "a dull film"], padding=True, return_tensors="pt"),
+             "pipe_or_timm_model": timm_model}
+    pages = blocks("inputs-and-targets.md")
+    assert len(pages) == 5
+    for i, code in enumerate(pages):
+        if i == 1:  # the zero-shot pipelines': an NLI classifier and a CLIP-like dual encoder with its processor
+            scope.update(nli_model=_nli(tok.vocab_size), clip=_clip(tok.vocab_size),
+                         proc=transformers.CLIPImageProcessor())
+        if i == 2:
+            scope["proc"] = proc
+        if i == 4:  # the layer= example names a timm ViT's blocks (blocks.10): its vit and x are timm's
+            scope.update(vit=timm_model, x=torch.randn(2, 3, 224, 224))
+        exec(compile(code, f"docs/inputs-and-targets.md (block {i + 1})", "exec"), scope)
+    assert scope["exp"].target_label is not None
+    assert (hub_images / "reviews.html").stat().st_size > 500 and (hub_images / "cat.png").stat().st_size > 1000
+
+
+def _nli(vocab: int):
+    torch.manual_seed(0)
+    cfg = transformers.DistilBertConfig(vocab_size=vocab, dim=32, n_layers=2, n_heads=4, hidden_dim=64, pad_token_id=0,
+                                        id2label={0: "contradiction", 1: "neutral", 2: "entailment"},
+                                        label2id={"contradiction": 0, "neutral": 1, "entailment": 2})
+    return transformers.DistilBertForSequenceClassification(cfg).eval()
+
+
+def _clip(vocab: int):
+    torch.manual_seed(0)
+    cfg = transformers.CLIPConfig(
+        text_config=dict(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, max_position_embeddings=64),
+        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                           image_size=224, patch_size=32), projection_dim=16)
+    return transformers.CLIPModel(cfg).eval()
