@@ -59,6 +59,7 @@ def run_page(page: str, scope: dict) -> dict:
     return scope
 
 
+@pytest.mark.slow  # captures eight tiny models (about 40 s)
 def test_getting_started_runs_as_written(hub_images):
     assert len(blocks("getting-started.md")) == 5  # a new block gets its checks here
     scope = run_page("getting-started.md", {})
@@ -72,6 +73,7 @@ def test_getting_started_runs_as_written(hub_images):
     assert "lifeless" in (hub_images / "reviews.html").read_text()
 
 
+@pytest.mark.slow  # captures eight tiny models (about 20 s)
 def test_inputs_and_targets_runs_as_written(hub_images):
     tok = transformers.AutoTokenizer.from_pretrained("any")
     model = transformers.AutoModelForSequenceClassification.from_pretrained("any")
