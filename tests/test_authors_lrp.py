@@ -132,7 +132,7 @@ def _vit_case(n):
     x = models.image_batch(model, batch=n, seed=4).double()
     targets = list(range(n))
     lrp, partial = relprop.explain(model, x, method=["lrp", "partial_lrp"], target=targets, eps=0.0,
-                                   fast_path=False)
+                                   fast_path=False, preset="lrp")  # the paper's plain-LRP rules
     return model, x, targets, lrp, partial
 
 
@@ -223,7 +223,7 @@ def _bert_case(lengths):
     batch = models.text_batch(lengths)
     targets = [i % 3 for i in range(len(lengths))]
     lrp, partial = relprop.explain(model, batch, method=["lrp", "partial_lrp"], target=targets, eps=0.0,
-                                   fast_path=False)
+                                   fast_path=False, preset="lrp")  # the paper's plain-LRP rules
     return model, batch, targets, lrp, partial
 
 

@@ -160,3 +160,49 @@ def test_channels_first_feature_map_is_one_sequence_not_windows():
     xx = x["pixel_values"].clone().requires_grad_(True)
     zoo.detr_query_target(model(pixel_values=xx)).sum().backward()
     torch.testing.assert_close(e.map[0], (xx.grad * xx).sum(1)[0], rtol=1e-4, atol=1e-7)
+
+
+def _zoo_pair(name):
+    import zoo
+    entry = zoo.ZOO[name]
+    torch.manual_seed(0)
+    model = entry.build().eval()
+    return entry, model, entry.inputs(model, 2, 0)
+
+
+def test_token_ids_carry_their_axes_through_views_to_the_lookup():
+    """OPT views input_ids ([B, T] → [-1, T]) before its lookup: the ids are integers (not live), yet the
+    embedding's axes are the ids' (batch, positions) and a feature axis, never a parameter's."""
+    from relprop.graph.capture import CaptureCache
+    from relprop.graph.inputs import bind_inputs
+    entry, model, inputs = _zoo_pair("opt")
+    captured = CaptureCache(disk=False, first_export="static").get(model, bind_inputs(model, inputs))
+    a = captured.analysis
+    lookup = next(n for n in captured.graph.nodes if n.target is torch.ops.aten.embedding.default)  # the tokens'
+    assert lookup.args[1].args[0].name == "input_ids"  # through a view of the ids
+    assert a.axes[lookup] == [[("batch", 2)], [("input", inputs["input_ids"].shape[1])], [("feature", 32)]]
+    assert a.batch_dim[lookup] == 0
+
+
+@pytest.mark.parametrize("name", ["opt", "mixtral"])
+def test_a_static_first_capture_explains_as_the_dynamic_one(name):
+    """A program exported at the call's sizes (CaptureCache(first_export="static")) reads the samples from
+    the axes' provenance where the sizes do not show them (OPT's [B·T, H] MLP rows; Mixtral's router rows
+    through topk): the scores equal the dynamic capture's bit for bit and the per-sample ledger closes."""
+    from relprop.graph import capture as capture_module
+    entry, model, inputs = _zoo_pair(name)
+    out = {}
+    cache = capture_module.CACHE
+    for mode in ("dynamic", "static"):
+        old, cache.first_export = cache.first_export, mode
+        cache.clear(model)  # captured again, this time in this mode
+        try:
+            out[mode] = [_explain(model, inputs, method="transformer_attribution"),
+                         _explain(model, inputs, method="lrp", fast_path=False)]
+            assert [p.exported_as for p in cache.programs(model)][0] != "dynamic sizes" or mode == "dynamic"
+        finally:
+            cache.first_export = old
+            cache.clear(model)
+    for d, s in zip(out["dynamic"], out["static"]):
+        assert torch.equal(d.scores, s.scores)
+    assert float(out["static"][1].conservation.error.max()) < 1e-5

@@ -84,7 +84,8 @@ def test_every_zoo_model_walks_without_records_like_the_whole_walk(name):
     model = entry.build().eval().double()
     inputs = tree_map(lambda t: t.double() if torch.is_tensor(t) and t.is_floating_point() else t,
                       entry.inputs(model, 2, 0))
-    kw = dict(target=entry.target, method="lrp", tuning=rows(3), **({"wrt": entry.wrt} if entry.wrt else {}))
+    kw = dict(target=entry.target, method="lrp", preset="lrp", tuning=rows(3),
+              **({"wrt": entry.wrt} if entry.wrt else {}))
     refused = [msg for methods, msg in entry.refusals if re.fullmatch(methods, "lrp")]
     if refused:
         with pytest.raises(RelpropError) as refusal:

@@ -48,6 +48,9 @@ _RESIZE = {aten.max_pool2d_with_indices.default, aten.max_pool2d.default, aten.a
            aten.upsample_bilinear2d.vec, aten.upsample_nearest2d.vec, aten.upsample_bicubic2d.vec,
            aten.max_pool3d_with_indices.default, aten.avg_pool3d.default, aten.reflection_pad2d.default,
            aten.replication_pad2d.default}
+#: tuple-valued ops that select or reorder along one dim (values, indices), -> the position of that dim's argument
+_SELECT_ALONG = {aten.topk.default: 2, aten.sort.default: 1, aten.max.dim: 1, aten.min.dim: 1,
+                 aten.kthvalue.default: 2, aten.mode.default: 1}
 #: kinds in the order an element-wise op prefers them when its operands disagree on an axis
 _RANK = {"batch": 0, "input": 1, "feature": 2, "param": 3, "?": 4, "unit": 5}
 
@@ -155,8 +158,8 @@ def _dims(d, rank) -> List[int]:
 
 def provenance(graph: torch.fx.Graph, primary: torch.fx.Node, batch_axis: Optional[int],
                live: set) -> Dict[torch.fx.Node, Axes]:
-    """Node → its axes' factors (see the module docstring), for the explained input and every live node
-    whose shape relprop can read."""
+    """Node → its axes' factors (see the module docstring), for the explained input, every value computed
+    from it and every live node whose shape relprop can read."""
     out: Dict[torch.fx.Node, Axes] = {}
     shape = _shape(primary)
     if shape is None:
@@ -172,8 +175,14 @@ def provenance(graph: torch.fx.Graph, primary: torch.fx.Node, batch_axis: Option
         s = _shape(n)
         return None if s is None else _unknown(s, "param")  # a weight, a buffer, a constant
 
+    # the values computed from the explained input, live or not: token ids are integers (not live), and the ops
+    # that rearrange them before a lookup (a view, XLNet's permute) carry their axes to the embedding
+    reach = {primary}
     for n in graph.nodes:
-        if n.op != "call_function" or (n not in live and n is not primary):
+        if n.op == "call_function" and any(m in reach for m in n.all_input_nodes):
+            reach.add(n)
+    for n in graph.nodes:
+        if n.op != "call_function" or (n not in live and n not in reach):
             continue
         shp = _shape(n)
         if shp is None:
@@ -277,6 +286,15 @@ def _rule(t, n, args, x, shp, axes_of) -> Optional[Axes]:
             return y
         if src.target in _RESIZE:
             return _resized(base, shp)
+        if src.target in _SELECT_ALONG:  # topk / sort / max over a dim: that dim keeps its kind, resized
+            d = (src.args[_SELECT_ALONG[src.target]] if len(src.args) > _SELECT_ALONG[src.target]
+                 else (-1 if src.target in (aten.topk.default, aten.sort.default) else 0)) % len(base)
+            keep = len(shp) == len(base)
+            y = [list(a) for a in base]
+            if not keep:
+                return [a for i, a in enumerate(y) if i != d]
+            y[d] = [(k, shp[d]) for k, _ in base[d][:1]] if shp[d] != 1 else [("unit", 1)]
+            return y
         if src.target is aten.unbind.int:
             d = (src.args[1] if len(src.args) > 1 else 0) % len(base)
             return [list(a) for i, a in enumerate(base) if i != d]
