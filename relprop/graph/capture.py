@@ -136,9 +136,10 @@ class CaptureCache:
         #: :attr:`attempts` at once, the default) or ``"static"`` (at the call's sizes, a half to a third of a
         #: dynamic export's time; the program for every size follows at the first call of another size). A
         #: static program's samples are read from the axes' provenance where sizes do not show them
-        #: (relprop.graph.axis_provenance: Swin's windows, heads folded into the batch). Not the default yet:
-        #: on OPT (a per-sample sum), Mixtral (AttnLRP's per-sample books) and
-        #: the sampling methods' batched re-runs a static first program still differs (the slow tests)
+        #: (relprop.graph.axis_provenance: Swin's windows, heads folded into the batch, OPT's [B·T, H] rows,
+        #: Mixtral's router rows). Not the default yet: across the zoo every method but the sampling ones gives
+        #: the dynamic capture's scores bit for bit; SmoothGrad and IG differ on XLNet, DeBERTa-v2, ModernBERT
+        #: and Funnel (their batched re-runs at a size the static program lacks)
         self.first_export = first_export
         #: how an export is decomposed: ``"nodes"`` (node by node, :mod:`relprop.graph.node_decompose`,
         #: torch's whole-program pass where it does not apply) or ``"whole"`` (always torch's pass)
