@@ -39,7 +39,6 @@ def hub_images(offline_hub, monkeypatch):  # noqa: F811 - pytest's fixture by na
         return transformers.ViTForImageClassification(cfg)
 
     # timm's stand-in with ImageNet's 1000 classes (offline_hub's has 7): the page explains class 243
-
     def create_model(name, pretrained=False, **kw):
         torch.manual_seed(0)
         return REAL_CREATE("vit_tiny_patch16_224", pretrained=False, depth=kw.pop("depth", 2),

@@ -57,7 +57,7 @@ def test_low_equals_default(name):
     # one pass per preset (chefer2021; attnlrp for lrp; lrp for partial_lrp), each one full forward pass:
     # the segments are recomputed from the values it kept, not by running the graph again
     assert engine_forward.STATS["forward"] - forwards == len({
-        get_method(m).preset or "chefer2021" for m in methods})
+        get_method(m).preset or relprop.api.DEFAULT_PRESET for m in methods})
     assert_same(before, snapshot(model))
     captured = relprop.graph.capture.CACHE.captured(model)[0]
     assert len(memory.segments(captured)) == len(captured.analysis.blocks)  # one segment per block

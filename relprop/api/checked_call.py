@@ -15,7 +15,7 @@ from . import validation
 from ..engine import Request, Tuning
 from ..errors import RelpropError
 from ..explanation import mask_from_tokenizer, split_tokenizer_keys
-from ..models import ModelAdapter, adapter_for
+from ..models import PLAIN, ModelAdapter, adapter_for
 from ..rules import Preset, get_preset
 from ..targets.target_forms import specify
 from ..targets import Target, resolve
@@ -66,7 +66,7 @@ class Call:
     encodings: Any = None
     layout: Any = None  # what the family's adapter needs back to compose the results (Adapted.layout)
     tuning: Tuning = Tuning()
-    adapter: ModelAdapter = None  # the model family's adapter (relprop.models.adapter_for)
+    adapter: ModelAdapter = PLAIN  # the model family's adapter (relprop.models.adapter_for)
 
     def request(self, preset: Preset, **fields) -> Request:
         """The engine's Request for one run under ``preset`` (``fields``: ``folds``, ``input_gradient``);

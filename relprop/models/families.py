@@ -15,10 +15,7 @@ its own family's models, so a family's adapter differs in what it matches and ho
 """
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any, Dict, Optional
-
-import torch
 
 from . import generated_image_steps, generated_image_text, qwen_images, vision_language, vlm_anyres, vlm_batches, \
     vlm_tiles
@@ -66,7 +63,7 @@ class VisionLanguageAdapter(ModelAdapter):
 
     def explain_generation(self, explain, model, tokenizer, prompt, max_new_tokens, method, preset, target, contrast,
                            batch_size, options, tokens_per_call, as_tokens):
-        if not (isinstance(prompt, Mapping) and torch.is_tensor(prompt.get(vision_language.PIXELS))):
+        if not generated_image_text.is_image_prompt(model, prompt):
             return None  # a prompt without its image: the language model's text generation
         if self.generation == "steps":
             return generated_image_steps.explain_one(explain, model, tokenizer, prompt, max_new_tokens, method, preset,

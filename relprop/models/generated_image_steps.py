@@ -45,11 +45,6 @@ _KEYS = {**{k: (IDS, _MASK, MM_TYPES, PIXELS, "image_grid_thw") for k in qwen_im
                                                              else ()) for k in vlm_anyres.ANYRES}}
 
 
-def is_stepwise(model, prompt) -> bool:
-    """True when ``prompt`` is an image prompt (a mapping with ``pixel_values``) of a family explained here."""
-    return isinstance(prompt, Mapping) and torch.is_tensor(prompt.get(PIXELS)) and model_type(model) in STEPWISE
-
-
 def _refuse_batch(model, kind: str, what: str) -> MethodError:
     return MethodError(f"{type(model).__name__} ({STEPWISE[kind]}): {what}; relprop explains this family one prompt "
                        "with its image per call, so explain_generation takes one prompt (pass a list of prompts, "
