@@ -16,7 +16,7 @@ import torch
 import torch.fx
 
 from ..errors import RelpropError
-from ..graph.aliasing import shares_memory, storage_of
+from ..graph.aliasing import KeptStorages, shares_memory, storage_of
 from ..graph.nodes import evaluate, output_leaves
 from ..rules.stabilize import promote
 from .memory import read_after_walk
@@ -96,8 +96,7 @@ class ValueStore:
         if node in self.untouchable:
             return False
         if self.kept_storages is None:  # (the storages of the values no rule may overwrite, gathered once)
-            self.kept_storages = {storage_of(self.env.get(m)) for m in self.untouchable} - {None}
-        ptr = storage_of(v)
-        if ptr is None or ptr in self.kept_storages:
+            self.kept_storages = KeptStorages(self.env.get(m) for m in self.untouchable)
+        if storage_of(v) is None or self.kept_storages.holds(v):
             return False
         return not shares_memory(v, *(self.env.get(m) for m in node.all_input_nodes))

@@ -6,7 +6,8 @@ this is the one test they use for "is this the same memory as that".
 """
 from __future__ import annotations
 
-from typing import Optional
+import weakref
+from typing import Dict, Iterable, Optional
 
 import torch
 
@@ -32,3 +33,24 @@ def storage_of(t) -> Optional[int]:
         return t.untyped_storage().data_ptr()
     except RuntimeError:
         return None
+
+
+class KeptStorages:
+    """The storages of values no rule may overwrite, gathered once, as weak references: an address
+    counts only while its storage is alive. (A value freed during the walk leaves its address to the
+    allocator; a new tensor given that address is not one of the kept values, and plain addresses
+    gathered once would take it for one, so that the answer depended on where the allocator put it.)"""
+
+    def __init__(self, values: Iterable):
+        self._refs: Dict[int, weakref.ref] = {}
+        for t in values:
+            ptr = storage_of(t)
+            if ptr is not None:
+                self._refs[ptr] = weakref.ref(t.untyped_storage())
+
+    def holds(self, t) -> bool:
+        """Whether ``t``'s storage is one of the kept values' (alive: the same memory, not its address
+        reused)."""
+        ptr = storage_of(t)
+        ref = self._refs.get(ptr) if ptr is not None else None
+        return ref is not None and ref() is not None

@@ -45,18 +45,27 @@ def weight_abs(w: torch.Tensor, cache: dict = None, key=None) -> torch.Tensor:
 
     The memo is keyed by the weight's memory (address, shape, strides, dtype, device), so all the
     captures of one model share an entry per weight, and checked against the version counter, so
-    an in-place update of the parameter is seen at once. ``key`` (the graph node) only says the
-    caller wants the memo used.
+    an in-place update of the parameter is seen at once. An entry holds the weight's storage, so no
+    other tensor can be given that address while the entry lives (a parameter the user replaced,
+    ``module.weight = Parameter(...)`` or ``p.data = ...``, would otherwise leave its address and
+    version 0 to a new tensor, and the memo would return the old |W|); the entry of the weight a graph
+    node read before is dropped when that node reads another one. ``key`` (the graph node's name)
+    says the caller wants the memo used.
     """
-    if cache is not None and key is not None:
+    node = key
+    if cache is not None and node is not None:
         key = ("abs", w.data_ptr(), tuple(w.shape), w.stride(), w.dtype, w.device)
         stamp = w._version
         hit = cache.get(key)
         if hit is not None and hit[0] == stamp:
             return hit[1]
     abs_w = promote(w).abs()  # float32 at least (float64 kept)
-    if cache is not None and key is not None:
-        cache[key] = (stamp, abs_w)
+    if cache is not None and node is not None:
+        before = cache.get(("node", node))
+        if before is not None and before != key:
+            cache.pop(before, None)  # (the node reads another weight now: the old one is not kept alive)
+        cache[key] = (stamp, abs_w, w.untyped_storage())
+        cache[("node", node)] = key
     return abs_w
 
 
