@@ -112,7 +112,7 @@ def test_specializations_are_a_bounded_lru():
     """Each program keeps its last ``specializations`` input sizes; an evicted size is specialized again
     (a graph copy and its analysis), never exported again."""
     model = models.hf_bert()
-    cache = CaptureCache(specializations=2)
+    cache = CaptureCache(specializations=2, first_export="dynamic")
     for n in (3, 4, 5, 3):
         cache.get(model, models.text_batch(lengths=(n, n)))
     assert cache.traces == 1

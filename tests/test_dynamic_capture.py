@@ -48,6 +48,8 @@ def test_dynamic_capture_explains_like_the_per_size_capture(name):
 
 
 def test_one_capture_for_every_length_and_batch_size():
+    """The first call is captured at its sizes (the fastest export); the first call of another size exports
+    the program of every size, which every later length and batch size shares."""
     model = models.hf_bert()
     relprop.clear_cache(model)
     exports, specs = CACHE.traces, CACHE.specializations
@@ -57,9 +59,10 @@ def test_one_capture_for_every_length_and_batch_size():
         for b in (1, 2, 3):
             batch = models.text_batch(lengths=tuple(range(n, n - b, -1)))
             results[n, b] = relprop.explain(model, batch, target=0)
-    assert CACHE.traces - exports == 1
-    assert CACHE.specializations - specs == len(lengths)  # one per length, every batch size shares it
-    assert len(CACHE.programs(model)) == 1
+    assert CACHE.traces - exports == 2
+    # the first call's own program, then one specialization per length of the program of every size
+    assert CACHE.specializations - specs == 1 + len(lengths)
+    assert [p.exported_as for p in CACHE.programs(model)] == [export.FIRST_CALL_SIZES[0], "dynamic sizes"]
     # the first sample of a batch explains as it does alone (batch invariance across the shared graph)
     for n in lengths:
         alone = results[n, 1].scores[0]
@@ -69,7 +72,7 @@ def test_one_capture_for_every_length_and_batch_size():
 
 def test_a_program_takes_only_inputs_that_fit_it():
     model = models.hf_bert()
-    cache = CaptureCache(disk=False)
+    cache = CaptureCache(disk=False, first_export="dynamic")
     batch = models.text_batch(lengths=(9, 7))
     cache.get(model, batch)
     (program,) = cache.programs(model)
@@ -89,7 +92,9 @@ def test_a_program_takes_only_inputs_that_fit_it():
 
 def test_a_fixed_sequence_axis_is_said_in_the_notes():
     """Exported with every axis fixed (as a model whose code needs one length would be), a text model
-    says in exp.notes that each new length is captured again; explained at another length, it is."""
+    says in exp.notes that each new length is captured again; explained at another length, it is. (The
+    first call, captured at its own sizes, claims nothing about lengths: that its code fixes them is known
+    once another length was tried.)"""
     model = models.hf_bert()
     relprop.clear_cache(model)
     CACHE.attempts = export.ATTEMPTS[1:]
@@ -101,13 +106,14 @@ def test_a_fixed_sequence_axis_is_said_in_the_notes():
     finally:
         CACHE.attempts = export.ATTEMPTS
     assert CACHE.traces - exports == 2
-    assert any("fixed BertForSequenceClassification's sequence length to 9 tokens" in n for n in first.notes)
+    assert not any("sequence length" in n for n in first.notes)
     assert not any("sequence length" in n for n in again.notes)  # the same length: cached, nothing to say
-    assert any("sequence length to 6 tokens" in n for n in other.notes)
+    assert any("fixed BertForSequenceClassification's sequence length to 6 tokens" in n for n in other.notes)
 
 
 def test_the_dynamic_capture_says_its_stages_and_nothing_about_sizes():
-    """The first call's note gives each stage's seconds; a new size of its program says nothing."""
+    """The first call's note gives each stage's seconds; the first call of another size says that the program
+    of every size was exported; a new size of that program says nothing."""
     model = models.hf_bert()
     relprop.clear_cache(model)
     exp = relprop.explain(model, models.text_batch(lengths=(9, 7)), target=0)
@@ -115,7 +121,9 @@ def test_the_dynamic_capture_says_its_stages_and_nothing_about_sizes():
     (stages,) = [n for n in exp.notes if n.startswith("first call on inputs like these")]
     for stage in ("torch.export", "decomposition node by node", "relprop's analysis of the graph", "first run"):
         assert stage in stages, stages
-    other = relprop.explain(model, models.text_batch(lengths=(5, 4)), target=0)
+    second = relprop.explain(model, models.text_batch(lengths=(5, 4)), target=0)
+    assert any("exported again, for every input size" in n for n in second.notes), second.notes
+    other = relprop.explain(model, models.text_batch(lengths=(6, 3)), target=0)
     assert not any("export" in n or "first call" in n for n in other.notes), other.notes
 
 
@@ -143,8 +151,8 @@ def test_a_static_first_capture_takes_only_its_sizes_then_exports_for_every_size
 
 
 def test_image_sizes_share_a_capture_when_the_model_takes_several():
-    """timm's dynamic_img_size=True: one export for 32x32, 48x64 and 64x64 images; each size's map has
-    its own patch grid."""
+    """timm's dynamic_img_size=True: one export for the first size (32x32) and one for every other (48x64,
+    64x64); each size's map has its own patch grid."""
     import timm
     torch.manual_seed(0)
     model = timm.create_model("vit_tiny_patch16_224", pretrained=False, num_classes=5, depth=2, img_size=64,
@@ -155,5 +163,5 @@ def test_image_sizes_share_a_capture_when_the_model_takes_several():
         exp = relprop.explain(model, torch.randn(2, 3, h, w), target=0)
         grids.append(tuple(exp.map.shape[-2:]))
         assert exp.scores.shape == (2, (h // 16) * (w // 16))
-    assert CACHE.traces - exports == 1
+    assert CACHE.traces - exports == 2
     assert grids == [(32, 32), (48, 64), (64, 64)]

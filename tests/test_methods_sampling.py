@@ -453,6 +453,35 @@ def test_reruns_reuse_the_capture(zoo):
     assert CACHE.traces == traces
 
 
+def test_sampling_reruns_pack_on_the_program_for_every_size():
+    """A first call exported at its own sizes (the default) cannot run a batch of noisy copies: SmoothGrad
+    and IG, whose packed re-runs save runs, get the program for every size (exported once, as a call at
+    another size would) and give the scores of a capture that was dynamic from the start, bit for bit; a
+    later call exports nothing, and a callable target (unpacked re-runs) exports nothing more."""
+    batch = models.text_batch(lengths=(6, 4))
+    out = {}
+    for first in ("static", "dynamic"):
+        model = models.hf_bert("eager")
+        old, CACHE.first_export = CACHE.first_export, first
+        try:
+            before = CACHE.traces
+            sg = relprop.explain(model, batch, target=1, method="smoothgrad", n_samples=6)
+            ig = relprop.explain(model, batch, target=1, method="integrated_gradients", n_steps=6)
+            made = CACHE.traces - before
+            assert [p.batch_dynamic for p in CACHE.programs(model)] == ([False, True] if first == "static"
+                                                                       else [True])
+            again = CACHE.traces
+            relprop.explain(model, batch, target=1, method="smoothgrad", n_samples=6)
+            relprop.explain(model, batch, target=lambda out: out.logits[:, 1], method="smoothgrad", n_samples=6)
+            assert CACHE.traces == again
+            out[first] = (sg.scores, ig.scores, made)
+        finally:
+            CACHE.first_export = old
+            CACHE.clear(model)
+    assert out["static"][2] == 2 and out["dynamic"][2] == 1
+    assert torch.equal(out["static"][0], out["dynamic"][0]) and torch.equal(out["static"][1], out["dynamic"][1])
+
+
 def test_option_errors(zoo):
     """Bad options are MethodErrors that say what is expected."""
     model = zoo("timm_vit_tiny")

@@ -5,7 +5,8 @@ from typing import Callable, Optional
 
 import torch
 
-from ..graph.capture import Captured
+from ..graph.capture import CACHE, Captured
+from ..graph.export import FIRST_CALL_SIZES
 from ..graph.nodes import module_paths
 from ..rules.stabilize import promote
 from ..targets import fixed
@@ -41,6 +42,21 @@ class Session:
                   for k, v in self.kwargs.items()}
         return Session(self.captured, self.model, kwargs, fixed(classes, self.captured.primary).score, None,
                        compute=self.compute)
+
+    def for_every_batch(self) -> Optional["Session"]:
+        """This batch on a program that takes every batch size: this session where its program does;
+        where the program was exported at the first call's sizes
+        (:class:`relprop.graph.capture.CaptureCache`'s ``first_export="static"``), a session on the
+        program for every size (exported now, once per model and input structure, as the first call at
+        another size would); None where the model's batch cannot be made dynamic."""
+        if self.captured.batch_dynamic:
+            return self
+        if self.captured.program.exported_as != FIRST_CALL_SIZES[0]:
+            return None
+        captured = CACHE.get(self.model, self.kwargs, self.captured.primary, every_batch=True)
+        if not captured.batch_dynamic:
+            return None
+        return Session(captured, self.model, self.kwargs, self.score_fn, self.source_value, compute=self.compute)
 
     def source_gradient(self, perturb: Optional[Callable] = None):
         """(source value, d score / d source) with the source replaced by ``perturb(source)``."""

@@ -130,16 +130,17 @@ class CaptureCache:
     """Per-model programs and their specializations, safe to use from several threads."""
 
     def __init__(self, size: int = CACHE_SIZE, specializations: int = SPECIALIZATIONS, attempts=ATTEMPTS,
-                 disk: bool = True, decompose: str = "nodes", first_export: str = "dynamic"):
+                 disk: bool = True, decompose: str = "nodes", first_export: str = "static"):
         self.size = size
-        #: how the first program of an input structure is exported: ``"dynamic"`` (the most dynamic of
-        #: :attr:`attempts` at once, the default) or ``"static"`` (at the call's sizes, a half to a third of a
-        #: dynamic export's time; the program for every size follows at the first call of another size). A
-        #: static program's samples are read from the axes' provenance where sizes do not show them
-        #: (relprop.graph.axis_provenance: Swin's windows, heads folded into the batch, OPT's [B·T, H] rows,
-        #: Mixtral's router rows). Not the default yet: across the zoo every method but the sampling ones gives
-        #: the dynamic capture's scores bit for bit; SmoothGrad and IG differ on XLNet, DeBERTa-v2, ModernBERT
-        #: and Funnel (their batched re-runs at a size the static program lacks)
+        #: how the first program of an input structure is exported: ``"static"`` (the default: at the call's
+        #: sizes, a half to a third of a dynamic export's time; the program for every size follows at the first
+        #: call of another size, or when a sampling method packs its re-runs, ``get(every_batch=True)``) or
+        #: ``"dynamic"`` (the most dynamic of :attr:`attempts` at once). A static program's samples are read from
+        #: the axes' provenance where sizes do not show them (relprop.graph.axis_provenance: Swin's windows,
+        #: heads folded into the batch, OPT's [B·T, H] rows, Mixtral's router rows); across the zoo every
+        #: method gives the dynamic capture's scores bit for bit
+        if first_export not in ("static", "dynamic"):
+            raise ValueError(f"first_export must be 'static' or 'dynamic', not {first_export!r}")
         self.first_export = first_export
         #: how an export is decomposed: ``"nodes"`` (node by node, :mod:`relprop.graph.node_decompose`,
         #: torch's whole-program pass where it does not apply) or ``"whole"`` (always torch's pass)
@@ -166,24 +167,30 @@ class CaptureCache:
         return self.traces + self.loads
 
     def get(self, model: torch.nn.Module, kwargs: Dict[str, Any], primary: Optional[str] = None,
-            events: Optional[List[CaptureEvent]] = None) -> Captured:
+            events: Optional[List[CaptureEvent]] = None, every_batch: bool = False) -> Captured:
         """The captured graph of ``model`` on inputs like ``kwargs`` explained onto ``primary``
         (default: :func:`relprop.graph.inputs.primary_input`): a cached specialization, a new one of a
         cached program, or a new program (from the disk cache or a fresh export). ``events``, when
-        given, receives a :class:`CaptureEvent` saying which."""
+        given, receives a :class:`CaptureEvent` saying which. ``every_batch``: a program that takes
+        every batch size (the sampling methods' packed re-runs, :class:`relprop.methods.gradients.Reruns`):
+        where the program of these inputs was exported at the first call's sizes, the program for every
+        size is exported now, as the first call of another size would; a model whose batch cannot be
+        made dynamic keeps its static program (the caller reads :attr:`Captured.batch_dynamic`)."""
         primary = primary if primary is not None else primary_input(kwargs)
         with self._lock:
             entries = self._by_model.setdefault(model, collections.OrderedDict())
             functions = code_identity(model)
             state = _parameter_state(model) + (("code", fingerprint(functions)),)
+            every_batch = every_batch and any(a[1] for a in self._attempts(model, kwargs))
             event = None
             for key, entry in reversed(entries.items()):
                 sizes = entry.program.match(kwargs, primary, state)
-                if sizes is not None:
+                if sizes is not None and (entry.program.batch_dynamic or not every_batch):
                     entries.move_to_end(key)
                     break
             else:
-                entry, sizes, event = self._new_program(model, kwargs, primary, state, entries, functions)
+                entry, sizes, event = self._new_program(model, kwargs, primary, state, entries, functions,
+                                                        every_batch)
             sizes = {**sizes, **data_sizes(entry.program, model, kwargs)}  # sizes the data decide (u0, ...)
             batch = entry.program.batch_symbol
             skey = tuple(sorted((k, v) for k, v in sizes.items() if k != batch))
@@ -202,12 +209,12 @@ class CaptureCache:
                 events.append(event)
             return captured
 
-    def _first_attempts(self, model, kwargs, primary, state, entries) -> tuple:
+    def _first_attempts(self, model, kwargs, primary, state, entries, every_batch: bool = False) -> tuple:
         """The attempts for a new program: a static export first when no program of these inputs'
         structure exists yet (the first call pays the cheapest capture), then :meth:`_attempts`."""
         attempts = self._attempts(model, kwargs)
-        if self.first_export != "static" or any(e.program.same_structure(kwargs, primary, state)
-                                                for e in entries.values()):
+        if self.first_export != "static" or every_batch or any(e.program.same_structure(kwargs, primary, state)
+                                                               for e in entries.values()):
             return attempts
         return (FIRST_CALL_SIZES,) + tuple(a for a in attempts if a[1] or a[2])
 
@@ -224,12 +231,13 @@ class CaptureCache:
         if failed:
             self._failed.setdefault(model, {}).setdefault(frozenset(kwargs), set()).update(failed)
 
-    def _new_program(self, model, kwargs, primary, state, entries, functions):
+    def _new_program(self, model, kwargs, primary, state, entries, functions, every_batch: bool = False):
         timings: Dict[str, float] = {}
         failed: List[str] = []
         t0 = time.perf_counter()
         weights = offloaded_weights(model)  # a model dispatched by accelerate: never on disk
-        program = disk_cache.load(model, kwargs, primary, state) if self.disk and weights is None else None
+        program = disk_cache.load(model, kwargs, primary, state, every_batch) if self.disk and weights is None \
+            else None
         if weights is not None:
             with progress_line.step(f"capturing {type(model).__name__} with torch.export (once per model)"):
                 program = export_offloaded(model, weights, kwargs, primary, state, timings,
@@ -245,7 +253,8 @@ class CaptureCache:
             with progress_line.step(f"capturing {type(model).__name__} (once per model and input structure; later "
                                     "calls reuse it)"):
                 program = export_program(model, kwargs, primary, state, timings,
-                                         self._first_attempts(model, kwargs, primary, state, entries), failed,
+                                         self._first_attempts(model, kwargs, primary, state, entries, every_batch),
+                                         failed,
                                          self.decompose)
             self._remember_failed(model, kwargs, failed)
             self.traces += 1

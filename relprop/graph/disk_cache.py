@@ -227,8 +227,10 @@ def _folder(root: str, key: dict) -> str:
     return os.path.join(root, _SUBDIR, _digest(key))
 
 
-def load(model: torch.nn.Module, kwargs: Dict[str, Any], primary: str, state: tuple) -> Optional[Program]:
-    """A program of the disk cache that takes ``kwargs`` (None: the cache is off, or has none)."""
+def load(model: torch.nn.Module, kwargs: Dict[str, Any], primary: str, state: tuple,
+         every_batch: bool = False) -> Optional[Program]:
+    """A program of the disk cache that takes ``kwargs`` (None: the cache is off, or has none);
+    ``every_batch``: only a program that takes every batch size."""
     root = directory()
     if root is None:
         return None
@@ -252,7 +254,7 @@ def load(model: torch.nn.Module, kwargs: Dict[str, Any], primary: str, state: tu
         except Exception:  # noqa: BLE001 - any unreadable file is rebuilt, never trusted
             _remove(path)
             continue
-        if program.match(kwargs, primary, state) is not None:
+        if program.match(kwargs, primary, state) is not None and (program.batch_dynamic or not every_batch):
             return program
     return None
 

@@ -96,12 +96,14 @@ class Reruns:
     explained batch (whose input a method then perturbs: noise, a path point, a mask).
 
     When the target is a class index (or one per sample) and the capture takes any batch size
-    (``torch.export`` with a dynamic batch dimension, the usual case), rows of several samples and
-    copies are packed ``batch_size`` to a run and scored with ``logits[row, target[rows[r]]]``.
-    A callable target is defined on the explained batch only (``target(outputs) -> [batch]``), and a
-    static capture takes only that batch size: then every run carries the explained batch itself,
-    one copy of each sample, and ``batch_size`` has no effect. Either way a row only sees its own
-    sample, so results do not depend on how samples are batched (up to float rounding).
+    (``torch.export`` with a dynamic batch dimension), rows of several samples and copies are packed
+    ``batch_size`` to a run and scored with ``logits[row, target[rows[r]]]``; a program exported at the
+    first call's sizes is replaced by the program for every size for that, where packing saves runs
+    (:meth:`relprop.engine.session.Session.for_every_batch`). A callable target is defined on the
+    explained batch only (``target(outputs) -> [batch]``), and a model whose batch cannot be made
+    dynamic takes only that batch size: then every run carries the explained batch itself, one copy of
+    each sample, and ``batch_size`` has no effect. Either way a row only sees its own sample, so results
+    do not depend on how samples are batched (up to float rounding).
     """
 
     def __init__(self, trace, batch_size: int):
@@ -120,6 +122,11 @@ class Reruns:
         is made on the host from the counts: nothing of it is read back from a device."""
         counts = [int(c) for c in counts]
         runs = []
+        if not self.packed and self.target is not None \
+                and -(-sum(counts) // self.batch_size) < max(counts, default=0):  # packing saves runs
+            generic = self.session.for_every_batch()
+            if generic is not None:
+                self.session, self.packed = generic, True
         if self.packed:
             pairs = [(i, c) for i in range(self.batch) for c in range(counts[i])]
             for start in range(0, len(pairs), self.batch_size):
