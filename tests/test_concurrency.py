@@ -86,9 +86,10 @@ def test_threads_explaining_the_same_model():
 
 def test_capture_cache_is_a_bounded_lru():
     """A cache of 2 programs per model keeps the two most recently used input structures (here: texts
-    without a mask, with one, and with token types); every length of a structure shares its program."""
+    without a mask, with one, and with token types); every length of a structure shares its program (the
+    programs are exported for every size at once here, so that each structure holds one)."""
     model = models.hf_bert()
-    cache = CaptureCache(size=2)
+    cache = CaptureCache(size=2, first_export="dynamic")
     batch = models.text_batch(lengths=(5, 3))
     inputs = {"ids": {"input_ids": batch["input_ids"]},
               "mask": {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]},

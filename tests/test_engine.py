@@ -182,13 +182,18 @@ def test_user_registered_rule_is_used():
 
 
 def test_capture_is_cached_and_batch_dynamic(zoo):
-    """A second call with the same shapes does not trace; other batch sizes reuse the capture."""
+    """A second call with the same shapes does not trace; the first call of another batch size exports the
+    program for every size once (unless an earlier call did), and every batch size after it reuses it."""
     model = zoo("timm_deit_small")
     relprop.explain(model, models.image_batch(model, batch=2), target=0)
     traces = CACHE.traces
     relprop.explain(model, models.image_batch(model, batch=2, seed=5), target=1)
+    assert CACHE.traces == traces
     relprop.explain(model, models.image_batch(model, batch=3), target=1)
+    assert CACHE.traces <= traces + 1 and any(p.batch_dynamic for p in CACHE.programs(model))
+    traces = CACHE.traces
     relprop.explain(model, models.image_batch(model, batch=1), target=1)
+    relprop.explain(model, models.image_batch(model, batch=4), target=1)
     assert CACHE.traces == traces
 
 

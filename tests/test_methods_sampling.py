@@ -442,7 +442,9 @@ def test_batch_invariance_text_padded(zoo, name):
 
 
 def test_reruns_reuse_the_capture(zoo):
-    """Re-runs (noisy copies, path points, masks, zeroed values) never export the model again."""
+    """Re-runs (noisy copies, path points, masks, zeroed values) export the model at most once more (the
+    program for every size, where a first call's program took its sizes only and packing saves runs), and
+    never again."""
     model = zoo("hf_vit")
     x = models.image_batch(model, batch=2)
     relprop.explain(model, x, target=0, method="input_x_gradient")
@@ -450,6 +452,10 @@ def test_reruns_reuse_the_capture(zoo):
     for name, opts in SAMPLING.items():
         e = relprop.explain(model, x, target=0, method=name, **opts)
         assert torch.isfinite(e.scores).all() and e.map.shape == (2, 32, 32)
+    assert CACHE.traces <= traces + 1
+    traces = CACHE.traces
+    for name, opts in SAMPLING.items():
+        relprop.explain(model, x, target=1, method=name, **opts)
     assert CACHE.traces == traces
 
 

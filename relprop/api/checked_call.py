@@ -77,10 +77,11 @@ class Call:
 
 def check_call(model, inputs, target, jobs: Tuple[Job, ...], many: bool, preset: Optional[Preset], *, tokenizer,
                special_tokens_mask, wrt, eps, unsupported, memory, fast_path, keep_blocks, precision,
-               records_budget, image_processor=None, given_target=None, tuning=None) -> Call:
+               records_budget, image_processor=None, given_target=None, tuning=None, adapter=None) -> Call:
     """The :class:`Call` of ``explain`` and ``explain_settings``: the engine options and
     the special-tokens mask checked, the inputs prepared (:func:`prepare`) and the target resolved
-    (the methods and their presets are checked already: ``jobs``)."""
+    (the methods and their presets are checked already: ``jobs``). ``adapter``: the model's family adapter
+    where the caller has looked it up (:func:`relprop.models.adapter_for`)."""
     opt.check_arguments(eps=eps, unsupported=unsupported, memory=memory, fast_path=fast_path,
                         keep_blocks=keep_blocks, precision=precision, records_budget=records_budget, tuning=tuning)
     encodings = getattr(inputs, "encodings", None)  # a fast tokenizer's output knows its token strings
@@ -88,7 +89,7 @@ def check_call(model, inputs, target, jobs: Tuple[Job, ...], many: bool, preset:
     mask_source = "special_tokens_mask=" if special_tokens_mask is not None else "the batch's special_tokens_mask"
     special_tokens_mask = opt.check_special_tokens_mask(special_tokens_mask if special_tokens_mask is not None
                                                         else batch_mask)
-    adapter = adapter_for(model)
+    adapter = adapter if adapter is not None else adapter_for(model)
     adapted = adapter.prepare(model, inputs, [j.info for j in jobs], wrt)  # the family's inputs as captured
     model, inputs, wrt = adapted.model, adapted.inputs, adapted.wrt
     prepared = prepare(model, inputs, wrt)

@@ -184,7 +184,7 @@ def _explain(model, inputs, target, method, preset, *, eps, unsupported, special
                       special_tokens_mask=special_tokens_mask, wrt=wrt, eps=eps, unsupported=unsupported,
                       memory=memory, fast_path=fast_path, keep_blocks=keep_blocks, precision=precision,
                       records_budget=records_budget, image_processor=image_processor, given_target=given_target,
-                      tuning=tuning)
+                      tuning=tuning, adapter=adapter)
     with reported(call.model, call.jobs):
         return run_methods(call)
 
