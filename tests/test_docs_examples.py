@@ -5,9 +5,11 @@ be had offline is stood in for, and only that: the hub loaders return tiny rando
 the shipped checkpoint's, and the page's images are files written here; the names a page's fragments use
 from its prose (``model``, ``tok``, ``lm``, ...) are given per page. Each block is then checked for what it
 promises (the shapes its comments state, the files it writes)."""
+import copy
 import os
 import re
 import textwrap
+import types
 
 import numpy as np
 import pytest
@@ -115,3 +117,80 @@ def _clip(vocab: int):
         vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                            image_size=224, patch_size=32), projection_dim=16)
     return transformers.CLIPModel(cfg).eval()
+
+
+@pytest.mark.slow  # captures five tiny models (about 30 s)
+def test_presets_evaluation_and_models_pages_run_as_written(hub_images):
+    """docs/presets.md, docs/evaluation.md, docs/activation-maximization.md and the blocks of docs/models.md
+    whose models can be stood in for offline (Swin, CLIP, GPT-2, coverage) run as written, with the names
+    their prose gives; models.md's vision-language blocks (3-5) need the processors of real VLM checkpoints
+    and are run against tiny VLMs in tests/test_vlm*.py instead."""
+    tok = transformers.AutoTokenizer.from_pretrained("any")
+    bert = transformers.AutoModelForSequenceClassification.from_pretrained("any").eval()
+    batch = tok(["a fine film", "a dull film"], padding=True, return_tensors="pt")
+    scope = {"relprop": relprop, "torch": torch, "model": bert, "inputs": batch}
+    run_page("presets.md", scope)
+    assert scope["exp"].preset == "attnlrp" and scope["exp"].scores.shape[0] == 2
+
+    vit = timm.create_model("vit_tiny_patch16_224").eval()  # the page's ImageNet classifier
+    g = torch.Generator().manual_seed(0)
+    scope = {"relprop": relprop, "model": vit, "images": torch.randn(2, 3, 224, 224, generator=g), "t": [243, 1],
+             "masks": torch.rand(2, 224, 224, generator=g) > 0.5, "bert": bert, "batch": dict(batch),
+             "rationale": batch["attention_mask"].bool() & (torch.arange(batch["input_ids"].shape[1]) == 2)}
+    run_page("evaluation.md", scope)
+    assert scope["exp"].map.shape == (2, 224, 224) and scope["words"].scores.shape == batch["input_ids"].shape
+
+    scope = {"relprop": relprop, "model": vit}
+    code = blocks("activation-maximization.md")[0].replace("steps=200", "steps=3")  # (the page's 200, shortened)
+    exec(compile(code, "docs/activation-maximization.md (block 1)", "exec"), scope)
+    assert len(scope["vis"].values) == 3 + 1 and (hub_images / "class_207.png").stat().st_size > 1000
+
+    page = blocks("models.md")
+    assert len(page) == 7  # a new block gets its checks here
+
+    def swin_create(name, pretrained=False, **kw):  # the page's Swin-T, tiny and random
+        torch.manual_seed(0)
+        return REAL_CREATE("swin_tiny_patch4_window7_224", pretrained=False, depths=(1, 1, 1, 1), embed_dim=24,
+                           num_heads=(1, 1, 2, 2), num_classes=1000)
+
+    clip = _clip(tok.vocab_size)
+    image_proc = transformers.CLIPImageProcessor()
+
+    def processor(text=None, images=None, **kw):  # CLIPProcessor's call: the tokenizer and the image processor
+        return {**tok(text, **kw), **image_proc(images=images, return_tensors="pt")}
+
+    llama_cfg = transformers.LlamaConfig(vocab_size=tok.vocab_size, hidden_size=32, intermediate_size=64,
+                                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                         max_position_embeddings=64)
+    torch.manual_seed(0)
+    scope = {"relprop": relprop, "timm": types.SimpleNamespace(create_model=swin_create),
+             "images": torch.randn(2, 3, 224, 224, generator=g), "clip": clip, "processor": processor,
+             "AutoTokenizer": types.SimpleNamespace(from_pretrained=lambda *a, **k: _gpt2_like(tok)),
+             "AutoModelForCausalLM": transformers.AutoModelForCausalLM,
+             "gpt2_classifier": _gpt2_classifier(tok.vocab_size),
+             "llama": transformers.LlamaForCausalLM(llama_cfg).eval(), "batch": dict(batch)}
+    exec(compile(page[0], "docs/models.md (block 1)", "exec"), scope)
+    assert tuple(scope["exp"].scores.shape) == (2, 56 * 56)  # as the comment says
+    scope["images"] = [Image.open("cat.jpg"), Image.open("dog.jpg")]
+    exec(compile(page[1], "docs/models.md (block 2)", "exec"), scope)
+    assert scope["img"].map.shape[0] == 2 and scope["txt"].scores.shape[0] == 2 and scope["pair"].map.shape[0] == 2
+    exec(compile(page[5], "docs/models.md (block 6)", "exec"), scope)
+    assert scope["exp"].scores.shape[0] == 2
+    scope["batch"] = dict(batch)
+    exec(compile(page[6], "docs/models.md (block 7)", "exec"), scope)
+    assert scope["report"].complete in (True, False) and isinstance(scope["report"].missing, list)
+
+
+def _gpt2_like(tok):
+    """The shipped tokenizer as the page's GPT-2 one: a copy (the page sets its pad token) with an end-of-text
+    token, which GPT-2's tokenizer has and a BERT tokenizer lacks."""
+    other = copy.deepcopy(tok)
+    other.eos_token = other.sep_token
+    return other
+
+
+def _gpt2_classifier(vocab: int):
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(vocab_size=vocab, n_positions=64, n_embd=32, n_layer=2, n_head=4, n_inner=64,
+                                  num_labels=2, pad_token_id=0)
+    return transformers.GPT2ForSequenceClassification(cfg).eval()
