@@ -474,6 +474,8 @@ def test_sampling_reruns_pack_on_the_program_for_every_size():
             sg = relprop.explain(model, batch, target=1, method="smoothgrad", n_samples=6)
             ig = relprop.explain(model, batch, target=1, method="integrated_gradients", n_steps=6)
             made = CACHE.traces - before
+            said = [n for n in sg.notes + ig.notes if "so that smoothgrad packs its re-runs" in n]
+            assert len(said) == (1 if first == "static" else 0), sg.notes + ig.notes
             assert [p.batch_dynamic for p in CACHE.programs(model)] == ([False, True] if first == "static"
                                                                        else [True])
             again = CACHE.traces

@@ -15,7 +15,7 @@ from ..engine.schedule import fold_choice
 from ..errors import MethodError
 from ..graph import progress_line
 from ..explanation import build
-from ..graph.capture_notes import capture_notes
+from ..graph.capture_notes import capture_notes, rerun_note
 from ..methods import apply, fold_maps
 from ..rules import Preset
 from .checked_call import Call
@@ -56,6 +56,9 @@ def run_methods(call: Call):
             except MethodError as e:  # a refusal names only the methods that run on this model
                 raise refusals.with_applicable(e, refusals.applicable(job.info.name, trace, call.preset,
                                                                       model_name, key), model_name) from None
+            exports = getattr(trace.session, "exports", None) or []
+            results[-1].notes.extend(rerun_note(e, model_name, job.info.name) for e in exports)
+            del exports[:]  # (said once, by the method whose re-runs needed it)
             if note is not None:
                 results[-1].notes.append(note)
     validation.check_result(results)

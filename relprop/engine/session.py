@@ -28,6 +28,8 @@ class Session:
         self.score_fn = score_fn
         self.source_value = source_value  # pixels [B,C,H,W] or word embeddings [B,S,C]
         self._scopes = {}
+        #: what :meth:`for_every_batch` had to capture (CaptureEvents; the call's notes say it)
+        self.exports: list = []
 
     @property
     def modality(self):
@@ -53,10 +55,14 @@ class Session:
             return self
         if self.captured.program.exported_as != FIRST_CALL_SIZES[0]:
             return None
-        captured = CACHE.get(self.model, self.kwargs, self.captured.primary, every_batch=True)
+        events: list = []
+        captured = CACHE.get(self.model, self.kwargs, self.captured.primary, events, every_batch=True)
+        self.exports.extend(e for e in events if e.kind in ("exported", "loaded"))
         if not captured.batch_dynamic:
             return None
-        return Session(captured, self.model, self.kwargs, self.score_fn, self.source_value, compute=self.compute)
+        generic = Session(captured, self.model, self.kwargs, self.score_fn, self.source_value, compute=self.compute)
+        generic.exports = self.exports
+        return generic
 
     def source_gradient(self, perturb: Optional[Callable] = None):
         """(source value, d score / d source) with the source replaced by ``perturb(source)``."""

@@ -71,3 +71,13 @@ def _axis(d: Any, program: Program) -> str:
     if isinstance(d, int):
         return str(d)
     return "batch" if getattr(d, "name", None) == program.batch_symbol else "any"
+
+
+def rerun_note(event: CaptureEvent, model_name: str, method: str) -> str:
+    """The note of a call whose sampling method had the program for every batch size captured for its packed
+    re-runs (:meth:`relprop.engine.session.Session.for_every_batch`)."""
+    took = sum(v for k, v in event.seconds.items() if k != "store")
+    how = "read from the disk cache" if event.kind == "loaded" else "exported again"
+    return (f"{model_name} was {how}, for every batch size ({took:.1f} s), so that {method} packs its re-runs "
+            "into batches: the first call's graph was made for that call's sizes only (the fastest capture); "
+            "later calls of any size reuse this one")
