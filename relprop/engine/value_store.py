@@ -97,6 +97,7 @@ class ValueStore:
             return False
         if self.kept_storages is None:  # (the storages of the values no rule may overwrite, gathered once)
             self.kept_storages = KeptStorages(self.env.get(m) for m in self.untouchable)
-        if storage_of(v) is None or self.kept_storages.holds(v):
+        ptr = storage_of(v)
+        if ptr is None or self.kept_storages.holds_address(ptr):
             return False
         return not shares_memory(v, *(self.env.get(m) for m in node.all_input_nodes))

@@ -51,6 +51,9 @@ class KeptStorages:
     def holds(self, t) -> bool:
         """Whether ``t``'s storage is one of the kept values' (alive: the same memory, not its address
         reused)."""
-        ptr = storage_of(t)
+        return self.holds_address(storage_of(t))
+
+    def holds_address(self, ptr: Optional[int]) -> bool:
+        """:meth:`holds` for a storage address (:func:`storage_of`) the caller has read already."""
         ref = self._refs.get(ptr) if ptr is not None else None
         return ref is not None and ref() is not None

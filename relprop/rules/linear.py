@@ -39,7 +39,7 @@ from .stabilize import on_relevant_rows, promote, safe_divide, safe_divide_nonne
 aten = torch.ops.aten
 
 
-def weight_abs(w: torch.Tensor, cache: dict = None, key=None) -> torch.Tensor:
+def weight_abs(w: torch.Tensor, cache: dict = None, node=None) -> torch.Tensor:
     """``|W|`` for ``w`` of shape [..., out, in], in the relevance's precision (float32 at least),
     memoized in ``cache``.
 
@@ -49,23 +49,21 @@ def weight_abs(w: torch.Tensor, cache: dict = None, key=None) -> torch.Tensor:
     other tensor can be given that address while the entry lives (a parameter the user replaced,
     ``module.weight = Parameter(...)`` or ``p.data = ...``, would otherwise leave its address and
     version 0 to a new tensor, and the memo would return the old |W|); the entry of the weight a graph
-    node read before is dropped when that node reads another one. ``key`` (the graph node's name)
+    node read before is dropped when that node reads another one. ``node`` (the graph node's name)
     says the caller wants the memo used.
     """
-    node = key
-    if cache is not None and node is not None:
-        key = ("abs", w.data_ptr(), tuple(w.shape), w.stride(), w.dtype, w.device)
-        stamp = w._version
-        hit = cache.get(key)
-        if hit is not None and hit[0] == stamp:
-            return hit[1]
-    abs_w = promote(w).abs()  # float32 at least (float64 kept)
-    if cache is not None and node is not None:
-        before = cache.get(("node", node))
-        if before is not None and before != key:
-            cache.pop(before, None)  # (the node reads another weight now: the old one is not kept alive)
-        cache[key] = (stamp, abs_w, w.untyped_storage())
-        cache[("node", node)] = key
+    if cache is None or node is None:
+        return promote(w).abs()  # float32 at least (float64 kept)
+    key = ("abs", w.data_ptr(), tuple(w.shape), w.stride(), w.dtype, w.device)
+    before = cache.get(("node", node))
+    if before is not None and before != key:
+        cache.pop(before, None)  # (the node reads another weight now: the old one is not kept alive)
+    cache[("node", node)] = key
+    hit = cache.get(key)
+    if hit is not None and hit[0] == w._version:
+        return hit[1]
+    abs_w = promote(w).abs()
+    cache[key] = (w._version, abs_w, w.untyped_storage())
     return abs_w
 
 
