@@ -44,17 +44,33 @@ LAYERS = {"mha": lambda: torch.nn.MultiheadAttention(16, 2),
 
 @pytest.mark.parametrize("name", list(LAYERS))
 @pytest.mark.parametrize("preset", ["attnlrp", "cp_lrp"])
-def test_sequence_major_rows_are_booked_to_their_samples(name, preset):
+@pytest.mark.parametrize("batch,tokens", [(3, 5), (4, 4)])
+def test_sequence_major_rows_are_booked_to_their_samples(name, preset, batch, tokens):
+    # (4, 4): [tokens, batch, features] with as many tokens as samples, where sizes cannot tell the axes apart
     model = SequenceMajor(LAYERS[name]()).eval().double()
-    x = torch.randn(3, 5, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    x = torch.randn(batch, tokens, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
     e = _explain(model, x, method="lrp", preset=preset, fast_path=False)
     assert float(e.conservation.error.max()) < 1e-12
     assert any(float(v.abs().max()) > 1e-3 for k, v in e.conservation.absorbed_by.items() if "bias" in k)
-    for i in range(3):
+    for i in range(batch):
         one = _explain(model, x[i:i + 1], method="lrp", preset=preset, fast_path=False)
         torch.testing.assert_close(one.scores[0], e.scores[i])
         for label, v in one.conservation.absorbed_by.items():  # each sample's books, alone and in the batch
             torch.testing.assert_close(v[0], e.conservation.absorbed_by[label][i], atol=1e-12, rtol=1e-9)
+
+
+def test_batch_axis_of_a_static_capture_is_read_from_provenance_not_sizes():
+    # a graph captured for 4 samples of 4 tokens: the transposed [tokens, batch, features] has its samples on
+    # axis 1 although axis 0 has the batch's size, and MHA's [tokens·batch, features] rows are no batch-major fold
+    model = SequenceMajor(LAYERS["mha"]()).eval()
+    c = capture(model, {"x": torch.randn(4, 4, 16)}, "x")
+    a = c.analysis
+    transposed = [n for n in c.graph.nodes if n.target in (torch.ops.aten.transpose.int, torch.ops.aten.permute.default)
+                  and n.args[0].op == "placeholder" and n in a.live]
+    assert transposed and all(a.batch_dim[n] == 1 for n in transposed)
+    rows = [n for n in c.graph.nodes if n.target is torch.ops.aten.linear.default and n in a.live
+            and batch_layout(a.axes[n.args[0]]) == (0, 4, 1)]
+    assert rows and all(n.args[0] in a.interleaved for n in rows)
 
 
 def test_provenance_reads_interleaved_rows():

@@ -321,6 +321,12 @@ def batch_layout(axes: Optional[Axes]) -> Optional[Tuple[int, int, int]]:
     return i, _prod(a[:j]), _prod(a[j + 1:])
 
 
+def fully_known(axes: Optional[Axes]) -> bool:
+    """Whether every factor of ``axes`` was followed (no ``"?"``): then a value without a ``"batch"`` factor
+    has no samples' axis, whatever its sizes."""
+    return axes is not None and all(k != "?" for a in axes for k, _ in a)
+
+
 #: ops through which the explained input's axes are followed to the first weight that reads it
 _FOLLOWED = _SAME | {aten.permute.default, aten.transpose.int, aten.mul.Tensor, aten.add.Tensor, aten.sub.Tensor,
                      aten.div.Tensor, aten.mul.Scalar, aten.div.Scalar, aten.add.Scalar, aten.sub.Scalar}
