@@ -73,6 +73,20 @@ def test_batch_axis_of_a_static_capture_is_read_from_provenance_not_sizes():
     assert rows and all(n.args[0] in a.interleaved for n in rows)
 
 
+def test_values_of_a_second_stream_carry_the_samples_of_their_own_input():
+    # an encoder-decoder captured for 2 samples: the decoder's values are computed from decoder_input_ids, not
+    # from the explained ids; their samples are that input's batch (a live value with no batch factor would be
+    # booked to no sample, and the per-sample ledger refuses it)
+    import two_stream_models as M
+    c = capture(M.bart(), {**M.inputs_for("bart"), "use_cache": False}, "input_ids")
+    a = c.analysis
+    decoder = [n for n in a.live if n in a.relevant and n not in a.streams.get("input_ids", [])
+               and isinstance(n.meta.get("val"), torch.Tensor) and n.meta["val"].dim() == 3]
+    assert len(a.streams) == 2 and decoder
+    assert all(batch_layout(a.axes[n]) is not None for n in decoder)
+    assert all(a.batch_dim[n] == 0 for n in decoder)
+
+
 def test_provenance_reads_interleaved_rows():
     model = SequenceMajor(LAYERS["mha"]()).eval()
     c = capture(model, {"x": torch.randn(2, 5, 16)}, "x")

@@ -220,7 +220,9 @@ def _analyze(graph, bindings, primary_name, static_batch, batch_axes, extra) -> 
             ok = isinstance(v, torch.Tensor) and v.dim() > 0 and static_batch is not None and v.shape[0] == static_batch
             batch_dim[n] = 0 if ok else None
 
-    axes = provenance(graph, primary, batch_dim.get(primary), live)
+    other_inputs = {n: batch_dim[n] for n, (kind, _) in placeholders.items()
+                    if kind == "user" and n is not primary and batch_dim.get(n) is not None}
+    axes = provenance(graph, primary, batch_dim.get(primary), live, other_inputs)
     layouts = {n: lay for n in live if (lay := batch_layout(axes.get(n))) is not None}
     if batch_axes is None and static_batch is not None:
         # a graph captured at one batch size: the samples' axis of a live value is where its provenance puts
