@@ -204,6 +204,14 @@ def hf_gpt2_lm(attn="sdpa"):
     return transformers.GPT2LMHeadModel(_gpt2_cfg(attn)).eval()
 
 
+#: how closely two schedules (whole cores, cores in chunks of rows or keys, segments) of one float64 copy of
+#: :func:`hf_llama` can agree, relative to the largest value: LLaMA computes its RMSNorm and its eager softmax
+#: (and so that softmax's backward) in float32 whatever the model's dtype, and float32 kernels round by the
+#: tensor's shape on some CPUs (AVX2: 1e-8 to 3e-7 between 1-row chunks and whole cores, against 4e-17 with
+#: ATEN_CPU_CAPABILITY=default); the other tiny models compute in float64 throughout and agree to 1e-9
+LLAMA_FLOAT64_AGREEMENT = 1e-6
+
+
 def hf_llama(attn="sdpa"):
     """LLaMA-style: RMSNorm, rotary embeddings, gated SiLU MLP, grouped-query attention, no biases."""
     torch.manual_seed(0)

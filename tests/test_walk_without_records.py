@@ -47,10 +47,13 @@ def test_over_budget_walks_segments_without_records_and_the_same_relevance(name,
     assert note.startswith("the rule-by-rule walk would hold") and "segment by segment" in note
     assert len(whole.blocks) > 0 and list(auto.blocks) == [] and list(low.blocks) == []  # as on the fast path
     assert torch.equal(auto.input_relevance, low.input_relevance)  # the segmented walk, nothing else
-    assert relative(auto.input_relevance, whole.input_relevance) <= 1e-10
+    # (LLaMA's norms and softmax stay float32 in a float64 copy: the chunked cores round them differently)
+    llama = name == "hf_llama_eager"
+    tol = models.LLAMA_FLOAT64_AGREEMENT if llama else 1e-10
+    assert relative(auto.input_relevance, whole.input_relevance) <= tol
     assert torch.equal(auto.scores, low.scores)
-    assert relative(auto.scores, whole.scores) <= 1e-10
-    assert relative(auto.target_scores, whole.target_scores) <= 1e-12  # (the chunked cores: rounding)
+    assert relative(auto.scores, whole.scores) <= tol
+    assert relative(auto.target_scores, whole.target_scores) <= (tol if llama else 1e-12)  # (chunked cores: rounding)
     assert_same(before, snapshot(model))
 
 
