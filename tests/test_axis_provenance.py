@@ -87,6 +87,19 @@ def test_values_of_a_second_stream_carry_the_samples_of_their_own_input():
     assert all(a.batch_dim[n] == 0 for n in decoder)
 
 
+def test_a_batch_of_one_in_a_broadcast_mask_does_not_become_a_second_samples_axis():
+    # one sample of one token: the attention mask [1, 1] carries the samples (its axis 0) and broadcasts against
+    # [1, 1, features] values aligned from the right, where its axis 0 lines up with the tokens' axis
+    import models
+    ids = torch.tensor([[5]])
+    inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+    model = models.hf_bert()
+    a = capture(model, inputs, "input_ids").analysis
+    assert all(sum(k == "batch" for ax in a.axes[n] for k, _ in ax) == 1 for n in a.live if n in a.axes)
+    exp = relprop.explain(model, inputs, target=0, method="transformer_attribution")
+    assert exp.scores.shape == (1, 1) and torch.isfinite(exp.scores).all()
+
+
 def test_provenance_reads_interleaved_rows():
     model = SequenceMajor(LAYERS["mha"]()).eval()
     c = capture(model, {"x": torch.randn(2, 5, 16)}, "x")

@@ -133,8 +133,8 @@ def _join(parts: List[Optional[Axes]], out: Sequence[int]) -> Axes:
             if k < 0:
                 continue
             a = p[k]
-            if _prod(a) == 1 and size != 1:
-                continue  # a broadcast axis of size 1
+            if _prod(a) == 1 and (size != 1 or (len(p) < rank and any(kd == "batch" for kd, _ in a))):
+                continue  # a broadcast axis of size 1 (a batch of one in an operand of lower rank lines up by chance)
             if _prod(a) != size:
                 continue
             score = min(_RANK[kd] for kd, _ in a)
@@ -329,9 +329,10 @@ def batch_layout(axes: Optional[Axes]) -> Optional[Tuple[int, int, int]]:
 
 
 def fully_known(axes: Optional[Axes]) -> bool:
-    """Whether every factor of ``axes`` was followed (no ``"?"``): then a value without a ``"batch"`` factor
-    has no samples' axis, whatever its sizes."""
-    return axes is not None and all(k != "?" for a in axes for k, _ in a)
+    """Whether every factor of ``axes`` was followed (no ``"?"``, the batch in one axis at most): then a value
+    without a ``"batch"`` factor has no samples' axis, whatever its sizes."""
+    return axes is not None and all(k != "?" for a in axes for k, _ in a) \
+        and sum(k == "batch" for a in axes for k, _ in a) <= 1  # (the batch in two axes: not followed either)
 
 
 #: ops through which the explained input's axes are followed to the first weight that reads it
