@@ -44,17 +44,60 @@ LAYERS = {"mha": lambda: torch.nn.MultiheadAttention(16, 2),
 
 @pytest.mark.parametrize("name", list(LAYERS))
 @pytest.mark.parametrize("preset", ["attnlrp", "cp_lrp"])
-def test_sequence_major_rows_are_booked_to_their_samples(name, preset):
+@pytest.mark.parametrize("batch,tokens", [(3, 5), (4, 4)])
+def test_sequence_major_rows_are_booked_to_their_samples(name, preset, batch, tokens):
+    # (4, 4): [tokens, batch, features] with as many tokens as samples, where sizes cannot tell the axes apart
     model = SequenceMajor(LAYERS[name]()).eval().double()
-    x = torch.randn(3, 5, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    x = torch.randn(batch, tokens, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
     e = _explain(model, x, method="lrp", preset=preset, fast_path=False)
     assert float(e.conservation.error.max()) < 1e-12
     assert any(float(v.abs().max()) > 1e-3 for k, v in e.conservation.absorbed_by.items() if "bias" in k)
-    for i in range(3):
+    for i in range(batch):
         one = _explain(model, x[i:i + 1], method="lrp", preset=preset, fast_path=False)
         torch.testing.assert_close(one.scores[0], e.scores[i])
         for label, v in one.conservation.absorbed_by.items():  # each sample's books, alone and in the batch
             torch.testing.assert_close(v[0], e.conservation.absorbed_by[label][i], atol=1e-12, rtol=1e-9)
+
+
+def test_batch_axis_of_a_static_capture_is_read_from_provenance_not_sizes():
+    # a graph captured for 4 samples of 4 tokens: the transposed [tokens, batch, features] has its samples on
+    # axis 1 although axis 0 has the batch's size, and MHA's [tokens·batch, features] rows are no batch-major fold
+    model = SequenceMajor(LAYERS["mha"]()).eval()
+    c = capture(model, {"x": torch.randn(4, 4, 16)}, "x")
+    a = c.analysis
+    transposed = [n for n in c.graph.nodes if n.target in (torch.ops.aten.transpose.int, torch.ops.aten.permute.default)
+                  and n.args[0].op == "placeholder" and n in a.live]
+    assert transposed and all(a.batch_dim[n] == 1 for n in transposed)
+    rows = [n for n in c.graph.nodes if n.target is torch.ops.aten.linear.default and n in a.live
+            and batch_layout(a.axes[n.args[0]]) == (0, 4, 1)]
+    assert rows and all(n.args[0] in a.interleaved for n in rows)
+
+
+def test_values_of_a_second_stream_carry_the_samples_of_their_own_input():
+    # an encoder-decoder captured for 2 samples: the decoder's values are computed from decoder_input_ids, not
+    # from the explained ids; their samples are that input's batch (a live value with no batch factor would be
+    # booked to no sample, and the per-sample ledger refuses it)
+    import two_stream_models as M
+    c = capture(M.bart(), {**M.inputs_for("bart"), "use_cache": False}, "input_ids")
+    a = c.analysis
+    decoder = [n for n in a.live if n in a.relevant and n not in a.streams.get("input_ids", [])
+               and isinstance(n.meta.get("val"), torch.Tensor) and n.meta["val"].dim() == 3]
+    assert len(a.streams) == 2 and decoder
+    assert all(batch_layout(a.axes[n]) is not None for n in decoder)
+    assert all(a.batch_dim[n] == 0 for n in decoder)
+
+
+def test_a_batch_of_one_in_a_broadcast_mask_does_not_become_a_second_samples_axis():
+    # one sample of one token: the attention mask [1, 1] carries the samples (its axis 0) and broadcasts against
+    # [1, 1, features] values aligned from the right, where its axis 0 lines up with the tokens' axis
+    import models
+    ids = torch.tensor([[5]])
+    inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+    model = models.hf_bert()
+    a = capture(model, inputs, "input_ids").analysis
+    assert all(sum(k == "batch" for ax in a.axes[n] for k, _ in ax) == 1 for n in a.live if n in a.axes)
+    exp = relprop.explain(model, inputs, target=0, method="transformer_attribution")
+    assert exp.scores.shape == (1, 1) and torch.isfinite(exp.scores).all()
 
 
 def test_provenance_reads_interleaved_rows():

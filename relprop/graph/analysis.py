@@ -25,7 +25,7 @@ import torch.fx
 
 from . import streams, window_attention as windows
 from .attention_blocks import SEPARATE, BlockInfo, find_blocks, fold_counter, token_mixing
-from .axis_provenance import batch_layout, input_feature_axis, provenance
+from .axis_provenance import batch_layout, fully_known, input_feature_axis, provenance
 from .nodes import CONSTANT_PRODUCING, module_paths, output_node
 from .tokens import TokenPlan, plan_tokens
 
@@ -41,7 +41,7 @@ INDEX_ROUTING = {aten.view.default, aten.reshape.default, aten._unsafe_view.defa
 PIXEL_REARRANGING = INDEX_ROUTING | {aten.permute.default, aten.transpose.int}
 
 
-def _pixel_bounds(x, primary, batch_dim, static_batch) -> Union[bool, str]:
+def _pixel_bounds(x, primary, batch_dim, static_batch, layouts) -> Union[bool, str]:
     """How the z^B rule bounds the input of a convolution that reads ``x`` (CVPR 2021 supplementary
     §B: l = min, h = max of the sample's pixels): True, per sample along axis 0; ``"whole"``, over the
     whole input, when the convolution's axis 0 is not the sample axis (patches cut from one image,
@@ -52,7 +52,8 @@ def _pixel_bounds(x, primary, batch_dim, static_batch) -> Union[bool, str]:
         x, hops = x.args[0], hops + 1
     if x is not primary:
         return False
-    if hops and batch_dim.get(start) != 0 and static_batch == 1:
+    lay = layouts.get(start)  # (axis, outer, inner): a batch folded with the patches is not one sample per row
+    if hops and (batch_dim.get(start) != 0 or (lay is not None and lay[1:] != (1, 1))) and static_batch == 1:
         return "whole"
     return True
 
@@ -219,25 +220,32 @@ def _analyze(graph, bindings, primary_name, static_batch, batch_axes, extra) -> 
             ok = isinstance(v, torch.Tensor) and v.dim() > 0 and static_batch is not None and v.shape[0] == static_batch
             batch_dim[n] = 0 if ok else None
 
+    other_inputs = {n: batch_dim[n] for n, (kind, _) in placeholders.items()
+                    if kind == "user" and n is not primary and batch_dim.get(n) is not None}
+    axes = provenance(graph, primary, batch_dim.get(primary), live, other_inputs)
+    layouts = {n: lay for n in live if (lay := batch_layout(axes.get(n))) is not None}
+    if batch_axes is None and static_batch is not None:
+        # a graph captured at one batch size: the samples' axis of a live value is where its provenance puts
+        # the batch (Swin's windows [batch·windows, ...], heads folded into the batch, and sequence-major
+        # [tokens, batch, ...] whose token count equals the batch size); sizes decide only where the
+        # provenance is lost
+        for n in live:
+            lay = layouts.get(n)
+            if lay is not None:
+                batch_dim[n] = lay[0]
+            elif fully_known(axes.get(n)):
+                batch_dim[n] = None
+
     # convolutions reading the pixels (z^B rule), also through rearrangements of them (Qwen2-VL cuts the
     # image into rows of patches: reshape, permute, expand)
     if modality == "vision":
         for n in graph.nodes:
             if n.op == "call_function" and n.target is aten.convolution.default:
-                pixel_convs[n.name] = _pixel_bounds(n.args[0], primary, batch_dim, static_batch)
-
-    axes = provenance(graph, primary, batch_dim.get(primary), live)
-    layouts = {n: lay for n in live if (lay := batch_layout(axes.get(n))) is not None}
-    if batch_axes is None and static_batch is not None:
-        # a graph captured at one batch size: where the first-axis-of-the-batch's-size rule sees no samples
-        # (Swin's windows [batch·windows, ...], heads folded into the batch), the axes' provenance does
-        for n, lay in layouts.items():
-            if batch_dim.get(n) is None:  # (interleaved rows, outer > 1: the ledger reads the layout too)
-                batch_dim[n] = lay[0]
+                pixel_convs[n.name] = _pixel_bounds(n.args[0], primary, batch_dim, static_batch, layouts)
     # values whose batch axis interleaves the samples (rows t·B + b: sequence-major rows flattened): node -> the
     # factor before the batch, for the ledger's per-sample sums (computed here once, not at every walk)
     interleaved = {n: lay[1] for n, lay in layouts.items() if lay[1] > 1 and lay[0] == batch_dim.get(n)}
-    blocks, left_out = find_blocks(graph, live, fold_counter(batch_dim, static_batch, folds), axes)
+    blocks, left_out = find_blocks(graph, live, fold_counter(batch_dim, static_batch, folds, layouts), axes)
     named: Dict[str, List[torch.fx.Node]] = {}
     if stream_of:
         labels = streams.label_blocks(graph, live, blocks, stream_of)

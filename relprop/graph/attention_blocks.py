@@ -359,14 +359,23 @@ def _mixes_tokens(n, live) -> Optional[str]:
 
 
 def fold_counter(batch_dim: Dict[torch.fx.Node, Optional[int]], static_batch: Optional[int],
-                 folds: Optional[Dict[torch.fx.Node, int]]) -> Callable[[torch.fx.Node], Optional[int]]:
+                 folds: Optional[Dict[torch.fx.Node, int]],
+                 layouts: Optional[Dict[torch.fx.Node, Tuple[int, int, int]]] = None
+                 ) -> Callable[[torch.fx.Node], Optional[int]]:
     """``node -> k`` when the node's batch axis holds k·batch groups, batch-major (k > 1), else None:
-    ``folds`` gives k for a graph that takes every batch size; a graph captured for ``static_batch``
-    samples tells k from its sizes."""
+    ``folds`` gives k for a graph that takes every batch size; for a graph captured for ``static_batch``
+    samples the axes' provenance (``layouts``: node -> (axis, outer, inner),
+    :func:`relprop.graph.axis_provenance.batch_layout`) tells k, sample-major groups only (rows
+    t·B + b interleave the samples: no fold), and the sizes where provenance is lost."""
     if folds is not None:
         return folds.get
+    layouts = layouts or {}
 
     def fold_of(node):
+        lay = layouts.get(node)
+        if lay is not None:
+            axis, outer, inner = lay
+            return inner if outer == 1 and inner > 1 and batch_dim.get(node) == axis == 0 else None
         v = _val(node)
         if not isinstance(v, torch.Tensor) or batch_dim.get(node) != 0 or v.dim() == 0 or not static_batch:
             return None

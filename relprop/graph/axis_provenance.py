@@ -133,8 +133,8 @@ def _join(parts: List[Optional[Axes]], out: Sequence[int]) -> Axes:
             if k < 0:
                 continue
             a = p[k]
-            if _prod(a) == 1 and size != 1:
-                continue  # a broadcast axis of size 1
+            if _prod(a) == 1 and (size != 1 or (len(p) < rank and any(kd == "batch" for kd, _ in a))):
+                continue  # a broadcast axis of size 1 (a batch of one in an operand of lower rank lines up by chance)
             if _prod(a) != size:
                 continue
             score = min(_RANK[kd] for kd, _ in a)
@@ -157,15 +157,22 @@ def _dims(d, rank) -> List[int]:
 
 
 def provenance(graph: torch.fx.Graph, primary: torch.fx.Node, batch_axis: Optional[int],
-               live: set) -> Dict[torch.fx.Node, Axes]:
+               live: set, other_inputs: Optional[Dict[torch.fx.Node, int]] = None) -> Dict[torch.fx.Node, Axes]:
     """Node → its axes' factors (see the module docstring), for the explained input, every value computed
-    from it and every live node whose shape relprop can read."""
+    from it and every live node whose shape relprop can read. ``other_inputs`` (the model's other inputs →
+    their batch axis: an encoder-decoder's decoder ids, a second stream, masks) carry the samples too: their
+    batch axis is ``"batch"`` (the samples are the same), their other axes are not the explained input's."""
     out: Dict[torch.fx.Node, Axes] = {}
     shape = _shape(primary)
     if shape is None:
         return out
     out[primary] = [[("batch", s)] if i == batch_axis else ([("unit", 1)] if s == 1 else [("input", s)])
                     for i, s in enumerate(shape)]
+    for n, d in (other_inputs or {}).items():
+        s = _shape(n)
+        if n is not primary and s is not None and 0 <= d < len(s):
+            out[n] = [[("batch", z)] if i == d else ([("unit", 1)] if z == 1 else [("param", z)])
+                      for i, z in enumerate(s)]
 
     def axes_of(n) -> Optional[Axes]:
         if not isinstance(n, torch.fx.Node):
@@ -175,9 +182,9 @@ def provenance(graph: torch.fx.Graph, primary: torch.fx.Node, batch_axis: Option
         s = _shape(n)
         return None if s is None else _unknown(s, "param")  # a weight, a buffer, a constant
 
-    # the values computed from the explained input, live or not: token ids are integers (not live), and the ops
+    # the values computed from the model's inputs, live or not: token ids are integers (not live), and the ops
     # that rearrange them before a lookup (a view, XLNet's permute) carry their axes to the embedding
-    reach = {primary}
+    reach = set(out)
     for n in graph.nodes:
         if n.op == "call_function" and any(m in reach for m in n.all_input_nodes):
             reach.add(n)
@@ -319,6 +326,13 @@ def batch_layout(axes: Optional[Axes]) -> Optional[Tuple[int, int, int]]:
     i, j = found[0]
     a = axes[i]
     return i, _prod(a[:j]), _prod(a[j + 1:])
+
+
+def fully_known(axes: Optional[Axes]) -> bool:
+    """Whether every factor of ``axes`` was followed (no ``"?"``, the batch in one axis at most): then a value
+    without a ``"batch"`` factor has no samples' axis, whatever its sizes."""
+    return axes is not None and all(k != "?" for a in axes for k, _ in a) \
+        and sum(k == "batch" for a in axes for k, _ in a) <= 1  # (the batch in two axes: not followed either)
 
 
 #: ops through which the explained input's axes are followed to the first weight that reads it
